@@ -1,0 +1,91 @@
+"""The one interface every implementation answers: the reference, and each vLLM adapter.
+
+The operations are the scheduler's, in the order vLLM's schedulers call them:
+
+* ``can_admit`` then ``admit``: admission of a sequence whose first step computes
+  ``num_new_tokens`` tokens (legacy ``can_allocate``/``allocate``; V1 ``get_computed_blocks``
+  then ``allocate_slots``).  ``admit`` returns the number of leading tokens the prefix cache
+  already holds (they count as computed).
+* ``reserve``: slots for the next ``num_new_tokens`` tokens plus ``lookahead`` speculative
+  slots (legacy ``can_append_slots``/``append_slots``, V1 ``allocate_slots``).  It returns the
+  block copies the worker must perform first (copy-on-write).
+* ``commit``: the worker computed those tokens (``update_num_computed_tokens`` /
+  ``num_computed_tokens +=``; legacy prefix caching marks blocks computed here).
+* ``append_token``: the sampler produced a token.
+* ``fork``, ``free``, ``swap_out``, ``swap_in``, ``reset_prefix_cache``.
+
+Operations an implementation lacks are declared in ``capabilities`` and raise ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+from .config import Config
+from .state import KVState
+
+
+class Admission(str, Enum):
+    OK = "ok"  # admit now; the allocation that follows must succeed
+    LATER = "later"  # not now (pool busy, watermark); nothing changed
+    NEVER = "never"  # cannot fit even in an empty pool
+
+
+class Capability(str, Enum):
+    PREFIX_CACHING = "prefix_caching"
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_PREFILL = "chunked_prefill"
+    LOOKAHEAD = "lookahead"
+    FORK = "fork"
+    SWAP = "swap"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    ADMISSION_CHECK = "admission_check"  # a separate can_admit answer (legacy); V1 has none
+
+
+BlockCopy = tuple[int, int]
+
+
+@runtime_checkable
+class Implementation(Protocol):
+    """A block manager under the spec's contract."""
+
+    name: str
+    config: Config
+    capabilities: frozenset[Capability]
+
+    def can_admit(
+        self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
+    ) -> Admission: ...
+
+    def admit(
+        self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
+    ) -> int:
+        """Allocate for the first step; return the number of prefix-cache-hit tokens.
+
+        Raises ``NotAdmitted``/``NoFreeBlocks`` (a ``Rejected``) with the state unchanged.
+        """
+        ...
+
+    def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
+        """Slots for the next tokens; raises ``NotAdmitted`` (state unchanged) when they do not fit."""
+        ...
+
+    def commit(self, seq_id: int, num_tokens: int) -> None: ...
+
+    def append_token(self, seq_id: int, token: int) -> None: ...
+
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def swap_out(self, seq_id: int) -> list[BlockCopy]: ...
+
+    def swap_in(self, seq_id: int) -> list[BlockCopy]: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def observe(self) -> KVState:
+        """The abstract state (see ``kvspec.spec.state``)."""
+        ...

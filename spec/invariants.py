@@ -1,0 +1,338 @@
+"""The named invariants.  One ID names the spec function, the machine check, the z3
+obligation and the report line.
+
+Each invariant is a small function returning the violations it finds, each with a plain
+explanation.  State invariants look at a ``World`` after every operation; transition
+invariants look at one operation's before/after (admission-soundness) or at the worker's
+writes (immutability; see ``kv_memory.plan_step_writes``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import attrs
+
+from .kv_memory import block_contents, readback_faults
+from .prefix_hash import is_well_formed
+from .state import Device, KVState, PoolView, Status, World
+from .window import blocks_for_tokens, window_cover
+
+
+@attrs.frozen
+class Violation:
+    invariant: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] {self.message}"
+
+
+@attrs.frozen
+class Invariant:
+    id: str
+    title: str
+    statement: str
+    concerns: str
+    kind: Literal["state", "transition"]
+    check: Callable[..., list[Violation]]
+
+
+INVARIANTS: dict[str, Invariant] = {}
+
+
+def invariant(id: str, title: str, concerns: str, kind: Literal["state", "transition"] = "state"):
+    """Register a check under its stable ID; its docstring is the statement."""
+
+    def register(fn: Callable[..., Iterator[str]]) -> Callable[..., list[Violation]]:
+        def check(*args, **kwargs) -> list[Violation]:
+            return [Violation(id, msg) for msg in fn(*args, **kwargs)]
+
+        check.__name__ = fn.__name__
+        check.__doc__ = fn.__doc__
+        check.__wrapped__ = fn  # type: ignore[attr-defined]
+        statement = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+        INVARIANTS[id] = Invariant(id, title, statement, concerns, kind, check)
+        return check
+
+    return register
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _live_tables(world: World, device: Device):
+    wanted = Status.RUNNING if device is Device.GPU else Status.SWAPPED
+    for seq_id, table in world.state.tables.items():
+        seq = world.seqs.get(seq_id)
+        if seq is not None and seq.status is wanted and table.device is device:
+            yield table
+
+
+def _pools(state: KVState) -> Iterator[tuple[Device, PoolView]]:
+    yield Device.GPU, state.gpu
+    if state.cpu is not None:
+        yield Device.CPU, state.cpu
+
+
+# ---------------------------------------------------------------- state invariants
+
+
+@invariant(
+    "refcount-exact",
+    "Refcounts are exact",
+    "BlockPool/KVCacheBlock.ref_cnt (V1), RefCounter in vllm/core/block/common.py, "
+    "PhysicalTokenBlock.ref_count (BlockSpaceManagerV1)",
+)
+def refcount_exact(world: World) -> Iterator[str]:
+    """A block's refcount equals the number of live block-table slots holding it.
+
+    Too high leaks the block forever; too low frees it while a sequence still reads it.
+    """
+    for device, pool in _pools(world.state):
+        holders: Counter[int] = Counter()
+        for table in _live_tables(world, device):
+            holders.update(table.held())
+        for block in sorted(set(holders) | set(pool.refcounts)):
+            want = holders.get(block, 0)
+            got = pool.refcounts.get(block)
+            if got is None:
+                yield f"{device.value} block {block} is held by a table but is not in the pool"
+            elif got != want:
+                yield (
+                    f"{device.value} block {block} has refcount {got} but {want} live "
+                    f"block-table slot(s) hold it"
+                )
+
+
+@invariant(
+    "conservation",
+    "Blocks are conserved",
+    "FreeKVCacheBlockQueue and BlockPool (V1), NaiveBlockAllocator/PrefixCachingBlockAllocator "
+    "free lists and evictor (legacy)",
+)
+def conservation(world: World) -> Iterator[str]:
+    """Free + evictable + in-use is exactly the pool, pairwise disjoint; nothing is freed twice
+    and no block id is out of range.
+    """
+    for device, pool in _pools(world.state):
+        ids = set(pool.ids)
+        name = device.value
+        for block, n in Counter(pool.free).items():
+            if n > 1:
+                yield f"{name} block {block} is on the free list {n} times (double free)"
+        free, evictable, in_use = set(pool.free), set(pool.evictable), set(pool.in_use())
+        for label, group in (("free", free), ("evictable", evictable), ("in-use", in_use)):
+            for block in sorted(group - ids):
+                yield f"{name} {label} block {block} is out of the pool's id range"
+        for a, b, sa, sb in (
+            ("free", "in-use", free, in_use),
+            ("evictable", "in-use", evictable, in_use),
+            ("free", "evictable", free, evictable),
+        ):
+            for block in sorted(sa & sb):
+                yield f"{name} block {block} is both {a} and {b}"
+        for block in sorted(ids - free - evictable - in_use):
+            yield f"{name} block {block} is lost: not free, not evictable and not in use"
+        cached = pool.cached_key_of()
+        for block in sorted(evictable - set(cached)):
+            yield f"{name} block {block} is evictable but holds no cached content"
+
+
+@invariant(
+    "no-leak",
+    "No leaks",
+    "free()/free_block_table() in every block manager; KVCacheManager.free (V1)",
+)
+def no_leak(world: World) -> Iterator[str]:
+    """Freeing every sequence returns every block: with no live sequence, no block is in use,
+    and a freed sequence keeps no block table.
+    """
+    for seq_id, table in world.state.tables.items():
+        seq = world.seqs.get(seq_id)
+        if (seq is None or seq.status is Status.WAITING) and table.held():
+            yield f"seq {seq_id} was freed but still holds blocks {list(table.held())}"
+    live = [s for s in world.seqs.values() if s.status is not Status.WAITING]
+    if live:
+        return
+    for device, pool in _pools(world.state):
+        in_use = sorted(pool.in_use())
+        if in_use:
+            yield (
+                f"no sequence is live, yet {device.value} blocks {in_use} are still in use "
+                f"(refcounts {[pool.refcounts[b] for b in in_use]})"
+            )
+
+
+@invariant(
+    "window-bound",
+    "Sliding-window sequences hold only their window",
+    "BlockSpaceManagerV2.can_allocate/max_block_sliding_window and BlockTable.append_token_ids "
+    "(legacy), BlockSpaceManagerV1 block_sliding_window, SlidingWindowManager (V1)",
+)
+def window_bound(world: World) -> Iterator[str]:
+    """A sliding-window sequence holds no more blocks than the most that the window and the
+    tokens of its current step can touch: ``ceil((W - 1 + k - 1) / B) + 1`` for a step of k
+    tokens, which is ``ceil((W - 1) / B) + 1`` for a decode step -- and never more than its
+    tokens fill.
+    """
+    window = world.config.sliding_window
+    if window is None:
+        return
+    block_size = world.config.block_size
+    for table in _live_tables(world, Device.GPU):
+        seq = world.seqs[table.seq_id]
+        start, end = seq.step
+        scheduled = max(1, end - start)
+        bound = min(window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size))
+        held = len(table.held())
+        if held > bound:
+            yield (
+                f"seq {seq.seq_id} holds {held} blocks but a step over positions {start}..{end - 1} "
+                f"with window {window} needs at most {bound} (block size {block_size})"
+            )
+
+
+@invariant(
+    "prefix-cache-consistency",
+    "The prefix cache tells the truth",
+    "PrefixCachingBlockAllocator and its computed-block tracking (legacy), "
+    "BlockPool.cached_block_hash_to_block / get_cached_block (V1)",
+)
+def prefix_cache_consistency(world: World) -> Iterator[str]:
+    """Every cached key maps to one block holding exactly that key's tokens; a block a lookup
+    may hand out has its KV written; a key is cached at most once per pool.
+    """
+    block_size = world.config.block_size
+    for device, pool in _pools(world.state):
+        seen_keys: Counter = Counter(key for key, _ in pool.cached)
+        for key, n in seen_keys.items():
+            if n > 1:
+                yield f"{device.value}: one key is cached {n} times ({_short(key.chain)})"
+        for key, block in pool.cached:
+            if not is_well_formed(key, block_size):
+                yield f"{device.value} block {block} is cached under a partial key {_short(key.chain)}"
+                continue
+            want = list(key.block_tokens(block_size))
+            got = block_contents(world.memory, device, block, block_size)
+            mismatched = [i for i, (g, w) in enumerate(zip(got, want)) if g is not None and g != w]
+            if mismatched:
+                yield (
+                    f"{device.value} block {block} is cached as tokens {want} but holds {got}"
+                )
+            elif block in pool.computed and None in got:
+                yield (
+                    f"{device.value} block {block} can be handed out as a cache hit for {want} "
+                    f"but its KV is only allocated, not written ({got})"
+                )
+
+
+@invariant(
+    "kv-readback",
+    "Every sequence reads back its own tokens",
+    "slot mapping from block tables: legacy compute_slot_mapping, V1 BlockTable.compute_slot_mapping",
+)
+def kv_readback(world: World) -> Iterator[str]:
+    """Reading a live sequence through its block table yields exactly its own token at every
+    position its next token attends (every position, or the window).
+    """
+    for table in _live_tables(world, Device.GPU):
+        seq = world.seqs[table.seq_id]
+        yield from readback_faults(
+            table, seq, world.config.block_size, world.config.sliding_window, world.memory
+        )
+    for seq in world.seqs.values():
+        if seq.status is Status.RUNNING and seq.seq_id not in world.state.tables:
+            if seq.num_computed:
+                yield f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table"
+
+
+# ---------------------------------------------------------------- transition invariants
+
+
+@invariant(
+    "admission-soundness",
+    "Admission is sound and refusals are clean",
+    "BlockSpaceManagerV2.can_allocate vs allocate (the seed issue), "
+    "KVCacheManager.allocate_slots (V1)",
+    kind="transition",
+)
+def admission_soundness(
+    answered_ok: bool | None, error: Exception | None, before: KVState, after: KVState
+) -> Iterator[str]:
+    """An admission check that answers OK is followed by an allocation that succeeds, and a
+    refused or failed allocation leaves the state unchanged.
+    """
+    if error is None:
+        return
+    if answered_ok:
+        yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
+    if normalized(before) != normalized(after):
+        yield f"a refused/failed allocation changed the state: {_state_diff(before, after)}"
+
+
+@invariant(
+    "immutability",
+    "Written blocks are immutable",
+    "BlockSpaceManagerV1 sliding-window reuse (block_table[i % block_sliding_window]), "
+    "copy-on-write in legacy BlockTable/CopyOnWriteTracker",
+    kind="transition",
+)
+def immutability(faults: list) -> Iterator[str]:
+    """A block that is full, shared or in the prefix cache never has its contents changed: each
+    slot is written at most once per block lifetime, and a write into a shared or cached block
+    goes through copy-on-write.
+    """
+    for fault in faults:
+        if fault.invariant == "immutability":
+            yield fault.message
+
+
+# ---------------------------------------------------------------- accessors
+
+
+def normalized(state: KVState) -> tuple:
+    """A state with policy-only orderings removed, for unchanged-state comparisons."""
+
+    def pool(p: PoolView | None):
+        if p is None:
+            return None
+        return (
+            tuple(sorted(p.refcounts.items())),
+            tuple(sorted(p.free)),
+            tuple(sorted(p.evictable)),
+            tuple(sorted(((k.chain, k.extra), b) for k, b in p.cached)),
+        )
+
+    tables = tuple(sorted((sid, t.device.value, t.slots) for sid, t in state.tables.items()))
+    return (pool(state.gpu), pool(state.cpu), tables)
+
+
+def _state_diff(before: KVState, after: KVState) -> str:
+    parts = []
+    if len(before.gpu.free) != len(after.gpu.free):
+        parts.append(f"free blocks {len(before.gpu.free)} -> {len(after.gpu.free)}")
+    changed = sorted(
+        sid for sid in set(before.tables) | set(after.tables)
+        if before.tables.get(sid) != after.tables.get(sid)
+    )
+    if changed:
+        parts.append(f"block tables of seqs {changed} changed")
+    return "; ".join(parts) or "pool bookkeeping changed"
+
+
+def _short(chain: tuple[int, ...]) -> str:
+    return str(list(chain)) if len(chain) <= 12 else f"[{len(chain)} tokens ending {list(chain[-4:])}]"
+
+
+STATE_INVARIANTS = tuple(i for i in INVARIANTS.values() if i.kind == "state")
+
+
+def check_world(world: World) -> list[Violation]:
+    """Every state invariant on one world."""
+    out: list[Violation] = []
+    for inv in STATE_INVARIANTS:
+        out.extend(inv.check(world))
+    return out

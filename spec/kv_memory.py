@@ -1,0 +1,173 @@
+"""Shadow KV memory: a model of what the worker writes, and what reading it back must give.
+
+vLLM's model runner writes the key/value of the token at position p into the slot
+``block_table[p // B] * B + p % B`` (legacy ``_compute_slot_mapping`` in
+vllm/attention/backends/utils.py; V1 ``BlockTable.compute_slot_mapping`` in
+vllm/v1/worker/block_table.py).  The shadow memory records, per (device, block, offset),
+the token written there.  A block's content lives from its allocation until the block
+returns to the free list (or is evicted and reused); a prefix-cache hit keeps it alive.
+
+Functional property (invariant ``kv-readback``): reading a live sequence through its block
+table yields its own token at every position its next token attends.  Count-based
+invariants cannot see wrong sharing, a missed copy-on-write or a wrong eviction; this can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from .state import DROPPED, Device, KVState, SeqModel, TableView
+from .window import block_of, first_needed_position
+
+Cell = tuple[Device, int, int]
+Memory = Mapping[Cell, int]
+
+
+@attrs.frozen
+class Write:
+    cell: Cell
+    token: int
+    position: int
+
+
+@attrs.frozen
+class WriteFault:
+    """A write the spec forbids; ``invariant`` names the rule it breaks."""
+
+    invariant: str
+    message: str
+
+
+# ---------------------------------------------------------------- accessors
+
+
+def cell_of(table: TableView, position: int, block_size: int) -> Cell | None:
+    """The memory cell position ``position`` of this table lives in, or None if unmapped."""
+    index = block_of(position, block_size)
+    if index >= len(table.slots) or table.slots[index] is DROPPED:
+        return None
+    return (table.device, table.slots[index], position % block_size)
+
+
+def block_contents(memory: Memory, device: Device, block: int, block_size: int) -> list[int | None]:
+    return [memory.get((device, block, off)) for off in range(block_size)]
+
+
+# ---------------------------------------------------------------- transitions
+
+
+def plan_step_writes(
+    state: KVState, seq: SeqModel, start: int, end: int, block_size: int, memory: Memory
+) -> tuple[list[Write], list[WriteFault]]:
+    """The writes a step computing positions ``start .. end-1`` performs, and their faults.
+
+    Immutability: a slot is written at most once per block lifetime (a full block is never
+    overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
+    and a block that is shared or registered in the prefix cache is never written (a write
+    into it must go through copy-on-write first).
+    """
+    table = state.tables.get(seq.seq_id)
+    writes: list[Write] = []
+    faults: list[WriteFault] = []
+    if table is None:
+        faults.append(WriteFault("admission-soundness", f"seq {seq.seq_id} has no block table"))
+        return writes, faults
+    pool = state.pool(table.device)
+    cached = pool.cached_key_of() if pool is not None else {}
+    for pos in range(start, end):
+        cell = cell_of(table, pos, block_size)
+        if cell is None:
+            faults.append(
+                WriteFault(
+                    "admission-soundness",
+                    f"seq {seq.seq_id}: the step was accepted but position {pos} has no slot "
+                    f"(table has {len(table.slots)} slots)",
+                )
+            )
+            continue
+        _, block, off = cell
+        if cell in memory:
+            faults.append(
+                WriteFault(
+                    "immutability",
+                    f"seq {seq.seq_id}: writing position {pos} into block {block} slot {off} "
+                    f"overwrites token {memory[cell]} already written there in this block's life",
+                )
+            )
+        refcount = pool.refcounts.get(block, 0) if pool is not None else 0
+        if refcount > 1:
+            faults.append(
+                WriteFault(
+                    "immutability",
+                    f"seq {seq.seq_id}: writing position {pos} into block {block}, shared by "
+                    f"{refcount} slots (missed copy-on-write)",
+                )
+            )
+        if block in cached:
+            faults.append(
+                WriteFault(
+                    "immutability",
+                    f"seq {seq.seq_id}: writing position {pos} into block {block}, which the "
+                    f"prefix cache already holds",
+                )
+            )
+        writes.append(Write(cell, seq.tokens[pos], pos))
+    return writes, faults
+
+
+def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
+    """Blocks whose content died during an operation (freed, or evicted and reallocated)."""
+    dead: set[tuple[Device, int]] = set()
+    for device in Device:
+        pool_after = after.pool(device)
+        pool_before = before.pool(device)
+        if pool_after is None:
+            continue
+        cached_after = pool_after.cached_key_of()
+        for block in pool_after.free:
+            if block not in cached_after:
+                dead.add((device, block))
+        if pool_before is None:
+            continue
+        cached_before = pool_before.cached_key_of()
+        for block, key in cached_before.items():
+            unreferenced = pool_before.refcounts.get(block, 0) == 0
+            if unreferenced and cached_after.get(block) != key:
+                dead.add((device, block))
+    return dead
+
+
+def copy_cells(
+    memory: Memory, src: tuple[Device, int], dst: tuple[Device, int], block_size: int
+) -> list[Write]:
+    """Writes a block copy (copy-on-write, swap) performs."""
+    out = []
+    for off in range(block_size):
+        token = memory.get((src[0], src[1], off))
+        if token is not None:
+            out.append(Write((dst[0], dst[1], off), token, -1))
+    return out
+
+
+# ---------------------------------------------------------------- predicates
+
+
+def readback_faults(
+    table: TableView, seq: SeqModel, block_size: int, window: int | None, memory: Memory
+) -> Iterable[str]:
+    """Positions the sequence's next token attends whose slot does not hold its own token."""
+    lo = first_needed_position(seq.num_computed, window)
+    for pos in range(lo, seq.num_computed):
+        cell = cell_of(table, pos, block_size)
+        if cell is None:
+            yield f"seq {seq.seq_id}: attended position {pos} has no slot (dropped or missing)"
+            continue
+        got = memory.get(cell)
+        if got != seq.tokens[pos]:
+            shown = "nothing written" if got is None else f"token {got}"
+            yield (
+                f"seq {seq.seq_id}: position {pos} reads {shown} from block {cell[1]} "
+                f"slot {cell[2]}, expected its own token {seq.tokens[pos]}"
+            )

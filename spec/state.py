@@ -1,0 +1,115 @@
+"""The abstract state: what every implementation's state maps to, and what the scheduler knows.
+
+An implementation (the reference, or an adapter around vLLM) reports a ``KVState``: its
+pools (refcounts, free list, prefix-cache map) and every live sequence's block table.  The
+scheduler side -- which tokens each sequence holds and how many are computed -- is the
+``SeqModel``, kept by the driver, not by the implementation under test.  Shadow KV memory
+(what the worker wrote into each slot) lives in ``kv_memory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+
+import attrs
+
+from .config import Config
+from .prefix_hash import PrefixKey
+
+
+class Device(str, Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class Status(str, Enum):
+    RUNNING = "running"  # blocks on the GPU pool, may be stepped
+    SWAPPED = "swapped"  # blocks on the CPU pool
+    WAITING = "waiting"  # preempted by recompute: holds nothing, re-admitted later
+
+
+DROPPED = None
+"""Marker for a block-table slot a sliding window has dropped (vLLM's null block)."""
+
+Slot = int | None
+
+
+@attrs.frozen
+class TableView:
+    """One sequence's block table: slot i holds token positions i*B .. i*B+B-1."""
+
+    seq_id: int
+    device: Device
+    slots: tuple[Slot, ...]
+
+    def held(self) -> tuple[int, ...]:
+        return tuple(b for b in self.slots if b is not DROPPED)
+
+
+@attrs.frozen
+class PoolView:
+    """One block pool as the implementation holds it.
+
+    ids          every block id of the pool (a null block, if any, is not in the pool).
+    refcounts    block id -> refcount for every id in ``ids``.
+    free         the free list as held; a duplicate entry is a double free.
+    evictable    unreferenced blocks kept for their cached content (reclaimable).
+    cached       prefix-cache map entries (key, block id); the map a lookup consults.
+    computed     cached blocks a lookup may hand out as hits (their KV is written); legacy
+                 vLLM registers a full block's hash before computing it and tracks
+                 computed-ness separately, V1 hands out every cached block.
+    """
+
+    ids: tuple[int, ...]
+    refcounts: Mapping[int, int]
+    free: tuple[int, ...]
+    evictable: tuple[int, ...] = ()
+    cached: tuple[tuple[PrefixKey, int], ...] = ()
+    computed: frozenset[int] = frozenset()
+
+    def cached_key_of(self) -> dict[int, PrefixKey]:
+        return {block: key for key, block in self.cached}
+
+    def in_use(self) -> frozenset[int]:
+        return frozenset(b for b, rc in self.refcounts.items() if rc > 0)
+
+
+@attrs.frozen
+class KVState:
+    """An implementation's whole observable state."""
+
+    gpu: PoolView
+    tables: Mapping[int, TableView]
+    cpu: PoolView | None = None
+
+    def pool(self, device: Device) -> PoolView | None:
+        return self.gpu if device is Device.GPU else self.cpu
+
+
+@attrs.frozen
+class SeqModel:
+    """What the scheduler knows of one sequence.
+
+    tokens        prompt and generated tokens so far.
+    num_computed  positions whose KV the worker has written (or a prefix-cache hit supplied).
+    step          the positions [start, end) of the step the implementation last reserved
+                  slots for (prefill chunk, or decode token plus lookahead).
+    """
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    num_computed: int = 0
+    status: Status = Status.RUNNING
+    step: tuple[int, int] = (0, 0)
+    extra: tuple[object, ...] = ()
+
+
+@attrs.frozen
+class World:
+    """Everything the state invariants look at, after one operation."""
+
+    config: Config
+    state: KVState
+    seqs: Mapping[int, SeqModel]
+    memory: Mapping[tuple[Device, int, int], int]
