@@ -118,13 +118,22 @@ def plan_step_writes(
 
 
 def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
-    """Blocks whose content died during an operation (freed, or evicted and reallocated)."""
+    """Blocks whose content died during an operation (freed, or evicted and reallocated).
+
+    With allocation epochs a block's content dies exactly when it is handed out again.
+    Without them, a block freed and re-allocated within one operation is invisible; the
+    free list and the cache map are all there is to go by.
+    """
     dead: set[tuple[Device, int]] = set()
     for device in Device:
         pool_after = after.pool(device)
         pool_before = before.pool(device)
         if pool_after is None:
             continue
+        if pool_before is not None and pool_before.epochs is not None and pool_after.epochs is not None:
+            for block, epoch in pool_after.epochs.items():
+                if pool_before.epochs.get(block) != epoch:
+                    dead.add((device, block))
         cached_after = pool_after.cached_key_of()
         for block in pool_after.free:
             if block not in cached_after:

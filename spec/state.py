@@ -56,6 +56,9 @@ class PoolView:
     free         the free list as held; a duplicate entry is a double free.
     evictable    unreferenced blocks kept for their cached content (reclaimable).
     cached       prefix-cache map entries (key, block id); the map a lookup consults.
+    epochs       block id -> how many times the allocator has handed the block out, when the
+                 implementation can tell (a block's content lives for one epoch); None
+                 makes the driver infer lifetimes from the free list and the cache map.
     computed     cached blocks a lookup may hand out as hits (their KV is written); legacy
                  vLLM registers a full block's hash before computing it and tracks
                  computed-ness separately, V1 hands out every cached block.
@@ -67,6 +70,7 @@ class PoolView:
     evictable: tuple[int, ...] = ()
     cached: tuple[tuple[PrefixKey, int], ...] = ()
     computed: frozenset[int] = frozenset()
+    epochs: Mapping[int, int] | None = None
 
     def cached_key_of(self) -> dict[int, PrefixKey]:
         return {block: key for key, block in self.cached}

@@ -1,0 +1,260 @@
+"""The obligation registry, the one way a claim is decided, and results.
+
+A claim is hypotheses => goal.  z3 decides it by looking for a model of hypotheses AND NOT
+goal: ``unsat`` is *proved*, ``sat`` is a *counterexample* (its model in plain numbers),
+anything else (timeout, incomplete arithmetic) is *unknown* with z3's reason, never proved.
+A proved claim carries a *twin*: the same claim with the conclusion off by one, which z3
+must refute; a twin that is not refuted means the hypotheses are (nearly) contradictory and
+the proof says nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
+
+import attrs
+import z3
+
+Outcome = Literal["proved", "counterexample", "unknown"]
+
+DEFAULT_TIMEOUT_MS = 60_000
+DEEP_TIMEOUT_MS = 600_000
+
+
+@attrs.frozen
+class Decision:
+    """z3's answer about one claim."""
+
+    outcome: Outcome
+    model: Mapping[str, int | bool] = attrs.field(factory=dict)
+    reason: str = ""
+
+    def numbers(self) -> str:
+        return plain(self.model)
+
+
+@attrs.frozen
+class Verdict:
+    """What an obligation function returns: its main decision plus what it checked around it."""
+
+    outcome: Outcome
+    bounds: str
+    detail: str = ""
+    model: Mapping[str, int | bool] = attrs.field(factory=dict)
+    twin: str = ""  # how the off-by-one twin (or the mutants) fared, for the table
+    twin_ok: bool = True
+
+
+@attrs.frozen
+class Result:
+    """One row of the table."""
+
+    obligation: str
+    serves: str
+    statement: str
+    bounds: str
+    expected: Outcome
+    outcome: Outcome
+    detail: str
+    twin: str
+    twin_ok: bool
+    seconds: float
+    model: Mapping[str, int | bool] = attrs.field(factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == self.expected and self.twin_ok
+
+
+@attrs.frozen
+class Obligation:
+    id: str
+    expected: Outcome
+    statement: str
+    fn: Callable[[bool], Verdict]
+    deep_only: bool = False
+
+    @property
+    def serves(self) -> str:
+        """The spec invariant this obligation is about (the ID before the slash)."""
+        return self.id.split("/", 1)[0]
+
+    def run(self, deep: bool = False) -> Result:
+        start = time.perf_counter()
+        try:
+            verdict = self.fn(deep)
+        except z3.Z3Exception as err:  # a solver crash is an unknown, never a proof
+            verdict = Verdict("unknown", "", detail=f"z3 error: {err}", twin_ok=False)
+        return Result(
+            obligation=self.id,
+            serves=self.serves,
+            statement=self.statement,
+            bounds=verdict.bounds,
+            expected=self.expected,
+            outcome=verdict.outcome,
+            detail=verdict.detail,
+            twin=verdict.twin,
+            twin_ok=verdict.twin_ok,
+            seconds=time.perf_counter() - start,
+            model=dict(verdict.model),
+        )
+
+
+OBLIGATIONS: dict[str, Obligation] = {}
+
+
+def obligation(id: str, expect: Outcome = "proved", *, deep_only: bool = False):
+    """Register an obligation under ``<invariant-id>/<name>``; its docstring is the statement."""
+
+    def register(fn: Callable[[bool], Verdict]) -> Callable[[bool], Verdict]:
+        assert id not in OBLIGATIONS, f"obligation {id} registered twice"
+        statement = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+        OBLIGATIONS[id] = Obligation(id, expect, statement, fn, deep_only)
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------- deciding claims
+
+
+def plain(model: Mapping[str, int | bool]) -> str:
+    return " ".join(f"{k}={_show(v)}" for k, v in model.items())
+
+
+def _show(v: int | bool | None) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def _value(model: z3.ModelRef, expr: z3.ExprRef) -> int | bool:
+    v = model.eval(expr, model_completion=True)
+    if z3.is_true(v):
+        return True
+    if z3.is_false(v):
+        return False
+    return v.as_long()
+
+
+def decide(
+    hypotheses: Sequence[z3.BoolRef],
+    goal: z3.BoolRef,
+    show: Mapping[str, z3.ExprRef],
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+) -> Decision:
+    """Prove ``hypotheses => goal`` or find a counterexample; ``show`` names what a model prints."""
+    solver = z3.Solver()
+    solver.set("timeout", timeout_ms)
+    solver.add(*hypotheses)
+    solver.add(z3.Not(goal))
+    answer = solver.check()
+    if answer == z3.unsat:
+        return Decision("proved")
+    if answer == z3.sat:
+        model = solver.model()
+        return Decision("counterexample", {k: _value(model, e) for k, e in show.items()})
+    return Decision("unknown", reason=solver.reason_unknown())
+
+
+def witness(
+    constraints: Sequence[z3.BoolRef],
+    show: Mapping[str, z3.ExprRef],
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    minimize: Iterable[z3.ArithRef] = (),
+) -> Decision:
+    """A model of ``constraints`` ("counterexample" = found), optionally lexicographically
+    minimised so the numbers are small enough to read and replay."""
+    goals = list(minimize)
+    solver: z3.Solver | z3.Optimize = z3.Optimize() if goals else z3.Solver()
+    solver.set("timeout", timeout_ms)
+    solver.add(*constraints)
+    for g in goals:
+        solver.minimize(g)
+    answer = solver.check()
+    if answer == z3.sat:
+        model = solver.model()
+        return Decision("counterexample", {k: _value(model, e) for k, e in show.items()})
+    if answer == z3.unsat:
+        return Decision("proved", reason="no model exists")
+    return Decision("unknown", reason=solver.reason_unknown())
+
+
+def lemma(
+    hypotheses: Sequence[z3.BoolRef],
+    goal: z3.BoolRef,
+    twin: z3.BoolRef,
+    show: Mapping[str, z3.ExprRef],
+    bounds: str,
+    *,
+    fallback: Sequence[z3.BoolRef] = (),
+    fallback_bounds: str = "",
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    note: str = "",
+) -> Verdict:
+    """Decide a lemma that should be proved, and check that its off-by-one twin is refuted.
+
+    When the unbounded attempt is unknown and ``fallback`` bounds are given, the lemma is
+    retried within them and the row says so.
+    """
+    d = decide(hypotheses, goal, show, timeout_ms)
+    used_hyps, used_bounds, prefix = list(hypotheses), bounds, ""
+    if d.outcome == "unknown" and fallback:
+        prefix = f"unbounded attempt: unknown ({d.reason}); "
+        used_hyps = [*hypotheses, *fallback]
+        used_bounds = fallback_bounds
+        d = decide(used_hyps, goal, show, timeout_ms)
+    t = decide(used_hyps, twin, show, timeout_ms)
+    if t.outcome == "counterexample":
+        twin_text, twin_ok = f"refuted ({t.numbers()})", True
+    elif t.outcome == "proved":
+        twin_text, twin_ok = "NOT refuted: the hypotheses may be vacuous", False
+    else:
+        twin_text, twin_ok = f"unknown ({t.reason})", False
+    if d.outcome == "proved":
+        detail = prefix + note
+    elif d.outcome == "counterexample":
+        detail = prefix + d.numbers()
+    else:
+        detail = prefix + f"unknown: {d.reason}"
+    return Verdict(d.outcome, used_bounds, detail.strip(), d.model, twin_text, twin_ok)
+
+
+def refutation(
+    hypotheses: Sequence[z3.BoolRef],
+    goal: z3.BoolRef,
+    show: Mapping[str, z3.ExprRef],
+    bounds: str,
+    *,
+    minimize: Iterable[z3.ArithRef] = (),
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    note: str = "",
+) -> Verdict:
+    """Decide a claim that is expected to be false: z3 must find the witness."""
+    d = witness([*hypotheses, z3.Not(goal)], show, timeout_ms, minimize)
+    if d.outcome == "counterexample":
+        detail = d.numbers() + (f"; {note}" if note else "")
+        return Verdict("counterexample", bounds, detail, d.model, "-")
+    if d.outcome == "proved":  # no witness: the claim holds
+        return Verdict("proved", bounds, "no witness: the claim holds", twin="-")
+    return Verdict("unknown", bounds, f"unknown: {d.reason}", twin="-")
+
+
+# ---------------------------------------------------------------- running
+
+
+def select(selection: Iterable[str] | None = None, deep: bool = False) -> list[Obligation]:
+    """Obligations whose ID starts with one of ``selection`` (all when None)."""
+    chosen = []
+    wanted = list(selection) if selection is not None else None
+    for ob in OBLIGATIONS.values():
+        if ob.deep_only and not deep and wanted is None:
+            continue
+        if wanted is not None and not any(ob.id == w or ob.id.startswith(w) for w in wanted):
+            continue
+        chosen.append(ob)
+    return chosen

@@ -1,0 +1,355 @@
+"""The driver: calls an implementation the way vLLM's scheduler does, models the worker's KV
+writes, and checks every invariant after every operation.
+
+Both the hypothesis machines and ``replay`` go through here, so a recorded trace re-runs
+exactly what a machine ran.  The driver is the scheduler model; the implementation under
+test never sees the shadow memory or the sequences' token bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from kvspec.spec.config import Config
+from kvspec.spec.errors import Rejected, Unsupported
+from kvspec.spec.interface import Admission, BlockCopy, Capability, Implementation
+from kvspec.spec.invariants import (
+    INVARIANTS,
+    Violation,
+    admission_soundness,
+    check_world,
+    immutability,
+    normalized,
+)
+from kvspec.spec.kv_memory import WriteFault, copy_cells, ended_lifetimes, plan_step_writes
+from kvspec.spec.state import Device, KVState, SeqModel, Status, World
+
+
+@attrs.frozen
+class TraceStep:
+    """One operation as the driver performed it: replayable, and readable in a report."""
+
+    op: str
+    args: dict[str, Any]
+    outcome: str = ""
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in self.args.items())
+        return f"{self.op}({shown}) -> {self.outcome}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "args": self.args, "outcome": self.outcome}
+
+
+class SpecViolation(AssertionError):
+    """Raised by the machines when an invariant is violated; carries the trace."""
+
+    def __init__(self, violations: Sequence[Violation], trace: Sequence[TraceStep]) -> None:
+        self.violations = list(violations)
+        self.trace = list(trace)
+        lines = [str(v) for v in self.violations]
+        lines.append("trace:")
+        lines.extend(f"  {i}. {s.describe()}" for i, s in enumerate(self.trace, 1))
+        super().__init__("\n".join(lines))
+
+
+class Driver:
+    def __init__(
+        self,
+        impl: Implementation,
+        *,
+        focus: Iterable[str] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.impl = impl
+        self.config: Config = impl.config
+        self.focus = frozenset(focus) if focus is not None else None
+        if self.focus is not None:
+            unknown = self.focus - set(INVARIANTS)
+            if unknown:
+                raise ValueError(f"unknown invariant id(s): {sorted(unknown)}")
+        self.log = log or (lambda _msg: None)
+        self.seqs: dict[int, SeqModel] = {}
+        self.memory: dict[tuple[Device, int, int], int] = {}
+        self.trace: list[TraceStep] = []
+        self.pending: list[Violation] = []
+        self.state: KVState = impl.observe()
+        self.operations = 0
+        self.checked: set[str] = set()
+
+    # ------------------------------------------------------------ queries
+
+    def has(self, capability: Capability) -> bool:
+        return capability in self.impl.capabilities
+
+    def running(self) -> list[int]:
+        return [s for s, m in self.seqs.items() if m.status is Status.RUNNING]
+
+    def with_status(self, status: Status) -> list[int]:
+        return [s for s, m in self.seqs.items() if m.status is status]
+
+    # ------------------------------------------------------------ operations
+
+    def admit(
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        num_new_tokens: int,
+        next_token: int = 0,
+        extra: tuple = (),
+    ) -> bool:
+        """Admission of a new (or preempted) sequence and its first step."""
+        tokens = tuple(tokens)
+        old = self.seqs.get(seq_id)
+        if old is not None and old.status is not Status.WAITING:
+            raise AssertionError(f"driver bug: seq {seq_id} admitted while live")
+        args = {"seq": seq_id, "tokens": list(tokens), "num_new_tokens": num_new_tokens,
+                "next_token": next_token}
+        before = self.state
+        answer: Admission | None = None
+        if self.has(Capability.ADMISSION_CHECK):
+            answer = self.impl.can_admit(seq_id, tokens, num_new_tokens, extra)
+            if answer is not Admission.OK:
+                self._refused(before, answer_ok=False, error=None)
+                self._record("admit", args, f"can_admit={answer.value}")
+                return False
+        try:
+            hit = self.impl.admit(seq_id, tokens, num_new_tokens, extra)
+        except Rejected as err:
+            self._refused(before, answer_ok=answer is Admission.OK, error=err)
+            verdict = "" if answer is None else f"can_admit={answer.value}, "
+            self._record("admit", args, f"{verdict}refused: {type(err).__name__}")
+            return False
+        self._observe()
+        end = min(hit + max(1, num_new_tokens), len(tokens))
+        self.seqs[seq_id] = SeqModel(
+            seq_id, tokens, num_computed=hit, step=(hit, end), extra=extra
+        )
+        verdict = "" if answer is None else f"can_admit={answer.value}, "
+        self._record("admit", args, f"{verdict}admitted, {hit} cached tokens")
+        self._compute(seq_id, hit, end, [], next_token)
+        return True
+
+    def step(self, seq_id: int, num_new_tokens: int, lookahead: int = 0, next_token: int = 0) -> bool:
+        """One scheduler step for a running sequence: a prefill chunk or a decode token."""
+        seq = self.seqs[seq_id]
+        assert seq.status is Status.RUNNING
+        start = seq.num_computed
+        remaining = len(seq.tokens) - start
+        k = max(1, min(num_new_tokens, remaining))
+        args = {"seq": seq_id, "num_new_tokens": k, "lookahead": lookahead, "next_token": next_token}
+        before = self.state
+        try:
+            copies = self.impl.reserve(seq_id, k, lookahead)
+        except Rejected as err:
+            self._refused(before, answer_ok=False, error=err)
+            self._record("step", args, f"refused: {type(err).__name__}")
+            return False
+        self._observe()
+        # Slots reserved ahead by an earlier step (lookahead) may still be held.
+        reserved_end = max(start + k + lookahead, seq.step[1])
+        self.seqs[seq_id] = attrs.evolve(seq, step=(start, reserved_end))
+        self._record("step", args, f"ok, copies={copies}" if copies else "ok")
+        self._compute(seq_id, start, start + k, copies, next_token)
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self._record("fork", {"parent": parent_id, "child": child_id}, "ok")
+        self.impl.fork(parent_id, child_id)
+        self.seqs[child_id] = attrs.evolve(self.seqs[parent_id], seq_id=child_id)
+        self._observe()
+
+    def free(self, seq_id: int) -> None:
+        self._record("free", {"seq": seq_id}, "ok")
+        if self.seqs[seq_id].status is not Status.WAITING:
+            self.impl.free(seq_id)
+        del self.seqs[seq_id]
+        self._observe()
+
+    def preempt(self, seq_id: int) -> None:
+        """Preemption by recompute: free now, re-admit with every token later."""
+        self._record("preempt", {"seq": seq_id}, "ok")
+        self.impl.free(seq_id)
+        seq = self.seqs[seq_id]
+        self.seqs[seq_id] = attrs.evolve(seq, status=Status.WAITING, num_computed=0, step=(0, 0))
+        self._observe()
+
+    def readmit(self, seq_id: int, num_new_tokens: int, next_token: int = 0) -> bool:
+        seq = self.seqs[seq_id]
+        assert seq.status is Status.WAITING
+        return self.admit(seq_id, seq.tokens, num_new_tokens, next_token, seq.extra)
+
+    def swap_out(self, seq_id: int) -> bool:
+        return self._swap(seq_id, "swap_out", Device.GPU, Device.CPU, Status.SWAPPED)
+
+    def swap_in(self, seq_id: int) -> bool:
+        return self._swap(seq_id, "swap_in", Device.CPU, Device.GPU, Status.RUNNING)
+
+    def reset_prefix_cache(self) -> None:
+        done = self.impl.reset_prefix_cache()
+        self._record("reset_prefix_cache", {}, "done" if done else "refused")
+        self._observe()
+
+    # ------------------------------------------------------------ checking
+
+    def check(self) -> list[Violation]:
+        """Every invariant (or the focused ones) on the current world, plus transition ones."""
+        world = World(self.config, self.state, dict(self.seqs), self.memory)
+        found = self.pending + check_world(world)
+        self.pending = []
+        self.checked.update(INVARIANTS)
+        if self.focus is not None:
+            found = [v for v in found if v.invariant in self.focus]
+        return found
+
+    def free_all(self) -> list[Violation]:
+        """Free every live sequence, then check (``no-leak`` bites here)."""
+        for seq_id in sorted(self.seqs):
+            self.free(seq_id)
+        return self.check()
+
+    # ------------------------------------------------------------ internals
+
+    def _swap(self, seq_id: int, op: str, src: Device, dst: Device, status: Status) -> bool:
+        before = self.state
+        try:
+            copies = getattr(self.impl, op)(seq_id)
+        except Rejected as err:
+            self._refused(before, answer_ok=False, error=err)
+            self._record(op, {"seq": seq_id}, f"refused: {type(err).__name__}")
+            return False
+        except Unsupported:
+            raise
+        self._record(op, {"seq": seq_id}, f"ok, copies={copies}")
+        # Read the sources before the operation's frees end their lifetimes; write the
+        # destinations after its allocations start theirs.
+        planned = self._plan_copies(copies, src, dst)
+        self._observe()
+        self._apply_copies(planned)
+        self.seqs[seq_id] = attrs.evolve(self.seqs[seq_id], status=status)
+        return True
+
+    def _compute(
+        self, seq_id: int, start: int, end: int, copies: list[BlockCopy], next_token: int
+    ) -> None:
+        """The worker: copy-on-write copies, then the KV writes of positions start .. end-1."""
+        self._apply_copies(self._plan_copies(copies, Device.GPU, Device.GPU))
+        seq = self.seqs[seq_id]
+        B = self.config.block_size
+        writes, faults = plan_step_writes(self.state, seq, start, end, B, self.memory)
+        self._faults(faults)
+        for w in writes:
+            self.memory[w.cell] = w.token
+        if end > start:
+            self.impl.commit(seq_id, end - start)
+        seq = attrs.evolve(seq, num_computed=end)
+        if end == len(seq.tokens):
+            self.impl.append_token(seq_id, next_token)
+            seq = attrs.evolve(seq, tokens=(*seq.tokens, next_token))
+        self.seqs[seq_id] = seq
+        self._observe()
+
+    def _plan_copies(self, copies: list[BlockCopy], src: Device, dst: Device) -> list[tuple]:
+        B = self.config.block_size
+        return [
+            (src, a, dst, b, copy_cells(self.memory, (src, a), (dst, b), B)) for a, b in copies
+        ]
+
+    def _apply_copies(self, planned: list[tuple]) -> None:
+        faults = []
+        for src, a, dst, b, writes in planned:
+            for w in writes:
+                if w.cell in self.memory:
+                    faults.append(WriteFault(
+                        "immutability",
+                        f"copying {src.value} block {a} into {dst.value} block {b} overwrites "
+                        f"live content at slot {w.cell[2]}",
+                    ))
+                self.memory[w.cell] = w.token
+        self._faults(faults)
+
+    def _faults(self, faults: list[WriteFault]) -> None:
+        self.pending.extend(immutability(faults))
+        self.pending.extend(
+            Violation(f.invariant, f.message) for f in faults if f.invariant != "immutability"
+        )
+
+    def _refused(self, before: KVState, *, answer_ok: bool, error: Exception | None) -> None:
+        after = self.impl.observe()
+        if error is None:
+            if normalized(before) != normalized(after):
+                self.pending.append(Violation(
+                    "admission-soundness", "an admission check that refused changed the state"
+                ))
+        else:
+            self.pending.extend(admission_soundness(answer_ok, error, before, after))
+        self._advance(after)
+
+    def _observe(self) -> None:
+        self._advance(self.impl.observe())
+
+    def _advance(self, after: KVState) -> None:
+        B = self.config.block_size
+        for device, block in ended_lifetimes(self.state, after):
+            for off in range(B):
+                self.memory.pop((device, block, off), None)
+        self.state = after
+        self.operations += 1
+
+    def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
+        step = TraceStep(op, args, outcome)
+        self.trace.append(step)
+        self.log(step.describe())
+
+
+# ---------------------------------------------------------------- replay
+
+OPS = ("admit", "step", "fork", "free", "preempt", "readmit", "swap_out", "swap_in",
+       "reset_prefix_cache")
+
+
+def apply_step(driver: Driver, step: TraceStep | dict[str, Any]) -> None:
+    """Perform one recorded operation (the outcome is recomputed, not trusted)."""
+    op, args = (step.op, step.args) if isinstance(step, TraceStep) else (step["op"], step["args"])
+    if op not in OPS:
+        raise ValueError(f"unknown operation in trace: {op!r}")
+    a = dict(args)
+    if op == "admit":
+        driver.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0))
+    elif op == "step":
+        driver.step(a["seq"], a["num_new_tokens"], a.get("lookahead", 0), a.get("next_token", 0))
+    elif op == "fork":
+        driver.fork(a["parent"], a["child"])
+    elif op == "readmit":
+        driver.readmit(a["seq"], a["num_new_tokens"], a.get("next_token", 0))
+    elif op == "reset_prefix_cache":
+        driver.reset_prefix_cache()
+    else:
+        getattr(driver, op)(a["seq"])
+
+
+def replay(
+    impl: Implementation, trace: Iterable[TraceStep | dict[str, Any]], *, focus=None
+) -> tuple[list[Violation], Driver]:
+    """Re-run a trace, checking after every operation; stops at the first violation."""
+    driver = Driver(impl, focus=focus)
+    for step in trace:
+        apply_step(driver, step)
+        found = driver.check()
+        if found:
+            return found, driver
+    return driver.free_all(), driver
+
+
+def trace_to_json(trace: Sequence[TraceStep]) -> str:
+    return json.dumps([s.to_json() for s in trace], indent=1)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list | tuple) and len(value) > 16:
+        return f"[{len(value)} tokens: {', '.join(map(str, value[:6]))}, ...]"
+    return str(value).replace(" ", "")

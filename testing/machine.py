@@ -1,0 +1,208 @@
+"""The stateful machine.  It ships in the package and takes the implementation as an
+argument, so a downstream suite (vLLM's CI, another engine) can run it on its own manager::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    from kvspec.testing import KVCacheMachine
+
+    run_state_machine_as_test(lambda: KVCacheMachine(MyAdapter))
+
+Every rule goes through the ``Driver`` (which records a replayable trace and ``note()``s each
+operation); every invariant is checked after every step; teardown frees everything and
+checks ``no-leak``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import attrs
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from kvspec.spec.config import Config
+from kvspec.spec.interface import Capability, Implementation
+from kvspec.spec.state import Status
+
+from .driver import Driver, SpecViolation
+from .strategies import ALPHABET, configs, prompts
+
+ImplementationFactory = Callable[[Config], Implementation]
+
+
+@attrs.define
+class RunStats:
+    """What the machines actually executed (a run that executed nothing must not pass)."""
+
+    examples: int = 0
+    operations: int = 0
+    by_op: dict[str, int] = attrs.Factory(dict)
+
+    def add(self, driver: Driver) -> None:
+        self.examples += 1
+        self.operations += len(driver.trace)
+        for s in driver.trace:
+            self.by_op[s.op] = self.by_op.get(s.op, 0) + 1
+
+
+STATS = RunStats()
+
+tokens = st.integers(0, ALPHABET - 1)
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(
+        self,
+        factory: ImplementationFactory,
+        config_strategy: st.SearchStrategy[Config] | None = None,
+        *,
+        focus: Iterable[str] | None = None,
+        max_prompt_blocks: int = 6,
+        stats: RunStats | None = None,
+    ) -> None:
+        super().__init__()
+        self.factory = factory
+        self.config_strategy = config_strategy if config_strategy is not None else configs()
+        self.focus = focus
+        self.max_prompt_blocks = max_prompt_blocks
+        self.stats = stats if stats is not None else STATS
+        self.driver: Driver | None = None
+        self.next_id = 0
+        self.prompts: list[tuple[int, ...]] = []
+
+    # ------------------------------------------------------------ setup
+
+    @initialize(data=st.data())
+    def build(self, data):
+        config = data.draw(self.config_strategy, label="config")
+        note(f"config: {config!r}")
+        self.driver = Driver(self.factory(config), focus=self.focus, log=note)
+
+    @property
+    def d(self) -> Driver:
+        assert self.driver is not None
+        return self.driver
+
+    def _chunk(self, data, remaining: int) -> int:
+        B = self.d.config.block_size
+        return data.draw(
+            st.one_of(st.just(remaining), st.just(B), st.integers(1, max(1, 2 * B))),
+            label="num_new_tokens",
+        )
+
+    # ------------------------------------------------------------ rules
+
+    @rule(target=seqs, data=st.data())
+    def admit(self, data):
+        B = self.d.config.block_size
+        prompt = data.draw(prompts(self.prompts, B, B * self.max_prompt_blocks), label="prompt")
+        self.prompts.append(prompt)
+        seq_id = self.next_id
+        self.next_id += 1
+        k = self._chunk(data, len(prompt))
+        if self.d.admit(seq_id, prompt, k, data.draw(tokens, label="next_token")):
+            return multiple(seq_id)
+        return multiple()
+
+    def _pick(self, data, status: Status, label: str) -> int:
+        return data.draw(st.sampled_from(sorted(self.d.with_status(status))), label=label)
+
+    def _has_status(status: Status):  # noqa: N805 - used as a decorator factory in the body
+        return precondition(lambda self: self.driver is not None and self.driver.with_status(status))
+
+    def _step(self, data) -> None:
+        seq = self._pick(data, Status.RUNNING, "seq")
+        model = self.d.seqs[seq]
+        remaining = len(model.tokens) - model.num_computed
+        lookahead = 0
+        if remaining == 1 and self.d.has(Capability.LOOKAHEAD):
+            lookahead = data.draw(st.integers(0, self.d.config.max_lookahead), label="lookahead")
+        k = 1 if remaining == 1 else self._chunk(data, remaining)
+        self.d.step(seq, k, lookahead, data.draw(tokens, label="next_token"))
+
+    # Stepping is most of what a scheduler does; two rules weight it accordingly.
+    @_has_status(Status.RUNNING)
+    @rule(data=st.data())
+    def step(self, data):
+        self._step(data)
+
+    @_has_status(Status.RUNNING)
+    @rule(data=st.data())
+    def step_again(self, data):
+        self._step(data)
+
+    @rule(target=seqs, seq=seqs)
+    def fork(self, seq):
+        model = self.d.seqs.get(seq)
+        if not self.d.has(Capability.FORK) or model is None or model.status is not Status.RUNNING:
+            return multiple()
+        child = self.next_id
+        self.next_id += 1
+        self.d.fork(seq, child)
+        return multiple(child)
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq in self.d.seqs:
+            self.d.free(seq)
+
+    @_has_status(Status.RUNNING)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self.d.preempt(self._pick(data, Status.RUNNING, "seq"))
+
+    @_has_status(Status.WAITING)
+    @rule(data=st.data())
+    def readmit(self, data):
+        seq = self._pick(data, Status.WAITING, "seq")
+        k = self._chunk(data, len(self.d.seqs[seq].tokens))
+        self.d.readmit(seq, k, data.draw(tokens, label="next_token"))
+
+    @precondition(lambda self: self.driver is not None and self.driver.has(Capability.SWAP))
+    @_has_status(Status.RUNNING)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self.d.swap_out(self._pick(data, Status.RUNNING, "seq"))
+
+    @_has_status(Status.SWAPPED)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        self.d.swap_in(self._pick(data, Status.SWAPPED, "seq"))
+
+    @precondition(
+        lambda self: self.driver is not None
+        and self.driver.has(Capability.RESET_PREFIX_CACHE)
+        and self.driver.config.prefix_caching
+    )
+    @rule()
+    def reset_prefix_cache(self):
+        self.d.reset_prefix_cache()
+
+    # ------------------------------------------------------------ checks
+
+    @invariant()
+    def invariants_hold(self):
+        if self.driver is None:
+            return
+        found = self.d.check()
+        if found:
+            raise SpecViolation(found, self.d.trace)
+
+    def teardown(self):
+        if self.driver is None:
+            return
+        self.stats.add(self.d)
+        found = self.d.free_all()
+        if found:
+            raise SpecViolation(found, self.d.trace)
