@@ -191,24 +191,28 @@ def lemma(
     show: Mapping[str, z3.ExprRef],
     bounds: str,
     *,
-    fallback: Sequence[z3.BoolRef] = (),
-    fallback_bounds: str = "",
+    per_value: tuple[z3.ArithRef, int] | None = None,
     timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    unbounded_timeout_ms: int = 10_000,
     note: str = "",
 ) -> Verdict:
     """Decide a lemma that should be proved, and check that its off-by-one twin is refuted.
 
-    When the unbounded attempt is unknown and ``fallback`` bounds are given, the lemma is
-    retried within them and the row says so.
+    With ``per_value=(B, n)``, an unbounded attempt that comes back unknown (nonlinear integer
+    division defeats z3 now and then) is retried for B = 1 .. n one value at a time, where
+    every division by B is linear; the row then states that bound.
     """
-    d = decide(hypotheses, goal, show, timeout_ms)
-    used_hyps, used_bounds, prefix = list(hypotheses), bounds, ""
-    if d.outcome == "unknown" and fallback:
+    timeout = unbounded_timeout_ms if per_value is not None else timeout_ms
+    d = decide(hypotheses, goal, show, timeout)
+    prefix = ""
+    twin_decision: Decision | None = None
+    if d.outcome == "unknown" and per_value is not None:
+        var, n = per_value
         prefix = f"unbounded attempt: unknown ({d.reason}); "
-        used_hyps = [*hypotheses, *fallback]
-        used_bounds = fallback_bounds
-        d = decide(used_hyps, goal, show, timeout_ms)
-    t = decide(used_hyps, twin, show, timeout_ms)
+        bounds = f"{var}=1..{n} one at a time; all else as stated ({bounds})"
+        d = _per_value(hypotheses, goal, show, var, n, timeout_ms, stop_on_sat=True)
+        twin_decision = _per_value(hypotheses, twin, show, var, n, timeout_ms, stop_on_sat=True)
+    t = twin_decision or decide(hypotheses, twin, show, timeout)
     if t.outcome == "counterexample":
         twin_text, twin_ok = f"refuted ({t.numbers()})", True
     elif t.outcome == "proved":
@@ -221,7 +225,34 @@ def lemma(
         detail = prefix + d.numbers()
     else:
         detail = prefix + f"unknown: {d.reason}"
-    return Verdict(d.outcome, used_bounds, detail.strip(), d.model, twin_text, twin_ok)
+    return Verdict(d.outcome, bounds, detail.strip().rstrip(";"), d.model, twin_text, twin_ok)
+
+
+def _per_value(
+    hypotheses: Sequence[z3.BoolRef],
+    goal: z3.BoolRef,
+    show: Mapping[str, z3.ExprRef],
+    var: z3.ArithRef,
+    n: int,
+    timeout_ms: int,
+    stop_on_sat: bool,
+) -> Decision:
+    """``decide`` for var = 1 .. n, substituting each value (one incremental solver)."""
+    solver = z3.Solver()
+    solver.set("timeout", timeout_ms)
+    claim = z3.And(*hypotheses, z3.Not(goal))
+    for value in range(1, n + 1):
+        solver.push()
+        solver.add(z3.substitute(claim, (var, z3.IntVal(value))))
+        answer = solver.check()
+        if answer == z3.sat:
+            model = solver.model()
+            shown = {k: _value(model, z3.substitute(e, (var, z3.IntVal(value)))) for k, e in show.items()}
+            return Decision("counterexample", shown)
+        if answer != z3.unsat:
+            return Decision("unknown", reason=f"{var}={value}: {solver.reason_unknown()}")
+        solver.pop()
+    return Decision("proved")
 
 
 def refutation(

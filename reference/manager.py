@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-
 from kvspec.spec.admission import fits, new_blocks_for_step
 from kvspec.spec.config import Config
 from kvspec.spec.errors import NoFreeBlocks, NotAdmitted, Unsupported

@@ -22,7 +22,8 @@ class Config:
     sliding_window    W: a token at position p attends positions max(0, p-W+1) .. p;
                       None means full attention.
     prefix_caching    whether full blocks are shared through the prefix cache.
-    max_lookahead     the most extra slots (speculative tokens) a step may ask for.
+    max_lookahead     speculative slots the scheduler reserves past each step (vLLM's
+                      num_lookahead_slots / num_spec_tokens: a constant of the run).
     """
 
     block_size: int

@@ -59,14 +59,22 @@ def block_contents(memory: Memory, device: Device, block: int, block_size: int) 
 
 
 def plan_step_writes(
-    state: KVState, seq: SeqModel, start: int, end: int, block_size: int, memory: Memory
+    state: KVState,
+    seq: SeqModel,
+    start: int,
+    end: int,
+    block_size: int,
+    memory: Memory,
+    cached_before: KVState | None = None,
 ) -> tuple[list[Write], list[WriteFault]]:
     """The writes a step computing positions ``start .. end-1`` performs, and their faults.
 
     Immutability: a slot is written at most once per block lifetime (a full block is never
     overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
     and a block that is shared or registered in the prefix cache is never written (a write
-    into it must go through copy-on-write first).
+    into it must go through copy-on-write first).  "Registered" means before the step: vLLM's
+    V1 manager registers the full blocks a step will compute inside ``allocate_slots``, ahead
+    of the worker's write, and that is allowed.
     """
     table = state.tables.get(seq.seq_id)
     writes: list[Write] = []
@@ -75,7 +83,8 @@ def plan_step_writes(
         faults.append(WriteFault("admission-soundness", f"seq {seq.seq_id} has no block table"))
         return writes, faults
     pool = state.pool(table.device)
-    cached = pool.cached_key_of() if pool is not None else {}
+    registry = (cached_before or state).pool(table.device)
+    cached = registry.cached_key_of() if registry is not None else {}
     for pos in range(start, end):
         cell = cell_of(table, pos, block_size)
         if cell is None:

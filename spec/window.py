@@ -12,7 +12,6 @@ function of named quantities; every division has a positive divisor.
 
 from __future__ import annotations
 
-
 # ---------------------------------------------------------------- predicates
 
 

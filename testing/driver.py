@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
-
 from kvspec.spec.config import Config
 from kvspec.spec.errors import Rejected, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability, Implementation
@@ -27,6 +26,7 @@ from kvspec.spec.invariants import (
 )
 from kvspec.spec.kv_memory import WriteFault, copy_cells, ended_lifetimes, plan_step_writes
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
+from kvspec.spec.window import first_needed_block
 
 
 @attrs.frozen
@@ -78,6 +78,7 @@ class Driver:
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.state: KVState = impl.observe()
+        self.before_op: KVState = self.state
         self.operations = 0
         self.checked: set[str] = set()
 
@@ -109,7 +110,7 @@ class Driver:
             raise AssertionError(f"driver bug: seq {seq_id} admitted while live")
         args = {"seq": seq_id, "tokens": list(tokens), "num_new_tokens": num_new_tokens,
                 "next_token": next_token}
-        before = self.state
+        before = self.before_op = self.state
         answer: Admission | None = None
         if self.has(Capability.ADMISSION_CHECK):
             answer = self.impl.can_admit(seq_id, tokens, num_new_tokens, extra)
@@ -126,23 +127,30 @@ class Driver:
             return False
         self._observe()
         end = min(hit + max(1, num_new_tokens), len(tokens))
+        # The admission may reserve the run's lookahead slots too (V1 does, from 0.11 on).
         self.seqs[seq_id] = SeqModel(
-            seq_id, tokens, num_computed=hit, step=(hit, end), extra=extra
+            seq_id, tokens, num_computed=hit, step=(hit, end + self.lookahead), extra=extra
         )
         verdict = "" if answer is None else f"can_admit={answer.value}, "
         self._record("admit", args, f"{verdict}admitted, {hit} cached tokens")
         self._compute(seq_id, hit, end, [], next_token)
         return True
 
-    def step(self, seq_id: int, num_new_tokens: int, lookahead: int = 0, next_token: int = 0) -> bool:
+    @property
+    def lookahead(self) -> int:
+        """Speculative slots every step reserves (a constant of the run, as in vLLM)."""
+        return self.config.max_lookahead if self.has(Capability.LOOKAHEAD) else 0
+
+    def step(self, seq_id: int, num_new_tokens: int, next_token: int = 0) -> bool:
         """One scheduler step for a running sequence: a prefill chunk or a decode token."""
+        lookahead = self.lookahead
         seq = self.seqs[seq_id]
         assert seq.status is Status.RUNNING
         start = seq.num_computed
         remaining = len(seq.tokens) - start
         k = max(1, min(num_new_tokens, remaining))
-        args = {"seq": seq_id, "num_new_tokens": k, "lookahead": lookahead, "next_token": next_token}
-        before = self.state
+        args = {"seq": seq_id, "num_new_tokens": k, "next_token": next_token}
+        before = self.before_op = self.state
         try:
             copies = self.impl.reserve(seq_id, k, lookahead)
         except Rejected as err:
@@ -240,7 +248,9 @@ class Driver:
         self._apply_copies(self._plan_copies(copies, Device.GPU, Device.GPU))
         seq = self.seqs[seq_id]
         B = self.config.block_size
-        writes, faults = plan_step_writes(self.state, seq, start, end, B, self.memory)
+        writes, faults = plan_step_writes(
+            self.state, seq, start, end, B, self.memory, cached_before=self.before_op
+        )
         self._faults(faults)
         for w in writes:
             self.memory[w.cell] = w.token
@@ -286,7 +296,12 @@ class Driver:
                     "admission-soundness", "an admission check that refused changed the state"
                 ))
         else:
-            self.pending.extend(admission_soundness(answer_ok, error, before, after))
+            first_needed = {
+                sid: first_needed_block(m.num_computed, self.config.sliding_window,
+                                        self.config.block_size)
+                for sid, m in self.seqs.items() if m.status is Status.RUNNING
+            }
+            self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
         self._advance(after)
 
     def _observe(self) -> None:
@@ -321,7 +336,7 @@ def apply_step(driver: Driver, step: TraceStep | dict[str, Any]) -> None:
     if op == "admit":
         driver.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0))
     elif op == "step":
-        driver.step(a["seq"], a["num_new_tokens"], a.get("lookahead", 0), a.get("next_token", 0))
+        driver.step(a["seq"], a["num_new_tokens"], a.get("next_token", 0))
     elif op == "fork":
         driver.fork(a["parent"], a["child"])
     elif op == "readmit":

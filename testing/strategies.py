@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
-
 from kvspec.spec.config import Config
 
 ALPHABET = 4  # few distinct tokens: shared prefixes and equal blocks happen often

@@ -1,0 +1,808 @@
+"""Adapters over vLLM's legacy (V0) block managers, driven as the legacy scheduler drives them.
+
+Targets: ``BlockSpaceManagerV1`` (vllm/core/block_manager_v1.py, cyclic sliding-window block
+reuse, releases up to 0.6.3), ``BlockSpaceManagerV2`` (vllm/core/block_manager_v2.py, up to
+0.6.3) and its rename ``SelfAttnBlockSpaceManager`` (vllm/core/block_manager.py, 0.6.3.post1
+until the V0 engine was removed).  Everything release-specific is detected by import
+availability and ``inspect.signature``, never by version numbers.
+
+The protocol, as vllm/core/scheduler.py of 0.6.3 runs it (line numbers from that file):
+
+* manager class: ``BlockSpaceManager.get_block_space_manager_class(version)`` (scheduler.py:315-
+  337, core/interfaces.py), built with block_size, num_gpu_blocks, num_cpu_blocks,
+  sliding_window, enable_caching and the default watermark (0.01: ``watermark_blocks =
+  int(0.01 * N)``, i.e. 0 below 100 blocks).  The watermark is a spec freedom; this adapter
+  keeps the release default unless told otherwise.
+* admission (``_schedule_prefills``, scheduler.py:905-948): ``can_allocate(seq_group,
+  num_lookahead_slots)`` (lookahead only for multi-step + chunked prefill, else 0) -> OK / LATER
+  / NEVER; then ``_allocate_and_set_running`` (scheduler.py:1413): ``allocate(seq_group)`` takes
+  blocks for EVERY prompt token (whole or chunked prefill alike), status -> RUNNING.
+* per scheduled group, in ``schedule()`` (scheduler.py:1257-1268): ``get_block_table``,
+  ``access_all_blocks_in_seq(seq, now)`` and, with prefix caching,
+  ``get_common_computed_block_ids(running seqs)`` -- the worker skips those blocks
+  (worker/model_runner.py:505-559 ``_compute_for_prefix_cache_hit``; ignored with a sliding
+  window).  That length is the hit ``admit`` returns.  The legacy scheduler's first chunk
+  counts from position 0, so the driver's first step ``[hit, hit + k)`` is the legacy chunk
+  ``hit + k`` with the hit skipped by the worker; ``commit`` accounts it that way.
+* end of ``schedule()`` (scheduler.py:1337-1343): ``mark_blocks_as_computed(seq_group,
+  token_chunk_size)``.  vLLM calls it before the worker runs, relying on a synchronous engine
+  (no lookup can happen before the batch executes).  The driver observes between scheduling
+  and execution, so this adapter calls it in ``commit`` -- the same order relative to every
+  other block-manager call -- followed by ``update_num_computed_tokens`` (llm_engine.py:1098).
+* running groups (``_schedule_running``, scheduler.py:565-618): ``can_append_slots(seq_group,
+  num_lookahead_slots)`` false -> preempt (here: ``NotAdmitted``); else ``_append_slots``
+  (scheduler.py:1418-1453): ``append_slots(seq, num_lookahead_slots)`` per running seq,
+  returning copy-on-write pairs.  The check is per group; ``reserve`` asks it for the group of
+  the sequence (conservative when siblings are already served).
+* preemption by recompute (scheduler.py:1501-1510): status WAITING, ``free(seq)``,
+  ``seq.reset_state_for_recompute()``; the same Sequence is re-admitted later with all its
+  tokens.  A sequence freed while siblings live is finished instead (FINISHED_STOPPED, then
+  ``free``; output_processor/single_step.py), and re-admitting it builds a fresh group.
+* swapping (scheduler.py:1512-1543, 687-700): ``can_swap_out(group)`` false -> the scheduler
+  aborts (here: ``NotAdmitted``); ``swap_out(group)``, status SWAPPED.  ``can_swap_in(group,
+  lookahead)`` != OK -> not now (``NotAdmitted``); ``swap_in(group)``, status RUNNING, and
+  ``_append_slots`` follows WITHOUT a ``can_append_slots`` check (scheduler.py:716-717): the
+  first ``reserve`` after a swap-in skips the check likewise.  Legacy swaps whole groups, so
+  swapping one member of a group with several live sequences is refused (``NotAdmitted``).
+* fork (output_processor/single_step.py:173-205): ``child = parent.fork(id)``,
+  ``seq_group.add(child)``, ``scheduler.fork_seq(parent, child)`` -> ``fork``.
+
+Failures: an allocation that raises vLLM's out-of-blocks error
+(``BlockAllocator.NoFreeBlocksError``; V1's ``ValueError("Out of memory! ...")`` or
+``ValueError("No usable cache memory left")``) is re-raised as ``NoFreeBlocks``; the state is
+left exactly as vLLM leaves it (no roll-back).  Any other exception from vLLM (assertions,
+double frees) propagates unchanged: it is a crash.
+
+Observation reads private attributes, read-only: V2 ``CpuGpuBlockAllocator._allocators``,
+``_null_block``, ``RefCounter._refcounts``, ``NaiveBlockAllocator._free_block_indices``,
+``PrefixCachingBlockAllocator._cached_blocks/_hashless_allocator/evictor.free_table`` and
+``block_is_computed``; V1 ``PhysicalTokenBlock`` objects, ``UncachedBlockAllocator.free_blocks``,
+``CachedBlockAllocator.cached_blocks/evictor.free_table/current_num_blocks``.
+
+Mapping choices:
+
+* V2's null block (``allocate_or_get_null_block``, core/block/cpu_gpu_block_allocator.py:113)
+  is carved lazily out of the GPU pool on the first sliding-window append; it is not a pool
+  block, so once it exists it leaves ``ids`` (the pool shrinks by one) and table slots holding
+  it read ``None``.
+* CPU block ids are device-relative (what ``swap_out``/``swap_in`` return).
+* Prefix keys: a dict from the release's own block hashes to ``PrefixKey``, filled by hashing
+  every token sequence the adapter is given (V2: ``PrefixCachingBlock.hash_block_tokens``
+  chain; V1: ``Sequence.hash_of_block``).  V1 also registers the partial last block of a
+  prompt under the hash of its partial prefix (block_manager_v1.py:332-335): those entries are
+  reported with their partial chain (a partial key).  V1's placeholder hashes for unfilled
+  blocks (a counter, block_manager_v1.py:114-115) are not content: such blocks count as free
+  when unreferenced.
+* V1 sliding window: vLLM keeps a logical-length table whose entry i is physical block
+  ``i % ceil(W / B)`` (block_manager_v1.py:326-331, 465-469).  ``v1_window_slots="tail"``
+  (default) reports the last ``ceil(W/B)`` logical slots and ``None`` before them;
+  ``"cyclic"`` reports every logical slot (the aliasing the worker really uses, at the price
+  of counting a block once per alias).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvspec.spec.config import Config
+from kvspec.spec.errors import NoFreeBlocks, NotAdmitted, Unsupported
+from kvspec.spec.interface import Admission, BlockCopy, Capability
+from kvspec.spec.prefix_hash import PrefixKey
+from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView
+
+# vLLM is imported lazily (inside functions) so that importing kvspec.adapters never needs it.
+
+MANAGERS = ("v1", "v2", "self_attn")
+_VERSION_STRINGS = {"v1": "v1", "v2": "v2", "self_attn": "selfattn"}
+
+
+# ---------------------------------------------------------------- release detection
+
+
+def _params(fn: Callable[..., Any]) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def _kw(fn: Callable[..., Any], **candidates: Any) -> dict[str, Any]:
+    """The subset of ``candidates`` that ``fn`` accepts by name."""
+    names = _params(fn)
+    return {k: v for k, v in candidates.items() if k in names}
+
+
+def manager_class(manager: str):
+    """The legacy block-manager class the release's scheduler would build for ``manager``."""
+    if manager not in MANAGERS:
+        raise ValueError(f"manager must be one of {MANAGERS}, got {manager!r}")
+    from vllm.core.interfaces import BlockSpaceManager
+
+    try:
+        return BlockSpaceManager.get_block_space_manager_class(_VERSION_STRINGS[manager])
+    except (ValueError, ImportError) as err:
+        raise Unsupported(
+            f"this vLLM release has no {manager!r} legacy block manager: {err}"
+        ) from err
+
+
+def available_managers() -> list[str]:
+    out = []
+    for m in MANAGERS:
+        try:
+            manager_class(m)
+        except Unsupported:
+            continue
+        out.append(m)
+    return out
+
+
+def default_manager() -> str:
+    """The manager the release's engine picks by default (EngineArgs.use_v2_block_manager)."""
+    avail = available_managers()
+    if "self_attn" in avail:
+        return "self_attn"
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        if not getattr(EngineArgs, "use_v2_block_manager", True) and "v1" in avail:
+            return "v1"
+    except ImportError:
+        pass
+    return "v2" if "v2" in avail else avail[0]
+
+
+def _release_rejects_caching_with_window(config: Config) -> str | None:
+    """Ask the release's own CacheConfig whether it accepts this cache configuration."""
+    if not (config.prefix_caching and config.sliding_window is not None):
+        return None
+    try:
+        from vllm.config import CacheConfig
+    except ImportError:
+        return None
+    kwargs = _kw(
+        CacheConfig.__init__,
+        block_size=config.block_size,
+        gpu_memory_utilization=0.9,
+        swap_space=0,
+        cache_dtype="auto",
+        sliding_window=config.sliding_window,
+        enable_prefix_caching=True,
+    )
+    try:
+        CacheConfig(**kwargs)
+    except (NotImplementedError, ValueError) as err:
+        return str(err)
+    except TypeError:
+        return None
+    return None
+
+
+# ---------------------------------------------------------------- sequences
+
+
+class _Vllm:
+    """The handful of vLLM names the adapter uses, resolved once per release."""
+
+    def __init__(self) -> None:
+        from vllm import sequence as vseq
+        from vllm.core.interfaces import AllocStatus
+        from vllm.utils import Device as VDevice
+
+        self.Sequence = vseq.Sequence
+        self.SequenceGroup = vseq.SequenceGroup
+        self.SequenceStatus = vseq.SequenceStatus
+        self.Logprob = getattr(vseq, "Logprob", None)
+        self.AllocStatus = AllocStatus
+        self.Device = VDevice
+        try:
+            from vllm.core.block.interfaces import BlockAllocator
+
+            self.NoFreeBlocksError: type[BaseException] | None = BlockAllocator.NoFreeBlocksError
+        except ImportError:
+            self.NoFreeBlocksError = None
+        try:
+            from vllm.inputs import token_inputs
+
+            self.token_inputs: Callable[..., Any] | None = token_inputs
+        except ImportError:
+            self.token_inputs = None
+        try:
+            from vllm import SamplingParams
+
+            self.SamplingParams: Any = SamplingParams
+        except ImportError:
+            self.SamplingParams = None
+
+    def make_sequence(self, seq_id: int, tokens: Sequence[int], block_size: int):
+        init = self.Sequence.__init__
+        names = _params(init)
+        kwargs: dict[str, Any] = {"seq_id": seq_id, "block_size": block_size}
+        if "inputs" in names:
+            if self.token_inputs is not None:
+                kwargs["inputs"] = self.token_inputs(prompt_token_ids=list(tokens))
+            else:  # LLMInputs (0.5 - 0.6.3) is a TypedDict: a plain dict at runtime
+                kwargs["inputs"] = {"prompt_token_ids": list(tokens), "prompt": None,
+                                    "multi_modal_data": None}
+        else:  # 0.4.x: Sequence(seq_id, prompt, prompt_token_ids, block_size, ...)
+            kwargs["prompt"] = None
+            kwargs["prompt_token_ids"] = list(tokens)
+        if "eos_token_id" in names:
+            kwargs["eos_token_id"] = None
+        return self.Sequence(**kwargs)
+
+    def make_group(self, request_id: str, seqs: list, arrival: float):
+        init = self.SequenceGroup.__init__
+        names = _params(init)
+        kwargs: dict[str, Any] = {"request_id": request_id, "seqs": seqs}
+        if "arrival_time" in names:
+            kwargs["arrival_time"] = arrival
+        if "sampling_params" in names and self.SamplingParams is not None:
+            kwargs["sampling_params"] = self.SamplingParams()
+        return self.SequenceGroup(**kwargs)
+
+    def append_token(self, seq, token: int) -> None:
+        if self.Logprob is not None:
+            seq.append_token_id(token, {token: self.Logprob(0.0)})
+        else:  # very old releases took a plain float dict
+            seq.append_token_id(token, {token: 0.0})
+
+    def is_out_of_blocks(self, err: BaseException) -> bool:
+        if self.NoFreeBlocksError is not None and isinstance(err, self.NoFreeBlocksError):
+            return True
+        # BlockSpaceManagerV1: UncachedBlockAllocator.allocate / LRUEvictor.evict
+        return isinstance(err, ValueError) and (
+            "No free blocks are available" in str(err) or "No usable cache memory left" in str(err)
+        )
+
+
+def _copies(result: Any) -> list[BlockCopy]:
+    """Normalize a block-copy result (list of pairs, or the older dict src -> [dst])."""
+    if not result:
+        return []
+    if isinstance(result, dict):
+        out: list[BlockCopy] = []
+        for src, dsts in result.items():
+            if isinstance(dsts, int):
+                out.append((int(src), int(dsts)))
+            else:
+                out.extend((int(src), int(d)) for d in dsts)
+        return out
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], int):
+        return [(int(result[0]), int(result[1]))]
+    return [(int(a), int(b)) for a, b in result]
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+class LegacyAdapter:
+    """kvspec ``Implementation`` over one legacy block manager (see the module docstring)."""
+
+    manager: str = ""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        manager: str | None = None,
+        watermark: float | None = None,
+        v1_window_slots: str = "tail",
+    ) -> None:
+        manager = manager or self.manager or default_manager()
+        if v1_window_slots not in ("tail", "cyclic"):
+            raise ValueError("v1_window_slots must be 'tail' or 'cyclic'")
+        self.config = config
+        self.manager = manager
+        self.v1_window_slots = v1_window_slots
+        self._v = _Vllm()
+        cls = manager_class(manager)
+        self.is_v1 = hasattr(cls, "_allocate_last_physical_block") or manager == "v1"
+        rejected = _release_rejects_caching_with_window(config)
+        if rejected is not None:
+            raise Unsupported(f"the release's CacheConfig rejects this configuration: {rejected}")
+        if self.is_v1 and config.prefix_caching and config.sliding_window is not None:
+            raise Unsupported("BlockSpaceManagerV1 rejects prefix caching with a sliding window")
+        kwargs = _kw(
+            cls.__init__,
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_blocks,
+            num_cpu_blocks=config.num_cpu_blocks,
+            sliding_window=config.sliding_window,
+            enable_caching=config.prefix_caching,
+        )
+        if watermark is not None:
+            kwargs["watermark"] = watermark
+        self.mgr = cls(**kwargs)
+        self.name = f"vllm-legacy-{manager}"
+        self.watermark = getattr(self.mgr, "watermark", watermark)
+
+        caps = {Capability.ADMISSION_CHECK, Capability.FORK}
+        # V1 + sliding window + chunked prefill: arg_utils.py:1081-1085 rejects it.
+        if not (self.is_v1 and config.sliding_window is not None):
+            caps.add(Capability.CHUNKED_PREFILL)
+        if config.prefix_caching:
+            caps.add(Capability.PREFIX_CACHING)
+        if config.sliding_window is not None:
+            caps.add(Capability.SLIDING_WINDOW)
+        if not self.is_v1:  # V1 asserts num_lookahead_slots == 0 (block_manager_v1.py:290, 378)
+            caps.add(Capability.LOOKAHEAD)
+        if config.num_cpu_blocks > 0:
+            caps.add(Capability.SWAP)
+        if hasattr(self.mgr, "reset_prefix_cache"):
+            caps.add(Capability.RESET_PREFIX_CACHE)
+        self.capabilities = frozenset(caps)
+
+        self._seqs: dict[int, Any] = {}  # seq_id -> vllm Sequence
+        self._groups: dict[int, Any] = {}  # seq_id -> vllm SequenceGroup
+        self._pending_hit: dict[int, int] = {}  # hit tokens folded into the first commit
+        self._just_swapped: set[int] = set()  # next reserve skips can_append_slots
+        self._request_ids = itertools.count()
+        self._clock = 0.0
+        self._keys: dict[int, PrefixKey] = {}  # release hash -> PrefixKey
+        # seq_id -> (full blocks learned, prompt length they were hashed with)
+        self._learned: dict[int, tuple[int, int]] = {}
+        self._v2_hash_extra = False
+        if self.is_v1:
+            self._v1_init_snapshot()
+        else:
+            from vllm.core.block.prefix_caching_block import PrefixCachingBlock
+
+            self._hash_block_tokens = PrefixCachingBlock.hash_block_tokens
+            self._v2_hash_extra = "extra_hash" in _params(self._hash_block_tokens)
+        self._learned_v2: dict[int, tuple[tuple[int, ...], Any]] = {}
+
+    # ------------------------------------------------------------ helpers
+
+    def _now(self) -> float:
+        # A logical clock: the scheduler passes time.time(); only its order matters (LRU).
+        self._clock += 1.0
+        return self._clock
+
+    def _status(self, name: str):
+        return getattr(self._v.SequenceStatus, name)
+
+    def _seq(self, seq_id: int):
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id}")
+        return seq
+
+    def _live_siblings(self, seq_id: int) -> list:
+        group = self._groups[seq_id]
+        return [s for s in group.get_seqs() if s.seq_id != seq_id and not s.is_finished()]
+
+    def _prepare(self, seq_id: int, tokens: Sequence[int], extra: tuple):
+        """The WAITING Sequence/SequenceGroup an admission of ``seq_id`` uses."""
+        if extra:
+            raise Unsupported("the legacy adapter keys cached blocks by tokens only (extra=())")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("a sequence needs at least one token")
+        seq = self._seqs.get(seq_id)
+        waiting = self._status("WAITING")
+        if (
+            seq is not None
+            and seq.status == waiting
+            and list(seq.get_token_ids()) == tokens
+            and not self._live_siblings(seq_id)
+        ):
+            # Preempted by recompute (or checked by can_admit): the scheduler re-admits the
+            # same Sequence, prompt and outputs as they were.
+            return self._groups[seq_id]
+        if seq is not None and seq.status not in (waiting,) and not seq.is_finished():
+            raise AssertionError(f"seq {seq_id} admitted while live in vLLM")
+        seq = self._v.make_sequence(seq_id, tokens, self.config.block_size)
+        group = self._v.make_group(f"kvspec-{next(self._request_ids)}", [seq], self._clock)
+        self._seqs[seq_id] = seq
+        self._groups[seq_id] = group
+        self._learned.pop(seq_id, None)
+        self._learned_v2.pop(seq_id, None)
+        return group
+
+    def _schedule_metadata(self, seq_id: int) -> list[int]:
+        """What ``schedule()`` does per scheduled group (scheduler.py:1257-1268)."""
+        group = self._groups[seq_id]
+        now = self._now()
+        running = group.get_seqs(status=self._status("RUNNING"))
+        for seq in running:
+            self.mgr.get_block_table(seq)
+            self.mgr.access_all_blocks_in_seq(seq, now)
+        if self.config.prefix_caching:
+            return list(self.mgr.get_common_computed_block_ids(running))
+        return []
+
+    # ------------------------------------------------------------ admission
+
+    def can_admit(
+        self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
+    ) -> Admission:
+        group = self._prepare(seq_id, tokens, extra)
+        fn = self.mgr.can_allocate
+        status = fn(group, **_kw(fn, num_lookahead_slots=0))
+        a = self._v.AllocStatus
+        if status == a.OK:
+            return Admission.OK
+        if status == a.LATER:
+            return Admission.LATER
+        return Admission.NEVER
+
+    def admit(
+        self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
+    ) -> int:
+        if num_new_tokens < 1:
+            raise ValueError("num_new_tokens must be >= 1")
+        group = self._prepare(seq_id, tokens, extra)
+        seq = self._seqs[seq_id]
+        remaining = seq.get_len()
+        if num_new_tokens < remaining and Capability.CHUNKED_PREFILL not in self.capabilities:
+            raise Unsupported("chunked prefill with a sliding window is rejected for V1 "
+                              "(engine/arg_utils.py)")
+        self._learn(seq_id)  # before allocate: a failed allocate may leave cached hashes behind
+        try:
+            self.mgr.allocate(group)
+        except Exception as err:
+            if self._v.is_out_of_blocks(err):
+                # The scheduler would crash here; vLLM's state stays as allocate left it.
+                self._forget(seq_id)
+                raise NoFreeBlocks(f"{type(self.mgr).__name__}.allocate: {type(err).__name__}: "
+                                   f"{err}") from err
+            raise
+        for s in group.get_seqs(status=self._status("WAITING")):
+            s.status = self._status("RUNNING")
+        computed = self._schedule_metadata(seq_id)
+        hit = 0
+        if computed and self.config.sliding_window is None:
+            hit = len(computed) * self.config.block_size
+            # The model runner never skips the whole prompt (the last block is excluded).
+            hit = min(hit, (seq.get_len() - 1) // self.config.block_size * self.config.block_size)
+        self._pending_hit[seq_id] = hit
+        self._just_swapped.discard(seq_id)
+        return hit
+
+    def _forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+        self._groups.pop(seq_id, None)
+        self._pending_hit.pop(seq_id, None)
+
+    # ------------------------------------------------------------ steps
+
+    def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
+        seq = self._seq(seq_id)
+        group = self._groups[seq_id]
+        if seq.status != self._status("RUNNING"):
+            raise NotAdmitted(f"seq {seq_id} is not running in vLLM (status {seq.status.name})")
+        if lookahead and Capability.LOOKAHEAD not in self.capabilities:
+            raise Unsupported("BlockSpaceManagerV1 has no lookahead slots")
+        # Right after a swap-in the scheduler appends slots without asking (scheduler.py:716).
+        skip_check = seq_id in self._just_swapped
+        if not skip_check:
+            fn = self.mgr.can_append_slots
+            if not fn(group, **_kw(fn, num_lookahead_slots=lookahead)):
+                raise NotAdmitted(f"can_append_slots refused seq {seq_id} (lookahead {lookahead})")
+        self._just_swapped.discard(seq_id)
+        fn = self.mgr.append_slots
+        try:
+            result = fn(seq, **_kw(fn, num_lookahead_slots=lookahead))
+        except Exception as err:
+            if self._v.is_out_of_blocks(err):
+                raise NoFreeBlocks(f"{type(self.mgr).__name__}.append_slots after "
+                                   f"{'swap-in' if skip_check else 'can_append_slots'} said yes: "
+                                   f"{type(err).__name__}: {err}") from err
+            raise
+        self._schedule_metadata(seq_id)
+        return _copies(result)
+
+    def commit(self, seq_id: int, num_tokens: int) -> None:
+        seq = self._seq(seq_id)
+        group = self._groups[seq_id]
+        chunk = self._pending_hit.pop(seq_id, 0) + num_tokens
+        if chunk <= 0:
+            return
+        self._mark_computed(seq, group, chunk)
+        seq.data.update_num_computed_tokens(chunk)
+
+    def _mark_computed(self, seq, group, chunk: int) -> None:
+        mark = self.mgr.mark_blocks_as_computed
+        per_seq = getattr(self.mgr, "compute_full_blocks_in_seq", None)
+        if self.is_v1 and per_seq is not None and len(group.get_seqs()) > 1:
+            # V1's mark_blocks_as_computed is, per sequence of the group, exactly
+            # compute_full_blocks_in_seq(seq, chunk); the scheduler calls it once per group
+            # step, before any sibling's count advances.  The driver commits one sequence
+            # at a time, so apply the per-sequence body to this sequence only.
+            per_seq(seq, **_kw(per_seq, token_chunk_size=chunk))
+            return
+        mark(group, **_kw(mark, token_chunk_size=chunk))
+
+    def append_token(self, seq_id: int, token: int) -> None:
+        self._v.append_token(self._seq(seq_id), int(token))
+        self._learn(seq_id)
+
+    # ------------------------------------------------------------ fork, free, swap
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        parent = self._seq(parent_id)
+        if child_id in self._seqs and not self._seqs[child_id].is_finished():
+            raise AssertionError(f"child seq {child_id} already exists")
+        if parent.is_prefill():
+            # The output processor forks only after sampling (decode stage): a fork in the
+            # middle of a prefill would share a block both sequences still have to write.
+            raise Unsupported(f"legacy vLLM forks only after sampling; seq {parent_id} is "
+                              "still in prefill")
+        group = self._groups[parent_id]
+        child = parent.fork(child_id)
+        group.add(child)
+        self._seqs[child_id] = child
+        self._groups[child_id] = group
+        self.mgr.fork(parent, child)
+        self._learned.pop(child_id, None)
+        self._learned_v2.pop(child_id, None)
+        self._learn(child_id)
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seq(seq_id)
+        self._pending_hit.pop(seq_id, None)
+        self._just_swapped.discard(seq_id)
+        if self._live_siblings(seq_id):
+            # One member of a multi-sequence group ends: it finishes (single_step.py).
+            seq.status = self._status("FINISHED_STOPPED")
+            self.mgr.free(seq)
+            return
+        # The only live member: preemption by recompute (scheduler.py:1501-1510); a
+        # sequence that simply finishes is freed by the same block-manager call.
+        seq.status = self._status("WAITING")
+        self.mgr.free(seq)
+        seq.reset_state_for_recompute()
+
+    def swap_out(self, seq_id: int) -> list[BlockCopy]:
+        if Capability.SWAP not in self.capabilities:
+            raise Unsupported("no CPU swap pool (num_cpu_blocks == 0)")
+        seq = self._seq(seq_id)
+        group = self._groups[seq_id]
+        if seq.status != self._status("RUNNING"):
+            raise NotAdmitted(f"seq {seq_id} is not running")
+        if self._live_siblings(seq_id):
+            raise NotAdmitted("legacy vLLM swaps whole sequence groups; seq "
+                              f"{seq_id} shares its group with live sequences")
+        if not self.mgr.can_swap_out(group):
+            raise NotAdmitted(f"can_swap_out refused seq {seq_id} (the scheduler aborts here)")
+        mapping = _copies(self.mgr.swap_out(group))
+        seq.status = self._status("SWAPPED")
+        self._just_swapped.discard(seq_id)
+        return mapping
+
+    def swap_in(self, seq_id: int) -> list[BlockCopy]:
+        if Capability.SWAP not in self.capabilities:
+            raise Unsupported("no CPU swap pool (num_cpu_blocks == 0)")
+        seq = self._seq(seq_id)
+        group = self._groups[seq_id]
+        if seq.status != self._status("SWAPPED"):
+            raise NotAdmitted(f"seq {seq_id} is not swapped out")
+        lookahead = 0 if (self.is_v1 or seq.is_prefill()) else self.config.max_lookahead
+        fn = self.mgr.can_swap_in
+        status = fn(group, **_kw(fn, num_lookahead_slots=lookahead))
+        if status != self._v.AllocStatus.OK:
+            raise NotAdmitted(f"can_swap_in answered {status.name} for seq {seq_id}")
+        try:
+            mapping = _copies(self.mgr.swap_in(group))
+        except Exception as err:
+            if self._v.is_out_of_blocks(err):
+                raise NoFreeBlocks(f"swap_in after can_swap_in said OK: {err}") from err
+            raise
+        seq.status = self._status("RUNNING")
+        self._just_swapped.add(seq_id)
+        return mapping
+
+    def reset_prefix_cache(self) -> bool:
+        fn = getattr(self.mgr, "reset_prefix_cache", None)
+        if fn is None:
+            raise Unsupported("this release's legacy block manager has no reset_prefix_cache")
+        return bool(fn())
+
+    # ------------------------------------------------------------ prefix keys
+
+    def _learn(self, seq_id: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is None or not self.config.prefix_caching:
+            return
+        if self.is_v1:
+            self._learn_v1(seq_id, seq)
+        else:
+            self._learn_v2(seq_id, seq)
+
+    def _learn_v1(self, seq_id: int, seq) -> None:
+        """V1 hashes every logical block, the partial last one included, with
+        ``Sequence.hash_of_block`` (a hash of the token prefix, split into prompt and outputs)."""
+        B = self.config.block_size
+        tokens = tuple(int(t) for t in seq.get_token_ids())
+        full, prompt_len = self._learned.get(seq_id, (0, seq.get_prompt_len()))
+        if prompt_len != seq.get_prompt_len():
+            full = 0
+        n_blocks = -(-len(tokens) // B)
+        for i in range(full, n_blocks):
+            end = min((i + 1) * B, len(tokens))
+            self._keys.setdefault(seq.hash_of_block(i), PrefixKey(tokens[:end]))
+        self._learned[seq_id] = (len(tokens) // B, seq.get_prompt_len())
+
+    def _learn_v2(self, seq_id: int, seq) -> None:
+        """V2 chains ``hash_block_tokens(is_first, prev_hash, block tokens)`` over full blocks."""
+        B = self.config.block_size
+        tokens = tuple(int(t) for t in seq.get_token_ids())
+        done, prev = self._learned_v2.get(seq_id, ((), None))
+        if tokens[: len(done)] != done:
+            done, prev = (), None
+        for i in range(len(done) // B, len(tokens) // B):
+            block = list(tokens[i * B : (i + 1) * B])
+            args: dict[str, Any] = {}
+            if self._v2_hash_extra:
+                args["extra_hash"] = None
+            h = self._hash_block_tokens(i == 0, prev, block, **args)
+            self._keys.setdefault(h, PrefixKey(tokens[: (i + 1) * B]))
+            prev = h
+        self._learned_v2[seq_id] = (tokens[: len(tokens) // B * B], prev)
+
+    def _key(self, h: int) -> PrefixKey | None:
+        return self._keys.get(h)
+
+    # ------------------------------------------------------------ observation
+
+    def observe(self) -> KVState:
+        return self._observe_v1() if self.is_v1 else self._observe_v2()
+
+    # V2 / SelfAttn ---------------------------------------------------------
+
+    def _observe_v2(self) -> KVState:
+        alloc = self.mgr.block_allocator
+        VD = self._v.Device
+        gpu = alloc._allocators[VD.GPU]
+        cpu = alloc._allocators[VD.CPU]
+        null = getattr(alloc, "_null_block", None)
+        null_id = null.block_id if null is not None else None
+        gpu_view = self._v2_pool(gpu, exclude=null_id, offset=0)
+        cpu_offset = min(cpu.all_block_ids) if cpu.all_block_ids else 0
+        cpu_view = self._v2_pool(cpu, exclude=None, offset=cpu_offset)
+        gpu_ids = gpu.all_block_ids
+        tables: dict[int, TableView] = {}
+        for seq_id, bt in self.mgr.block_tables.items():
+            ids = list(bt.physical_block_ids)
+            real = [b for b in ids if b is not None and b != null_id]
+            on_cpu = bool(real) and all(b not in gpu_ids for b in real)
+            slots: list[Slot] = []
+            for b in ids:
+                if b is None or b == null_id:
+                    slots.append(None)
+                else:
+                    slots.append(b - cpu_offset if on_cpu else b)
+            device = Device.CPU if on_cpu else Device.GPU
+            tables[seq_id] = TableView(seq_id, device, tuple(slots))
+        return KVState(gpu=gpu_view, tables=tables,
+                       cpu=cpu_view if self.config.num_cpu_blocks > 0 else None)
+
+    def _v2_pool(self, allocator, *, exclude: int | None, offset: int) -> PoolView:
+        ids = sorted(b for b in allocator.all_block_ids if b != exclude)
+        hashless = getattr(allocator, "_hashless_allocator", None)
+        naive = hashless if hashless is not None else allocator
+        counts = naive.refcounter._refcounts  # shared with the prefix-caching allocator
+        free = tuple(b - offset for b in naive._free_block_indices if b != exclude)
+        evictable: tuple[int, ...] = ()
+        cached: list[tuple[PrefixKey, int]] = []
+        computed: set[int] = set()
+        if hashless is not None:
+            evictable = tuple(b - offset for b in _evictor_ids(allocator.evictor))
+            for h, b in allocator._cached_blocks.items():
+                key = self._key(h)
+                if key is None:
+                    key = PrefixKey((), ("unknown vLLM block hash", h))
+                cached.append((key, b - offset))
+                if allocator.block_is_computed(b):
+                    computed.add(b - offset)
+        return PoolView(
+            ids=tuple(b - offset for b in ids),
+            refcounts={b - offset: counts[b] for b in ids},
+            free=free,
+            evictable=evictable,
+            cached=tuple(cached),
+            computed=frozenset(computed),
+        )
+
+    # V1 -------------------------------------------------------------------
+
+    def _v1_init_snapshot(self) -> None:
+        # UncachedBlockAllocator keeps no list of allocated blocks: remember every block object
+        # while they all sit on the free list (read-only references).
+        self._v1_blocks: dict[str, list] = {}
+        for name in ("gpu_allocator", "cpu_allocator"):
+            allocator = getattr(self.mgr, name)
+            blocks = list(getattr(allocator, "free_blocks", []))
+            self._v1_blocks[name] = blocks
+
+    def _observe_v1(self) -> KVState:
+        gpu_view = self._v1_pool("gpu_allocator", self.config.num_blocks)
+        cpu_view = self._v1_pool("cpu_allocator", self.config.num_cpu_blocks)
+        VD = self._v.Device
+        bsw = getattr(self.mgr, "block_sliding_window", None)
+        tables: dict[int, TableView] = {}
+        for seq_id, bt in self.mgr.block_tables.items():
+            blocks = list(bt)
+            on_cpu = bool(blocks) and blocks[0].device == VD.CPU
+            slots: list[Slot] = [b.block_number for b in blocks]
+            if bsw is not None and self.v1_window_slots == "tail" and len(slots) > bsw:
+                slots = [None] * (len(slots) - bsw) + slots[-bsw:]
+            tables[seq_id] = TableView(seq_id, Device.CPU if on_cpu else Device.GPU, tuple(slots))
+        return KVState(gpu=gpu_view, tables=tables,
+                       cpu=cpu_view if self.config.num_cpu_blocks > 0 else None)
+
+    def _v1_pool(self, name: str, num_blocks: int) -> PoolView:
+        allocator = getattr(self.mgr, name)
+        ids = tuple(range(num_blocks))
+        if hasattr(allocator, "free_blocks"):  # UncachedBlockAllocator
+            refcounts = {b.block_number: b.ref_count for b in self._v1_blocks[name]}
+            free = tuple(b.block_number for b in allocator.free_blocks)
+            return PoolView(ids=ids, refcounts=refcounts, free=free)
+        # CachedBlockAllocator: blocks are created lazily; every created block is either
+        # referenced (in cached_blocks) or in the evictor.
+        live = dict(allocator.cached_blocks)
+        parked = dict(allocator.evictor.free_table)
+        refcounts = {b: 0 for b in ids}
+        free = list(range(allocator.current_num_blocks, num_blocks))
+        evictable: list[int] = []
+        cached: list[tuple[PrefixKey, int]] = []
+        computed: set[int] = set()
+        for h, block in itertools.chain(live.items(), parked.items()):
+            refcounts[block.block_number] = block.ref_count
+            key = self._key(h)
+            if key is None:  # a placeholder (counter) hash: no content
+                if block.ref_count == 0:
+                    free.append(block.block_number)
+                continue
+            cached.append((key, block.block_number))
+            if block.ref_count == 0:
+                evictable.append(block.block_number)
+            if block.computed:
+                computed.add(block.block_number)
+        return PoolView(ids=ids, refcounts=refcounts, free=tuple(free),
+                        evictable=tuple(evictable), cached=tuple(cached),
+                        computed=frozenset(computed))
+
+
+def _evictor_ids(evictor) -> Iterable[int]:
+    table = getattr(evictor, "free_table", None)
+    if table is None:
+        raise AttributeError("unknown evictor layout (no free_table)")
+    return list(table.keys())
+
+
+class LegacyV1Adapter(LegacyAdapter):
+    """BlockSpaceManagerV1 (releases up to 0.6.3)."""
+
+    manager = "v1"
+
+
+class LegacyV2Adapter(LegacyAdapter):
+    """BlockSpaceManagerV2 (releases up to 0.6.3, the default there)."""
+
+    manager = "v2"
+
+
+class LegacySelfAttnAdapter(LegacyAdapter):
+    """SelfAttnBlockSpaceManager (vllm/core/block_manager.py, 0.6.3.post1 on)."""
+
+    manager = "self_attn"
+
+
+def make_legacy(config: Config, manager: str | None = None, **kwargs: Any) -> LegacyAdapter:
+    """An adapter over the named legacy manager (``None``: the release's engine default)."""
+    return LegacyAdapter(config, manager=manager or default_manager(), **kwargs)
+
+
+__all__ = [
+    "MANAGERS",
+    "LegacyAdapter",
+    "LegacySelfAttnAdapter",
+    "LegacyV1Adapter",
+    "LegacyV2Adapter",
+    "available_managers",
+    "default_manager",
+    "make_legacy",
+    "manager_class",
+]

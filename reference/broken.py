@@ -1,0 +1,212 @@
+"""Deliberately broken variants of the reference: each breaks one invariant on purpose.
+
+They exist so that the suite can show every check can fail -- a check that cannot fail is a
+defect.  ``BROKEN`` maps a variant's name to its class and the invariant IDs the machines
+must report for it.
+"""
+
+from __future__ import annotations
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.spec.errors import NotAdmitted
+from kvspec.spec.interface import Admission, BlockCopy
+from kvspec.spec.window import blocks_for_tokens, window_cover
+
+from .block_table import BlockTable
+from .manager import ReferenceManager, _Seq
+from .pool import BlockPool
+
+
+class LeakOnFree(ReferenceManager):
+    """Forgets to release a sequence's last block when it is freed."""
+
+    name = "leak-on-free"
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        held = seq.table.held()
+        for block in reversed(held[:-1]):
+            self._pool(seq.device).decref(block)
+
+
+class SkipCopyOnWrite(ReferenceManager):
+    """Writes into a block shared after a fork instead of copying it first."""
+
+    name = "skip-copy-on-write"
+
+    def _shared_in(self, table: BlockTable, start: int, stop: int) -> list[int]:
+        return []
+
+
+class OffByOneWindow(ReferenceManager):
+    """Drops out-of-window blocks one block late, so it holds one block too many."""
+
+    name = "off-by-one-window"
+
+    def _first_needed(self, start: int) -> int:
+        return max(0, super()._first_needed(start) - 1)
+
+
+class EagerWindow(ReferenceManager):
+    """Drops one block too early: the window's first block is gone while still attended."""
+
+    name = "eager-window"
+
+    def _first_needed(self, start: int) -> int:
+        if self.config.sliding_window is None:
+            return 0
+        return start // self.config.block_size
+
+
+class _StalePool(BlockPool):
+    def allocate(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self.key_of.pop(block)  # the cache map keeps pointing at the reused block
+        self.refcount[block] = 1
+        self.epoch[block] += 1
+        return block
+
+
+class StaleCacheEntry(ReferenceManager):
+    """Evicts a cached block for reuse but leaves its prefix-cache entry behind."""
+
+    name = "stale-cache-entry"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _StalePool(config.num_blocks, config.prefix_caching)
+
+
+class PublishBeforeCompute(ReferenceManager):
+    """Publishes a prompt's full blocks at admission, before their KV is written."""
+
+    name = "publish-before-compute"
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        hit = super().admit(seq_id, tokens, num_new_tokens, extra)
+        seq = self.seqs[seq_id]
+        computed = seq.num_computed
+        # Pretend every allocated slot is computed already.
+        seq.num_computed = min(len(seq.tokens), len(seq.table.slots) * self.config.block_size)
+        self._publish(seq)
+        seq.num_computed = computed
+        return hit
+
+
+class WindowCappedAdmission(ReferenceManager):
+    """The seed bug (legacy BlockSpaceManagerV2): admission caps a sliding-window prompt's
+    need at the window while allocation takes a block for every prompt block.
+    """
+
+    name = "window-capped-admission"
+
+    def can_admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        need = blocks_for_tokens(len(tokens), self.config.block_size)
+        if self.config.sliding_window is not None:
+            need = min(need, window_cover(self.config.sliding_window, self.config.block_size))
+        if need > self.config.num_blocks:
+            return Admission.NEVER
+        return Admission.OK if need <= self.gpu.available() else Admission.LATER
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        # Allocates the whole prompt, whatever the first step computes and the window keeps.
+        return super().admit(seq_id, tokens, len(tokens), extra)
+
+
+class DirtyRefusal(ReferenceManager):
+    """A refused step has already dropped its out-of-window blocks: refusal changes state."""
+
+    name = "dirty-refusal"
+
+    def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
+        seq = self._running(seq_id)
+        seq.table.drop_before(self._first_needed(seq.num_computed), self.gpu)
+        end = seq.num_computed + num_new_tokens + lookahead
+        if (end - 1) // self.config.block_size + 1 - len(seq.table.slots) > self.gpu.available():
+            raise NotAdmitted("no room")
+        return super().reserve(seq_id, num_new_tokens, lookahead)
+
+
+class ForkWithoutIncref(ReferenceManager):
+    """Forks a sequence by copying its table without taking a reference on the blocks."""
+
+    name = "fork-without-incref"
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        parent = self._running(parent_id)
+        table = BlockTable(list(parent.table.slots))
+        table.first_live = parent.table.first_live
+        self.seqs[child_id] = _Seq(
+            list(parent.tokens), parent.extra, table, parent.num_computed, published=parent.published
+        )
+
+
+class DoubleFree(ReferenceManager):
+    """Puts every released block on the free list, even one another sequence still holds."""
+
+    name = "double-free"
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        pool = self._pool(seq.device)
+        for block in reversed(seq.table.held()):
+            pool.decref(block)
+            if pool.refcount[block] > 0:
+                pool.free.append(block)
+
+
+class CyclicWindow(ReferenceManager):
+    """BlockSpaceManagerV1-style: a sliding-window sequence reuses its own blocks in a ring,
+    overwriting full blocks in place instead of recycling them through the pool.
+    """
+
+    name = "cyclic-window"
+
+    def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
+        W, B = self.config.sliding_window, self.config.block_size
+        seq = self._running(seq_id)
+        ring = len(seq.table.held())
+        if W is None or ring < window_cover(W, B):
+            return super().reserve(seq_id, num_new_tokens, lookahead)
+        start = seq.num_computed
+        last = (start + num_new_tokens + lookahead - 1) // B
+        while len(seq.table.slots) <= last:
+            i = len(seq.table.slots)
+            reused = seq.table.slots[i - ring]
+            seq.table.slots[i - ring] = None
+            seq.table.slots.append(reused)
+        return []
+
+
+@attrs.frozen
+class BrokenVariant:
+    cls: type[ReferenceManager]
+    catches: frozenset[str]  # each of these, watched alone, must catch it
+    needs: dict = attrs.Factory(dict)  # config constraints that make the bug reachable
+
+
+BROKEN: dict[str, BrokenVariant] = {
+    LeakOnFree.name: BrokenVariant(LeakOnFree, frozenset({"no-leak", "refcount-exact"})),
+    SkipCopyOnWrite.name: BrokenVariant(SkipCopyOnWrite, frozenset({"immutability"})),
+    OffByOneWindow.name: BrokenVariant(OffByOneWindow, frozenset({"window-bound"}), {"window": True}),
+    EagerWindow.name: BrokenVariant(EagerWindow, frozenset({"kv-readback"}), {"window": True}),
+    StaleCacheEntry.name: BrokenVariant(
+        StaleCacheEntry, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
+    ),
+    PublishBeforeCompute.name: BrokenVariant(
+        PublishBeforeCompute, frozenset({"prefix-cache-consistency", "kv-readback"}),
+        {"prefix_caching": True},
+    ),
+    WindowCappedAdmission.name: BrokenVariant(
+        WindowCappedAdmission, frozenset({"admission-soundness", "window-bound"}), {"window": True}
+    ),
+    DirtyRefusal.name: BrokenVariant(DirtyRefusal, frozenset({"admission-soundness"}), {"window": True}),
+    ForkWithoutIncref.name: BrokenVariant(ForkWithoutIncref, frozenset({"refcount-exact"})),
+    DoubleFree.name: BrokenVariant(DoubleFree, frozenset({"conservation"})),
+    CyclicWindow.name: BrokenVariant(CyclicWindow, frozenset({"immutability"}), {"window": True}),
+}
+
