@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import z3
-
 from kvspec.spec import admission, window
 
 from .core import DEFAULT_TIMEOUT_MS, Verdict, obligation
@@ -547,9 +546,14 @@ class Transition:
 
 
 def transition(
-    b: Bounds, st: State, nxt: State, ch: Choice, mutant: Mutant = "", tag: str = ""
+    b: Bounds, st: State, nxt: State, ch: Choice, mutant: Mutant = "", tag: str = "",
+    fixed: tuple[int, int] | None = None,
 ) -> Transition:
-    """Constraints tying ``nxt`` to ``st`` under the choice ``ch``."""
+    """Constraints tying ``nxt`` to ``st`` under the choice ``ch``.
+
+    ``fixed=(s, c)`` pins the acting sequence (and the fork child): sequences are
+    interchangeable, so from a state that satisfies symmetric invariants this loses nothing.
+    """
     S = b.num_seqs
     tb = Tables.of(b)
     d = Defs(tag)
@@ -559,8 +563,13 @@ def transition(
         picked = [_at([f[j] for f in flats], index) for j in range(len(flats[0]))]
         return d.seq(Seq(picked[0], picked[1], picked[2], picked[3], picked[4], picked[5:]), hint)
 
-    cur = select(ch.s, "cur")
-    child = select(ch.c, "child")
+    if fixed is None:
+        cur, child = select(ch.s, "cur"), select(ch.c, "child")
+        acting, forked = ch.s, ch.c
+    else:
+        cur, child = st.seqs[fixed[0]], st.seqs[fixed[1]]
+        acting, forked = fixed
+    pin = [] if fixed is None else [ch.s == fixed[0], ch.c == fixed[1]]
     effects = [
         (1, _admit(b, tb, st.pool, cur, ch, mutant, d)),
         (2, _step(b, tb, st.pool, cur, ch, mutant, d)),
@@ -568,7 +577,7 @@ def transition(
         (4, _free(b, st.pool, cur, mutant, d)),
         (5, _reset(b, st.pool)),
     ]
-    constraints = [*ch.domain(b)]
+    constraints = [*ch.domain(b), *pin]
     takes = []
     imm, adm = [], []
     for op, eff in effects:
@@ -587,8 +596,10 @@ def transition(
         for op, take, eff in reversed(takes):
             if eff.seq is None:
                 continue
-            target = ch.c if op == 3 else ch.s
-            value = [z3.If(z3.And(take, target == j), x, y) for x, y in zip(eff.seq.flat(), value)]
+            target = forked if op == 3 else acting
+            hits_j = take if isinstance(target, int) and target == j else (
+                z3.BoolVal(False) if isinstance(target, int) else z3.And(take, target == j))
+            value = [z3.If(hits_j, x, y) for x, y in zip(eff.seq.flat(), value)]
         constraints += [x == y for x, y in zip(nxt.seqs[j].flat(), value)]
     constraints += d.eqs
     return Transition(constraints, z3.Or(*imm), z3.Or(*adm))

@@ -16,7 +16,6 @@ from typing import Literal
 
 import attrs
 import z3
-
 from kvspec.spec import admission, window
 
 Kind = Literal["nat", "pos", "int", "window"]

@@ -118,16 +118,18 @@ class WindowCappedAdmission(ReferenceManager):
 
 
 class DirtyRefusal(ReferenceManager):
-    """A refused step has already dropped its out-of-window blocks: refusal changes state."""
+    """Allocates a step's blocks one by one and, when the pool runs dry, refuses without
+    giving back the blocks it already took."""
 
     name = "dirty-refusal"
 
     def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
         seq = self._running(seq_id)
-        seq.table.drop_before(self._first_needed(seq.num_computed), self.gpu)
         end = seq.num_computed + num_new_tokens + lookahead
-        if (end - 1) // self.config.block_size + 1 - len(seq.table.slots) > self.gpu.available():
-            raise NotAdmitted("no room")
+        while len(seq.table.slots) < (end - 1) // self.config.block_size + 1:
+            if not self.gpu.available():
+                raise NotAdmitted("pool ran dry halfway through the step")
+            seq.table.slots.append(self.gpu.allocate())
         return super().reserve(seq_id, num_new_tokens, lookahead)
 
 
@@ -204,7 +206,7 @@ BROKEN: dict[str, BrokenVariant] = {
     WindowCappedAdmission.name: BrokenVariant(
         WindowCappedAdmission, frozenset({"admission-soundness", "window-bound"}), {"window": True}
     ),
-    DirtyRefusal.name: BrokenVariant(DirtyRefusal, frozenset({"admission-soundness"}), {"window": True}),
+    DirtyRefusal.name: BrokenVariant(DirtyRefusal, frozenset({"admission-soundness"})),
     ForkWithoutIncref.name: BrokenVariant(ForkWithoutIncref, frozenset({"refcount-exact"})),
     DoubleFree.name: BrokenVariant(DoubleFree, frozenset({"conservation"})),
     CyclicWindow.name: BrokenVariant(CyclicWindow, frozenset({"immutability"}), {"window": True}),

@@ -65,16 +65,17 @@ def plan_step_writes(
     end: int,
     block_size: int,
     memory: Memory,
-    cached_before: KVState | None = None,
+    before: KVState | None = None,
 ) -> tuple[list[Write], list[WriteFault]]:
     """The writes a step computing positions ``start .. end-1`` performs, and their faults.
 
     Immutability: a slot is written at most once per block lifetime (a full block is never
     overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
     and a block that is shared or registered in the prefix cache is never written (a write
-    into it must go through copy-on-write first).  "Registered" means before the step: vLLM's
-    V1 manager registers the full blocks a step will compute inside ``allocate_slots``, ahead
-    of the worker's write, and that is allowed.
+    into it must go through copy-on-write first).  "Registered" means registered before the
+    step and still the same block after it (``before``, when given): vLLM's V1 manager
+    registers the full blocks a step will compute inside ``allocate_slots``, ahead of the
+    worker's write, and that is allowed.
     """
     table = state.tables.get(seq.seq_id)
     writes: list[Write] = []
@@ -83,8 +84,7 @@ def plan_step_writes(
         faults.append(WriteFault("admission-soundness", f"seq {seq.seq_id} has no block table"))
         return writes, faults
     pool = state.pool(table.device)
-    registry = (cached_before or state).pool(table.device)
-    cached = registry.cached_key_of() if registry is not None else {}
+    cached = registered_through(before or state, state, table.device)
     for pos in range(start, end):
         cell = cell_of(table, pos, block_size)
         if cell is None:
@@ -155,6 +155,17 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
             if unreferenced and cached_after.get(block) != key:
                 dead.add((device, block))
     return dead
+
+
+def registered_through(before: KVState, after: KVState, device: Device) -> set[int]:
+    """Blocks in the prefix cache before an operation that are still the same cached block
+    (same key, same life) after it."""
+    pb, pa = before.pool(device), after.pool(device)
+    if pb is None or pa is None:
+        return set()
+    dead = {b for d, b in ended_lifetimes(before, after) if d is device}
+    keys_after = pa.cached_key_of()
+    return {b for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead}
 
 
 def copy_cells(

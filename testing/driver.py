@@ -249,7 +249,7 @@ class Driver:
         seq = self.seqs[seq_id]
         B = self.config.block_size
         writes, faults = plan_step_writes(
-            self.state, seq, start, end, B, self.memory, cached_before=self.before_op
+            self.state, seq, start, end, B, self.memory, before=self.before_op
         )
         self._faults(faults)
         for w in writes:
