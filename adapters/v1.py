@@ -59,6 +59,7 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -227,6 +228,7 @@ class VLLMV1Adapter:
         )
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
+        self._count_allocations()
 
         if full_sequence_must_fit is None:
             full_sequence_must_fit = bool(
@@ -254,6 +256,26 @@ class VLLMV1Adapter:
         self._keys: dict[Any, PrefixKey] = {}  # vLLM block hash -> PrefixKey
         self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
         self._ids = itertools.count()
+
+    def _count_allocations(self) -> None:
+        """Count how often the pool hands each block out (a block's content lives one epoch).
+
+        Observation only: the wrapper calls the pool's own ``get_new_blocks`` and returns
+        what it returns.  Without it a block freed and handed out again inside one
+        ``allocate_slots`` (sliding-window rotation, eviction of a cached block) would look
+        like the same block, and its new writes like overwrites.
+        """
+        self._epochs: Counter[int] = Counter()
+        pool = self._manager.block_pool
+        allocate = pool.get_new_blocks
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            blocks = allocate(*args, **kwargs)
+            for block in blocks:
+                self._epochs[block.block_id] += 1
+            return blocks
+
+        pool.get_new_blocks = counted
 
     # ------------------------------------------------------------------ release probing
 
@@ -540,6 +562,7 @@ class VLLMV1Adapter:
             evictable=evictable,
             cached=tuple(cached),
             computed=computed,
+            epochs={b: self._epochs[b] for b in ids},
         )
         return KVState(gpu=gpu, tables=tables, cpu=None)
 
