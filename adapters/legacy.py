@@ -88,7 +88,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvspec.spec.config import Config
-from kvspec.spec.errors import NoFreeBlocks, NotAdmitted, Unsupported
+from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import PrefixKey
 from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView
@@ -300,9 +300,10 @@ class LegacyAdapter:
         self.is_v1 = hasattr(cls, "_allocate_last_physical_block") or manager == "v1"
         rejected = _release_rejects_caching_with_window(config)
         if rejected is not None:
-            raise Unsupported(f"the release's CacheConfig rejects this configuration: {rejected}")
+            raise ConfigError(f"the release's CacheConfig rejects this configuration: {rejected}")
         if self.is_v1 and config.prefix_caching and config.sliding_window is not None:
-            raise Unsupported("BlockSpaceManagerV1 rejects prefix caching with a sliding window")
+            # block_manager_v1.py:245-247 raises NotImplementedError for this pair.
+            raise ConfigError("BlockSpaceManagerV1 rejects prefix caching with a sliding window")
         kwargs = _kw(
             cls.__init__,
             block_size=config.block_size,
@@ -474,6 +475,10 @@ class LegacyAdapter:
             raise NotAdmitted(f"seq {seq_id} is not running in vLLM (status {seq.status.name})")
         if lookahead and Capability.LOOKAHEAD not in self.capabilities:
             raise Unsupported("BlockSpaceManagerV1 has no lookahead slots")
+        if seq.is_prefill():
+            # _get_num_lookahead_slots(is_prefill=True) is 0 outside multi-step chunked
+            # prefill (scheduler.py:1561-1588): prefill chunks reserve no speculative slots.
+            lookahead = 0
         # Right after a swap-in the scheduler appends slots without asking (scheduler.py:716).
         skip_check = seq_id in self._just_swapped
         if not skip_check:

@@ -612,14 +612,21 @@ def holders(b: Bounds, st: State, x: int) -> z3.BitVecRef:
     return _count([z3.And(s.live, sl == x) for s in st.seqs for sl in s.sl])
 
 
-def refcount_exact(b: Bounds, st: State) -> z3.BoolRef:
-    return z3.And(*[st.pool.rc[x] == holders(b, st, x) for x in range(b.num_blocks)])
+Blocks = Sequence[int] | None  # the blocks a property is checked for (None: all)
 
 
-def conservation(b: Bounds, st: State) -> z3.BoolRef:
+def _blocks(b: Bounds, blocks: Blocks) -> Sequence[int]:
+    return range(b.num_blocks) if blocks is None else blocks
+
+
+def refcount_exact(b: Bounds, st: State, blocks: Blocks = None) -> z3.BoolRef:
+    return z3.And(*[st.pool.rc[x] == holders(b, st, x) for x in _blocks(b, blocks)])
+
+
+def conservation(b: Bounds, st: State, blocks: Blocks = None) -> z3.BoolRef:
     p = st.pool
     out = []
-    for x in range(b.num_blocks):
+    for x in _blocks(b, blocks):
         in_use = p.rc[x] > 0
         out += [
             p.rc[x] >= 0,
@@ -633,7 +640,7 @@ def conservation(b: Bounds, st: State) -> z3.BoolRef:
     return z3.And(*out)
 
 
-def window_bound(b: Bounds, st: State) -> z3.BoolRef:
+def window_bound(b: Bounds, st: State, blocks: Blocks = None) -> z3.BoolRef:
     if b.window is None:
         return z3.BoolVal(True)
     tb = Tables.of(b)
@@ -644,7 +651,7 @@ def window_bound(b: Bounds, st: State) -> z3.BoolRef:
     return z3.And(*out)
 
 
-STATE_PROPERTIES: dict[str, Callable[[Bounds, State], z3.BoolRef]] = {
+STATE_PROPERTIES: dict[str, Callable[..., z3.BoolRef]] = {
     "refcount-exact": refcount_exact,
     "conservation": conservation,
     "window-bound": window_bound,
@@ -652,9 +659,10 @@ STATE_PROPERTIES: dict[str, Callable[[Bounds, State], z3.BoolRef]] = {
 TRANSITION_PROPERTIES = ("immutability", "admission-soundness")
 
 
-def auxiliary(b: Bounds, st: State) -> dict[str, z3.BoolRef]:
-    """Strengthening invariants for induction (also checked on every BMC run)."""
-    N, T, B, P = b.num_blocks, b.max_slots, b.block_size, b.positions
+def auxiliary(b: Bounds, st: State, blocks: Blocks = None) -> dict[str, z3.BoolRef]:
+    """Strengthening invariants for induction (checked like the properties, never assumed
+    unproved)."""
+    T, B, P = b.max_slots, b.block_size, b.positions
     tb = Tables.of(b)
     p = st.pool
     shape, memory = [], []
@@ -666,19 +674,26 @@ def auxiliary(b: Bounds, st: State) -> dict[str, z3.BoolRef]:
             alive.append(z3.If(z3.And(first <= i, i < s.tl), s.sl[i] != NONE, s.sl[i] == NONE))
         shape.append(z3.Or(z3.And(*dead), z3.And(*alive)))
         for i in range(T):
-            for x in range(N):
+            for x in _blocks(b, blocks):
                 for o in range(B):
                     memory.append(
                         z3.Implies(z3.And(s.live, s.sl[i] == x), p.wr[x][o] == (s.n > i * B + o))
                     )
-    cached = [z3.Implies(p.key[x], z3.And(*p.wr[x])) for x in range(N)]
-    free_uncached = [z3.Implies(p.fl[x] >= 1, z3.Not(p.key[x])) for x in range(N)]
+    cached = [z3.Implies(p.key[x], z3.And(*p.wr[x])) for x in _blocks(b, blocks)]
+    free_uncached = [z3.Implies(p.fl[x] >= 1, z3.Not(p.key[x])) for x in _blocks(b, blocks)]
     return {
         "table shape": z3.And(*shape),
         "memory = computed positions": z3.And(*memory),
         "cached blocks full": z3.And(*cached),
         "free blocks uncached": z3.And(*free_uncached),
     }
+
+
+def invariant(b: Bounds, st: State, blocks: Blocks = None) -> dict[str, z3.BoolRef]:
+    """Every state property and auxiliary invariant, by name."""
+    out = {name: prop(b, st, blocks) for name, prop in STATE_PROPERTIES.items()}
+    out.update({f"aux: {k}": v for k, v in auxiliary(b, st, blocks).items()})
+    return out
 
 
 # ---------------------------------------------------------------- checking
