@@ -708,64 +708,107 @@ class BmcResult:
     reason: str = ""
 
 
-def _unroll(b: Bounds, mutant: Mutant, depth: int):
-    states = [initial(b)]
-    choices, trans = [], []
-    for t in range(depth):
-        nxt = State.fresh(b, f"@{t + 1}")
-        ch = Choice.fresh(b, f"@{t}")
-        trans.append(transition(b, states[-1], nxt, ch, mutant, tag=f"@{t}"))
-        states.append(nxt)
-        choices.append(ch)
-    return states, choices, trans
+class Unrolling:
+    """The reference's runs from the initial state, one transition at a time, on one solver."""
+
+    def __init__(self, b: Bounds, mutant: Mutant = "", timeout_ms: int = DEFAULT_TIMEOUT_MS):
+        self.b, self.mutant = b, mutant
+        self.states: list[State] = [initial(b)]
+        self.choices: list[Choice] = []
+        self.trans: list[Transition] = []
+        self.solver = z3.Solver()
+        self.solver.set("timeout", timeout_ms)
+
+    def extend(self) -> None:
+        t = len(self.trans)
+        nxt = State.fresh(self.b, f"@{t + 1}")
+        ch = Choice.fresh(self.b, f"@{t}")
+        tr = transition(self.b, self.states[-1], nxt, ch, self.mutant, tag=f"@{t}")
+        self.solver.add(*tr.constraints)
+        self.states.append(nxt)
+        self.choices.append(ch)
+        self.trans.append(tr)
+
+    def goals(self, blocks: Blocks) -> dict[str, z3.BoolRef]:
+        """What must hold after the last transition."""
+        out = invariant(self.b, self.states[-1], blocks)
+        out["immutability"] = z3.Not(self.trans[-1].immutability)
+        out["admission-soundness"] = z3.Not(self.trans[-1].admission)
+        return out
 
 
-def _violations(b: Bounds, states, trans) -> dict[str, z3.BoolRef]:
-    out: dict[str, z3.BoolRef] = {}
-    for name, prop in STATE_PROPERTIES.items():
-        out[name] = z3.Or(*[z3.Not(prop(b, s)) for s in states])
-    out["immutability"] = z3.Or(*[t.immutability for t in trans]) if trans else z3.BoolVal(False)
-    out["admission-soundness"] = z3.Or(*[t.admission for t in trans]) if trans else z3.BoolVal(False)
-    return out
+def _first_failure(model: z3.ModelRef, goals: Mapping[str, z3.BoolRef]) -> str:
+    for name, goal in goals.items():
+        if z3.is_false(model.eval(goal, model_completion=True)):
+            return name
+    return "?"
 
 
-def bmc(
-    b: Bounds, properties: Sequence[str] | None = None, mutant: Mutant = "", timeout_ms: int = DEFAULT_TIMEOUT_MS
-) -> dict[str, BmcResult]:
-    """Every run of length <= depth, for each property: proved, or the shortest failing trace."""
-    states, choices, trans = _unroll(b, mutant, b.depth)
-    solver = z3.Solver()
-    solver.set("timeout", timeout_ms)
-    for t in trans:
-        solver.add(*t.constraints)
-    violations = _violations(b, states, trans)
-    results = {}
-    for name in properties or list(violations):
-        solver.push()
-        solver.add(violations[name])
-        answer = solver.check()
-        if answer == z3.unsat:
-            results[name] = BmcResult("proved", depth=b.depth)
-        elif answer == z3.sat:
-            model = solver.model()
-            results[name] = BmcResult(
-                "counterexample", name, b.depth, _trace(b, model, states, choices, trans, name)
-            )
+def prove_runs(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS, depth: int | None = None) -> BmcResult:
+    """Direct BMC: no run of length <= depth breaks a property or an auxiliary invariant.
+
+    Depth by depth, each query asks for the FIRST failure: the states before it are asserted
+    to satisfy everything (already proved at that depth).  Blocks are interchangeable (the
+    initial state and every transition are symmetric under renaming them), so a failure on
+    some block is a failure on block 0 in a renamed run: the query looks at block 0 only.
+    """
+    u = Unrolling(b, timeout_ms=timeout_ms)
+    depth = b.depth if depth is None else depth
+    init = z3.Solver()
+    init.add(z3.Not(z3.And(*invariant(b, u.states[0]).values())))
+    if init.check() != z3.unsat:
+        return BmcResult("unknown", reason="the initial state breaks an invariant")
+    for t in range(1, depth + 1):
+        u.extend()
+        goals = u.goals(blocks=(0,))
+        u.solver.push()
+        u.solver.add(z3.Not(z3.And(*goals.values())))
+        answer = u.solver.check()
+        if answer == z3.sat:
+            model = u.solver.model()
+            name = _first_failure(model, goals)
+            u.solver.pop()
+            return BmcResult("counterexample", name, t, _trace(b, model, u, name))
+        if answer != z3.unsat:
+            reason = u.solver.reason_unknown()
+            u.solver.pop()
+            return BmcResult("unknown", depth=t - 1, reason=f"depth {t}: {reason}")
+        u.solver.pop()
+        u.solver.add(*invariant(b, u.states[-1]).values())  # proved at this depth, every block
+    return BmcResult("proved", depth=depth)
+
+
+def find_violation(b: Bounds, prop: str, mutant: Mutant, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> BmcResult:
+    """The shortest run (<= depth) on which ``prop`` fails, for a seeded bug."""
+    u = Unrolling(b, mutant, timeout_ms)
+    for t in range(1, b.depth + 1):
+        u.extend()
+        if prop in STATE_PROPERTIES:
+            bad = z3.Not(STATE_PROPERTIES[prop](b, u.states[-1]))
+        elif prop == "immutability":
+            bad = u.trans[-1].immutability
         else:
-            results[name] = BmcResult("unknown", reason=solver.reason_unknown())
-        solver.pop()
-    return results
+            bad = u.trans[-1].admission
+        u.solver.push()
+        u.solver.add(bad)
+        answer = u.solver.check()
+        if answer == z3.sat:
+            return BmcResult("counterexample", prop, t, _trace(b, u.solver.model(), u, prop))
+        u.solver.pop()
+        if answer != z3.unsat:
+            return BmcResult("unknown", reason=u.solver.reason_unknown())
+    return BmcResult("proved", depth=b.depth)
 
 
-def _trace(b: Bounds, model: z3.ModelRef, states, choices, trans, violated: str) -> str:
-    """The run in plain numbers, up to the first state or step where the property fails."""
+def _trace(b: Bounds, model: z3.ModelRef, u: Unrolling, violated: str) -> str:
+    """The run in plain numbers."""
 
     def ev(e):
         v = model.eval(e, model_completion=True)
         return v.as_signed_long() if z3.is_bv_value(v) else z3.is_true(v)
 
     lines = []
-    for t, (ch, tr) in enumerate(zip(choices, trans)):
+    for t, ch in enumerate(u.choices):
         op = OPS[ev(ch.op)]
         s, c = ev(ch.s), ev(ch.c)
         if op == "admit":
@@ -774,46 +817,39 @@ def _trace(b: Bounds, model: z3.ModelRef, states, choices, trans, violated: str)
         elif op == "step":
             desc = f"step seq{s} k={ev(ch.k)} lookahead={ev(ch.la)}"
         elif op == "fork":
-            desc = f"fork seq{s} -> seq{c}"
+            desc = f"fork seq{s}->seq{c}"
         elif op == "free":
             desc = f"free seq{s}"
         else:
             desc = op
-        nxt = states[t + 1]
-        tables = {
-            i: [ev(x) for x in sq.sl] for i, sq in enumerate(nxt.seqs) if ev(sq.live)
-        }
-        rcs = [ev(x) for x in nxt.pool.rc]
-        lines.append(f"{t + 1}. {desc}: tables={tables} rc={rcs}")
-        hit_now = (
-            (violated == "immutability" and ev(tr.immutability))
-            or (violated == "admission-soundness" and ev(tr.admission))
-            or (violated in STATE_PROPERTIES and not ev(STATE_PROPERTIES[violated](b, nxt)))
-        )
-        if hit_now:
-            break
-    return " | ".join(lines)
+        nxt = u.states[t + 1]
+        tables = {i: [ev(x) for x in sq.sl] for i, sq in enumerate(nxt.seqs) if ev(sq.live)}
+        lines.append(f"{t + 1}. {desc}: tables={tables} rc={[ev(x) for x in nxt.pool.rc]}")
+    return f"{violated} fails: " + " | ".join(lines)
 
 
 def induction(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, str]:
-    """1-induction: from ANY state satisfying every invariant and auxiliary invariant, one
-    transition keeps each of them and violates no transition property."""
+    """1-induction: from ANY state satisfying every property and auxiliary invariant, one
+    transition keeps each of them and breaks no transition property.
+
+    Sequences are interchangeable, so the acting sequence is 0 and a fork's child 1; blocks
+    are interchangeable, so the goals look at block 0 (the assumptions cover every block).
+    """
     s0 = State.fresh(b, "@i0")
     s1 = State.fresh(b, "@i1")
     ch = Choice.fresh(b, "@i")
-    tr = transition(b, s0, s1, ch, tag="@i")
+    tr = transition(b, s0, s1, ch, tag="@i", fixed=(0, 1))
     solver = z3.Solver()
     solver.set("timeout", timeout_ms)
     solver.add(*tr.constraints)
-    props = {name: prop(b, s0) for name, prop in STATE_PROPERTIES.items()}
-    aux0, aux1 = auxiliary(b, s0), auxiliary(b, s1)
-    solver.add(*props.values(), *aux0.values())
-    goals = {name: prop(b, s1) for name, prop in STATE_PROPERTIES.items()}
+    solver.add(*invariant(b, s0).values())
+    goals = invariant(b, s1, blocks=(0,))
     goals["immutability"] = z3.Not(tr.immutability)
     goals["admission-soundness"] = z3.Not(tr.admission)
-    goals.update({f"aux: {k}": v for k, v in aux1.items()})
     out = {}
     for name, goal in goals.items():
+        if name == "window-bound" and b.window is None:
+            continue
         solver.push()
         solver.add(z3.Not(goal))
         answer = solver.check()
@@ -825,13 +861,6 @@ def induction(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, str]
             out[name] = f"unknown ({solver.reason_unknown()})"
         solver.pop()
     return out
-
-
-def initial_satisfies_aux(b: Bounds) -> bool:
-    solver = z3.Solver()
-    s = initial(b)
-    solver.add(z3.Not(z3.And(*auxiliary(b, s).values())))
-    return solver.check() == z3.unsat
 
 
 MUTANTS: dict[str, str] = {
@@ -850,56 +879,72 @@ def _properties_for(b: Bounds) -> list[str]:
 
 
 def check_reference(b: Bounds, deep: bool) -> Verdict:
+    """Induction (every depth), direct BMC (to a depth), and the seeded bugs."""
     timeout = 600_000 if deep else 120_000
-    t0 = time.perf_counter()
     props = _properties_for(b)
-    results = bmc(b, props, timeout_ms=timeout)
-    t_bmc = time.perf_counter() - t0
-    failed = {k: r for k, r in results.items() if r.outcome != "proved"}
     parts = []
-    if failed:
-        name, r = next(iter(failed.items()))
-        outcome = "counterexample" if r.outcome == "counterexample" else "unknown"
-        detail = f"{name}: {r.trace or r.reason}"
-        return Verdict(outcome, b.describe(), detail, twin="-", twin_ok=False)
-    parts.append(f"depth {b.depth}: {', '.join(props)} hold on every run ({t_bmc:.0f}s)")
+    t0 = time.perf_counter()
     ind = induction(b, timeout)
-    base_ok = initial_satisfies_aux(b)
-    closed = [k for k, v in ind.items() if v == "inductive"]
-    open_ = [f"{k} ({v})" for k, v in ind.items() if v != "inductive"]
-    if not open_ and base_ok:
-        parts.append("k-induction (k=1, with the auxiliary invariants): all properties proved for every depth")
+    t_ind = time.perf_counter() - t0
+    open_ = {k: v for k, v in ind.items() if v != "inductive"}
+    unbounded = [p for p in props if p in ind and not open_]
+    direct_depth = b.depth if deep else DEFAULT_DIRECT_DEPTH
+    t0 = time.perf_counter()
+    runs = prove_runs(b, timeout, depth=direct_depth)
+    t_bmc = time.perf_counter() - t0
+    if runs.outcome == "counterexample" and runs.violated in props:
+        return Verdict("counterexample", b.describe(), runs.trace, twin="-", twin_ok=False)
+    if not open_:
+        parts.append(
+            f"1-induction with the auxiliary invariants closes every property and itself "
+            f"({t_ind:.0f}s): {', '.join(unbounded)} hold at EVERY depth, so on every run of "
+            f"length <= {b.depth}"
+        )
     else:
-        parts.append(f"induction closes: {', '.join(closed) or 'none'}; open: {', '.join(open_)}"
-                     + ("" if base_ok else "; initial state violates an auxiliary invariant"))
-        parts.append("the open ones are proved only to depth " + str(b.depth))
-    # Non-vacuity: every seeded bug is caught at the same bounds.
+        parts.append(f"induction open: {', '.join(f'{k} ({v})' for k, v in open_.items())}")
+    if runs.outcome == "proved":
+        parts.append(f"direct BMC (no invariant assumed) agrees to depth {runs.depth} ({t_bmc:.0f}s)")
+    else:
+        parts.append(f"direct BMC: {runs.outcome} ({runs.reason or runs.trace})")
+    proved_to = b.depth if not open_ else (runs.depth if runs.outcome == "proved" else 0)
+    if open_:
+        parts.append(f"proved only to depth {proved_to}")
+    outcome = "proved" if (not open_ or proved_to >= b.depth) else "unknown"
+    # Non-vacuity: every seeded bug is caught within the depth.
     caught, missed = [], []
     for mutant, prop in MUTANTS.items():
         if prop not in props:
             continue
-        r = bmc(b, [prop], mutant=mutant, timeout_ms=timeout)[prop]
-        (caught if r.outcome == "counterexample" else missed).append(f"{mutant}->{prop}")
-    twin = f"mutants caught: {len(caught)}/{len(caught) + len(missed)}"
+        r = find_violation(b, prop, mutant, timeout)
+        (caught if r.outcome == "counterexample" else missed).append(f"{mutant}->{prop}@{r.depth}")
+    twin = f"seeded bugs caught: {len(caught)}/{len(caught) + len(missed)} ({', '.join(caught)})"
     if missed:
         twin += f"; MISSED: {', '.join(missed)}"
-    return Verdict("proved", b.describe(), "; ".join(parts), twin=twin, twin_ok=not missed)
+    return Verdict(outcome, b.describe(), "; ".join(parts), twin=twin, twin_ok=not missed)
+
+
+DEFAULT_DIRECT_DEPTH = 3
 
 
 @obligation("refcount-exact/reference-bmc")
 def reference_bmc(deep: bool) -> Verdict:
     """For every run of the reference's operations (admit with prefix hits, step with
-    copy-on-write, lookahead and window drops, fork, free, reset) up to the depth:
-    refcount-exact, conservation, window-bound, immutability and admission-soundness hold; each
-    seeded bug is caught; k-induction says which hold for every depth."""
+    copy-on-write, lookahead and window drops, fork, free, reset): refcount-exact,
+    conservation, window-bound, immutability and admission-soundness hold -- by induction at
+    every depth where it closes, else to the stated depth; each seeded bug is caught."""
     bounds = [DEFAULT_BOUNDS] if not deep else [DEFAULT_BOUNDS, *DEEP_BOUNDS]
     verdicts = [check_reference(b, deep) for b in bounds]
     bad = [v for v in verdicts if v.outcome != "proved" or not v.twin_ok]
-    v = bad[0] if bad else verdicts[0]
-    if len(verdicts) > 1 and not bad:
-        return Verdict("proved", " + ".join(x.bounds for x in verdicts),
-                       " || ".join(x.detail for x in verdicts), twin=v.twin)
-    return v
+    if bad:
+        return bad[0]
+    if len(verdicts) == 1:
+        return verdicts[0]
+    return Verdict(
+        "proved",
+        " + ".join(v.bounds for v in verdicts),
+        " || ".join(v.detail for v in verdicts),
+        twin=" || ".join(v.twin for v in verdicts),
+    )
 
 
 def concrete_step(b: Bounds, before: Mapping[str, object], choice: Mapping[str, object]) -> dict:
