@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import attrs
-from hypothesis import note
+from hypothesis import note, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -29,6 +29,7 @@ from hypothesis.stateful import (
     rule,
 )
 from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError
 from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
@@ -87,7 +88,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     def build(self, data):
         config = data.draw(self.config_strategy, label="config")
         note(f"config: {config!r}")
-        self.driver = Driver(self.factory(config), focus=self.focus, log=note)
+        try:
+            impl = self.factory(config)
+        except ConfigError as err:
+            # The target declares this configuration unsupported (e.g. a release that
+            # rejects prefix caching with a sliding window): not a finding, not a run.
+            note(f"configuration not supported by the target: {err}")
+            reject()
+        self.driver = Driver(impl, focus=self.focus, log=note)
 
     @property
     def d(self) -> Driver:
@@ -144,6 +152,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         model = self.d.seqs.get(seq)
         if not self.d.has(Capability.FORK) or model is None or model.status is not Status.RUNNING:
             return multiple()
+        if model.num_computed != len(model.tokens) - 1:
+            return multiple()  # schedulers fork after sampling (parallel sampling, beam search)
         child = self.next_id
         self.next_id += 1
         self.d.fork(seq, child)
