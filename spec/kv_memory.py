@@ -22,14 +22,16 @@ from .state import DROPPED, Device, KVState, SeqModel, TableView
 from .window import block_of, first_needed_position
 
 Cell = tuple[Device, int, int]
-Memory = Mapping[Cell, int]
+KV = tuple[int, int]
+"""What a slot holds: (position, token).  KV depends on both (rotary position encoding), so
+the same token written at another position is different content."""
+Memory = Mapping[Cell, KV]
 
 
 @attrs.frozen
 class Write:
     cell: Cell
-    token: int
-    position: int
+    kv: KV
 
 
 @attrs.frozen
@@ -51,7 +53,9 @@ def cell_of(table: TableView, position: int, block_size: int) -> Cell | None:
     return (table.device, table.slots[index], position % block_size)
 
 
-def block_contents(memory: Memory, device: Device, block: int, block_size: int) -> list[int | None]:
+def block_contents(
+    memory: Memory, device: Device, block: int, block_size: int
+) -> list[KV | None]:
     return [memory.get((device, block, off)) for off in range(block_size)]
 
 
@@ -72,7 +76,8 @@ def plan_step_writes(
     Immutability: a slot is written at most once per block lifetime (a full block is never
     overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
     and a block that is shared or registered in the prefix cache is never written (a write
-    into it must go through copy-on-write first).  "Registered" means registered before the
+    into it must go through copy-on-write first).  Rewriting a slot with the very KV it
+    holds (same position, same token: a recompute) changes nothing and is allowed.  "Registered" means registered before the
     step and still the same block after it (``before``, when given): vLLM's V1 manager
     registers the full blocks a step will compute inside ``allocate_slots``, ahead of the
     worker's write, and that is allowed.
@@ -97,12 +102,18 @@ def plan_step_writes(
             )
             continue
         _, block, off = cell
+        kv = (pos, seq.tokens[pos])
+        writes.append(Write(cell, kv))
+        if memory.get(cell) == kv:
+            continue
         if cell in memory:
+            was_pos, was_token = memory[cell]
             faults.append(
                 WriteFault(
                     "immutability",
                     f"seq {seq.seq_id}: writing position {pos} into block {block} slot {off} "
-                    f"overwrites token {memory[cell]} already written there in this block's life",
+                    f"overwrites position {was_pos} (token {was_token}) written there in this "
+                    f"block's life",
                 )
             )
         refcount = pool.refcounts.get(block, 0) if pool is not None else 0
@@ -122,7 +133,6 @@ def plan_step_writes(
                     f"prefix cache already holds",
                 )
             )
-        writes.append(Write(cell, seq.tokens[pos], pos))
     return writes, faults
 
 
@@ -174,9 +184,9 @@ def copy_cells(
     """Writes a block copy (copy-on-write, swap) performs."""
     out = []
     for off in range(block_size):
-        token = memory.get((src[0], src[1], off))
-        if token is not None:
-            out.append(Write((dst[0], dst[1], off), token, -1))
+        kv = memory.get((src[0], src[1], off))
+        if kv is not None:
+            out.append(Write((dst[0], dst[1], off), kv))
     return out
 
 
@@ -194,8 +204,8 @@ def readback_faults(
             yield f"seq {seq.seq_id}: attended position {pos} has no slot (dropped or missing)"
             continue
         got = memory.get(cell)
-        if got != seq.tokens[pos]:
-            shown = "nothing written" if got is None else f"token {got}"
+        if got != (pos, seq.tokens[pos]):
+            shown = "nothing written" if got is None else f"position {got[0]} token {got[1]}"
             yield (
                 f"seq {seq.seq_id}: position {pos} reads {shown} from block {cell[1]} "
                 f"slot {cell[2]}, expected its own token {seq.tokens[pos]}"

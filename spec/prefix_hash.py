@@ -23,12 +23,16 @@ class PrefixKey:
     extra: tuple[object, ...] = ()
 
     def block_tokens(self, block_size: int) -> tuple[int, ...]:
-        """The tokens the keyed block itself holds (its last ``block_size`` chain tokens)."""
-        return self.chain[-block_size:]
+        """The tokens the keyed block itself holds: the chain's tokens from the start of its
+        last block (all ``block_size`` of them for a full block, fewer for a partial one)."""
+        return self.chain[self.block_index(block_size) * block_size :]
 
     def block_index(self, block_size: int) -> int:
         """The block-table index this key belongs at."""
-        return len(self.chain) // block_size - 1
+        return (len(self.chain) - 1) // block_size
+
+    def is_full(self, block_size: int) -> bool:
+        return len(self.chain) % block_size == 0
 
     def parent(self, block_size: int) -> PrefixKey | None:
         if len(self.chain) <= block_size:
@@ -47,5 +51,6 @@ def block_keys(
 
 
 def is_well_formed(key: PrefixKey, block_size: int) -> bool:
-    """A key names a whole number of full blocks."""
-    return len(key.chain) > 0 and len(key.chain) % block_size == 0
+    """A key names at least one token; a partial last block is allowed (legacy
+    BlockSpaceManagerV1 registers a prompt's partial last block under its partial prefix)."""
+    return len(key.chain) > 0

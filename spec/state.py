@@ -116,4 +116,4 @@ class World:
     config: Config
     state: KVState
     seqs: Mapping[int, SeqModel]
-    memory: Mapping[tuple[Device, int, int], int]
+    memory: Mapping[tuple[Device, int, int], tuple[int, int]]  # cell -> (position, token)

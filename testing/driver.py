@@ -74,7 +74,7 @@ class Driver:
                 raise ValueError(f"unknown invariant id(s): {sorted(unknown)}")
         self.log = log or (lambda _msg: None)
         self.seqs: dict[int, SeqModel] = {}
-        self.memory: dict[tuple[Device, int, int], int] = {}
+        self.memory: dict[tuple[Device, int, int], tuple[int, int]] = {}
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.state: KVState = impl.observe()
@@ -253,7 +253,7 @@ class Driver:
         )
         self._faults(faults)
         for w in writes:
-            self.memory[w.cell] = w.token
+            self.memory[w.cell] = w.kv
         if end > start:
             self.impl.commit(seq_id, end - start)
         seq = attrs.evolve(seq, num_computed=end)
@@ -273,13 +273,13 @@ class Driver:
         faults = []
         for src, a, dst, b, writes in planned:
             for w in writes:
-                if w.cell in self.memory:
+                if w.cell in self.memory and self.memory[w.cell] != w.kv:
                     faults.append(WriteFault(
                         "immutability",
                         f"copying {src.value} block {a} into {dst.value} block {b} overwrites "
                         f"live content at slot {w.cell[2]}",
                     ))
-                self.memory[w.cell] = w.token
+                self.memory[w.cell] = w.kv
         self._faults(faults)
 
     def _faults(self, faults: list[WriteFault]) -> None:

@@ -61,7 +61,7 @@ def _world(refcounts, free, tables, seqs, memory=None, cached=(), evictable=(), 
 def _healthy():
     seq = SeqModel(0, (5, 6, 7), num_computed=3, step=(2, 3))
     table = TableView(0, Device.GPU, (0, 1))
-    memory = {(Device.GPU, 0, 0): 5, (Device.GPU, 0, 1): 6, (Device.GPU, 1, 0): 7}
+    memory = {(Device.GPU, 0, 0): (0, 5), (Device.GPU, 0, 1): (1, 6), (Device.GPU, 1, 0): (2, 7)}
     return dict(refcounts=[1, 1, 0], free=[2], tables=[table], seqs=[seq], memory=memory)
 
 

@@ -15,17 +15,19 @@ from kvspec.targets.registry import local_vllm_version, parse
 VLLM = local_vllm_version()
 
 
-def requires_vllm(lo: str, hi: str | None = None, *, why: str = ""):
-    """Skip unless this interpreter's vLLM release is within [lo, hi]."""
+def requires_vllm(lo: str, hi: str | None = None, *, pin: str | None = None):
+    """Skip unless this interpreter's vLLM release is within [lo, hi]; ``pin`` is the
+    release CI runs them on."""
+    pin = pin or lo
     if VLLM is None:
         return pytest.mark.skip(
-            reason=f"vLLM is not importable here; run `kvspec provision {lo}` then "
-            f"`kvspec test-targets {lo}` {why}".strip()
+            reason=f"vLLM is not importable here; run `kvspec provision {pin}` then "
+            f"`kvspec test-targets {pin}` (or plain `pytest`, which runs them in the venv)"
         )
     v = parse(VLLM)
     ok = parse(lo) <= v and (hi is None or v <= parse(hi))
     span = f"{lo}..{hi}" if hi else f">= {lo}"
     return pytest.mark.skipif(
         not ok,
-        reason=f"needs vLLM {span}, this venv has {VLLM}; run `kvspec test-targets {lo}`",
+        reason=f"needs vLLM {span}, this venv has {VLLM}; run `kvspec test-targets {pin}`",
     )

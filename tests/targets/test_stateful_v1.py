@@ -13,7 +13,7 @@ from kvspec.testing.strategies import configs
 
 from .conftest import requires_vllm
 
-pytestmark = requires_vllm("0.11.0")
+pytestmark = requires_vllm("0.11.0", pin="0.33.0")
 
 
 def _factory(config):
