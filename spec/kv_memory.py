@@ -77,7 +77,9 @@ def plan_step_writes(
     overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
     and a block that is shared or registered in the prefix cache is never written (a write
     into it must go through copy-on-write first).  Rewriting a slot with the very KV it
-    holds (same position, same token: a recompute) changes nothing and is allowed.  "Registered" means registered before the
+    holds (same position, same token: a recompute) changes nothing and is allowed, and so is
+    filling an empty slot of a cached block with exactly the KV its key claims (legacy vLLM
+    and V1 register a block's key when they allocate it, before the worker computes it).  "Registered" means registered before the
     step and still the same block after it (``before``, when given): vLLM's V1 manager
     registers the full blocks a step will compute inside ``allocate_slots``, ahead of the
     worker's write, and that is allowed.
@@ -125,15 +127,27 @@ def plan_step_writes(
                     f"{refcount} slots (missed copy-on-write)",
                 )
             )
-        if block in cached:
+        claimed = _claimed(cached.get(block), off, block_size)
+        if claimed is not None and claimed != kv:
             faults.append(
                 WriteFault(
                     "immutability",
-                    f"seq {seq.seq_id}: writing position {pos} into block {block}, which the "
-                    f"prefix cache already holds",
+                    f"seq {seq.seq_id}: writing position {pos} (token {kv[1]}) into block "
+                    f"{block} slot {off}, which the prefix cache holds as position {claimed[0]} "
+                    f"token {claimed[1]}",
                 )
             )
     return writes, faults
+
+
+def _claimed(key, off: int, block_size: int) -> KV | None:
+    """The KV a cached block's key says slot ``off`` holds (None past a partial key)."""
+    if key is None:
+        return None
+    tokens = key.block_tokens(block_size)
+    if off >= len(tokens):
+        return None
+    return (key.block_index(block_size) * block_size + off, tokens[off])
 
 
 def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
@@ -167,15 +181,17 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
     return dead
 
 
-def registered_through(before: KVState, after: KVState, device: Device) -> set[int]:
-    """Blocks in the prefix cache before an operation that are still the same cached block
-    (same key, same life) after it."""
+def registered_through(before: KVState, after: KVState, device: Device) -> dict:
+    """Blocks (with their keys) in the prefix cache before an operation that are still the
+    same cached block (same key, same life) after it."""
     pb, pa = before.pool(device), after.pool(device)
     if pb is None or pa is None:
-        return set()
+        return {}
     dead = {b for d, b in ended_lifetimes(before, after) if d is device}
     keys_after = pa.cached_key_of()
-    return {b for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead}
+    return {
+        b: k for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead
+    }
 
 
 def copy_cells(
