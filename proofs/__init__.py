@@ -1,0 +1,37 @@
+"""kvspec.proofs: z3 proofs of the spec's obligations, tied to the real code.
+
+Every obligation is registered under ``<invariant-id>/<name>`` (``core.OBLIGATIONS``) with the
+result it is expected to have: *proved*, or a *counterexample* where the obligation is about a
+known-buggy vLLM formula.  ``run_all`` runs them; ``python -m kvspec.proofs`` (and
+``kvspec prove``) prints the table and exits non-zero on any unexpected result.
+
+Modules: ``window`` (obligations 1, 2), ``admission`` (3), ``bmc`` (4), ``encode`` and
+``vllm_formulas`` (the encodings obligation 5 tests), ``coverage`` (6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from . import admission, bmc, coverage, window  # noqa: F401  (registration)
+from .core import OBLIGATIONS, Obligation, Result, select
+from .coverage import coverage_cases
+
+
+def run_all(
+    selection: Iterable[str] | None = None,
+    deep: bool = False,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Run the obligations whose ID starts with one of ``selection`` (default: the default set;
+    ``deep`` adds deeper bounds and the deep-only obligations)."""
+    results = []
+    for ob in select(selection, deep):
+        result = ob.run(deep)
+        if on_result is not None:
+            on_result(result)
+        results.append(result)
+    return results
+
+
+__all__ = ["OBLIGATIONS", "Obligation", "Result", "coverage_cases", "run_all"]

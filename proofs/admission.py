@@ -26,12 +26,22 @@ OK, LATER, NEVER = V.OK, V.LATER, V.NEVER
 
 # ---------------------------------------------------------------- the reference's admission
 
-B, N, free, ev, L, k, hit, eh = z3.Ints("B N free evictable prompt_len num_new_tokens hit_tokens evictable_hits")
+B, N, free, ev, L, k, hit, eh = z3.Ints(
+    "B N free evictable prompt_len num_new_tokens hit_tokens evictable_hits"
+)
 win = E.Win(z3.Bool("windowed"), z3.Int("W"))
 
 
 def reference_admission(
-    hit_tokens, prompt_len, num_new_tokens, w: E.Win, block_size, free_, evictable, evictable_hits, num_blocks
+    hit_tokens,
+    prompt_len,
+    num_new_tokens,
+    w: E.Win,
+    block_size,
+    free_,
+    evictable,
+    evictable_hits,
+    num_blocks,
 ):
     """The reference's can_admit answer and the blocks its admit allocates, as z3 terms.
 
@@ -75,9 +85,18 @@ STATE = [
     KEPT - eh <= N - free - ev,  # the others are in use
 ]
 STATE_SHOW: Mapping[str, z3.ExprRef] = {
-    "B": B, "windowed": win.on, "W": win.size, "N": N, "free": free, "evictable": ev,
-    "prompt_len": L, "num_new_tokens": k, "hit_tokens": hit, "evictable_hits": eh,
-    "status(0=OK,1=LATER,2=NEVER)": STATUS, "allocated": GROW,
+    "B": B,
+    "windowed": win.on,
+    "W": win.size,
+    "N": N,
+    "free": free,
+    "evictable": ev,
+    "prompt_len": L,
+    "num_new_tokens": k,
+    "hit_tokens": hit,
+    "evictable_hits": eh,
+    "status(0=OK,1=LATER,2=NEVER)": STATUS,
+    "allocated": GROW,
 }
 REF_BOUNDS = "unbounded: every B, W (or none), pool, free/evictable split, prompt, hit, step"
 
@@ -134,9 +153,15 @@ V2_STATUS = V.z_v2_can_allocate(vL, vLA, vB, vwin, vN, vF)
 V2_ALLOC = V.z_v2_allocate_blocks(vL, vB)
 V2_STATE = [vB >= 1, vW >= 1, vN >= 1, vF >= 0, vF <= vN, vL >= 1, vLA >= 0]
 V2_SHOW = {
-    "B": vB, "W": vW, "N": vN, "free": vF, "prompt_len": vL, "lookahead": vLA,
+    "B": vB,
+    "W": vW,
+    "N": vN,
+    "free": vF,
+    "prompt_len": vL,
+    "lookahead": vLA,
     "max_block_sliding_window": V.z_v2_max_block_sliding_window(vW, vB),
-    "watermark_blocks": V.z_v2_watermark_blocks(vN), "allocate_takes": V2_ALLOC,
+    "watermark_blocks": V.z_v2_watermark_blocks(vN),
+    "allocate_takes": V2_ALLOC,
 }
 V2_CLAIM = z3.Implies(V2_STATUS == OK, V2_ALLOC <= vF)
 
@@ -148,8 +173,16 @@ def seed_counterexample(timeout_ms: int = 60_000) -> dict[str, int]:
     """z3's smallest prompt for the seed's pool on which V2's can_allocate says OK and allocate
     then needs more blocks than are free; every number the replay needs."""
     d = witness(
-        [*V2_STATE, vB == SEED["B"], vN == SEED["N"], vW == SEED["W"], vF == vN, vLA == 0,
-         z3.Not(V2_CLAIM), vL <= 4096],
+        [
+            *V2_STATE,
+            vB == SEED["B"],
+            vN == SEED["N"],
+            vW == SEED["W"],
+            vF == vN,
+            vLA == 0,
+            z3.Not(V2_CLAIM),
+            vL <= 4096,
+        ],
         V2_SHOW,
         timeout_ms,
         minimize=[vL],
@@ -179,12 +212,22 @@ def v2_seed(deep: bool) -> Verdict:
     """The seed scenario: with block size 4, an empty 4-block pool and window 8, z3 finds the
     prompts V2 admits and cannot allocate (the model the target test replays)."""
     pinned = [*V2_STATE, vB == 4, vN == 4, vW == 8, vF == vN, vLA == 0, vL <= 4096]
-    v = refutation(pinned, V2_CLAIM, V2_SHOW, "B=4, N=4, W=8, empty pool, prompt<=4096",
-                   minimize=[vL])
+    v = refutation(
+        pinned, V2_CLAIM, V2_SHOW, "B=4, N=4, W=8, empty pool, prompt<=4096", minimize=[vL]
+    )
     twenty = witness([*pinned, vL == 20, z3.Not(V2_CLAIM)], V2_SHOW)
     story = witness(  # the GitHub report: 4 prompt blocks, 3 free, cap 3
-        [*V2_STATE, vLA == 0, V2_ALLOC == 4, vF == 3, vF == vN,
-         V.z_v2_max_block_sliding_window(vW, vB) == 3, z3.Not(V2_CLAIM), vB >= 2, vB <= 64],
+        [
+            *V2_STATE,
+            vLA == 0,
+            V2_ALLOC == 4,
+            vF == 3,
+            vF == vN,
+            V.z_v2_max_block_sliding_window(vW, vB) == 3,
+            z3.Not(V2_CLAIM),
+            vB >= 2,
+            vB <= 64,
+        ],
         V2_SHOW,
         minimize=[vB, vL],
     )
@@ -223,8 +266,15 @@ def v1_sound(deep: bool) -> Verdict:
     reusing ring entries beyond it (:321-329) -- at the price of immutability."""
     status = V.z_v1_can_allocate(vL, vB, vwin, vN, vF)
     allocated = V.z_v1_allocate_blocks(vL, vB, vwin)
-    show = {"B": vB, "W": vW, "N": vN, "free": vF, "prompt_len": vL,
-            "block_sliding_window": V.z_v1_block_sliding_window(vW, vB), "allocate_takes": allocated}
+    show = {
+        "B": vB,
+        "W": vW,
+        "N": vN,
+        "free": vF,
+        "prompt_len": vL,
+        "block_sliding_window": V.z_v1_block_sliding_window(vW, vB),
+        "allocate_takes": allocated,
+    }
     return lemma(
         [*V2_STATE, vLA == 0],
         z3.Implies(status == OK, allocated <= vF),

@@ -125,12 +125,16 @@ class Tables:
         P, B, W = b.positions, b.block_size, b.window
         span = range(P + 1)
         new = tuple(
-            tuple(admission.new_blocks_for_step(h, e, W, B) if e > h else 0 for e in span) for h in span
+            tuple(admission.new_blocks_for_step(h, e, W, B) if e > h else 0 for e in span)
+            for h in span
         )
         bound = tuple(
             tuple(
-                min(window.window_cover(W + max(1, en - st) - 1, B), window.blocks_for_tokens(en, B))
-                if W is not None else P
+                min(
+                    window.window_cover(W + max(1, en - st) - 1, B), window.blocks_for_tokens(en, B)
+                )
+                if W is not None
+                else P
                 for en in span
             )
             for st in span
@@ -164,7 +168,9 @@ class Pool:
     wr: list[list[z3.BoolRef]]  # shadow memory: offset written in this lifetime
 
     def copy(self) -> Pool:
-        return Pool(list(self.rc), list(self.fl), list(self.ev), list(self.key), [list(w) for w in self.wr])
+        return Pool(
+            list(self.rc), list(self.fl), list(self.ev), list(self.key), [list(w) for w in self.wr]
+        )
 
     def flat(self) -> list[z3.ExprRef]:
         out: list[z3.ExprRef] = [*self.rc, *self.fl, *self.ev, *self.key]
@@ -225,7 +231,7 @@ class State:
 
 
 def initial(b: Bounds) -> State:
-    N, S, T, B = b.num_blocks, b.num_seqs, b.max_slots, b.block_size
+    N, S, B = b.num_blocks, b.num_seqs, b.block_size
     no = z3.BoolVal(False)
     pool = Pool([bv(0)] * N, [bv(1)] * N, [no] * N, [no] * N, [[no] * B for _ in range(N)])
     return State(pool, [_dead(b) for _ in range(S)])
@@ -310,10 +316,20 @@ class Choice:
     def domain(self, b: Bounds) -> list[z3.BoolRef]:
         N, S, T, P = b.num_blocks, b.num_seqs, b.max_slots, b.positions
         out = [
-            self.op >= 0, self.op < len(OPS),
-            self.s >= 0, self.s < S, self.c >= 0, self.c < S,
-            self.h >= 0, self.h <= T, self.prompt >= 1, self.prompt <= P,
-            self.k >= 1, self.k <= P, self.la >= 0, self.la <= b.max_lookahead,
+            self.op >= 0,
+            self.op < len(OPS),
+            self.s >= 0,
+            self.s < S,
+            self.c >= 0,
+            self.c < S,
+            self.h >= 0,
+            self.h <= T,
+            self.prompt >= 1,
+            self.prompt <= P,
+            self.k >= 1,
+            self.k <= P,
+            self.la >= 0,
+            self.la <= b.max_lookahead,
         ]
         if not b.prefix_caching:
             out.append(self.h == 0)
@@ -350,9 +366,12 @@ class Defs:
 
     def seq(self, s: Seq, hint: str) -> Seq:
         return Seq(
-            self.name(s.live, f"{hint}.live"), self.name(s.n, f"{hint}.n"),
-            self.name(s.st, f"{hint}.st"), self.name(s.en, f"{hint}.en"),
-            self.name(s.tl, f"{hint}.tl"), [self.name(x, f"{hint}.sl") for x in s.sl],
+            self.name(s.live, f"{hint}.live"),
+            self.name(s.n, f"{hint}.n"),
+            self.name(s.st, f"{hint}.st"),
+            self.name(s.en, f"{hint}.en"),
+            self.name(s.tl, f"{hint}.tl"),
+            [self.name(x, f"{hint}.sl") for x in s.sl],
         )
 
 
@@ -367,8 +386,8 @@ class Effect:
     pool: Pool
     seq: Seq | None
     constraints: list[z3.BoolRef] = attrs.Factory(list)
-    immutability: z3.BoolRef = z3.BoolVal(False)
-    admission: z3.BoolRef = z3.BoolVal(False)
+    immutability: z3.BoolRef = attrs.Factory(lambda: z3.BoolVal(False))
+    admission: z3.BoolRef = attrs.Factory(lambda: z3.BoolVal(False))
 
 
 def _writes(b: Bounds, pool: Pool, slots, lo, hi) -> tuple[Pool, z3.BoolRef]:
@@ -383,7 +402,9 @@ def _writes(b: Bounds, pool: Pool, slots, lo, hi) -> tuple[Pool, z3.BoolRef]:
             w = z3.And(lo <= pos, pos < hi)
             cell_written = _at([pool.wr[x][o] for x in range(N)], blk)
             bad.append(
-                z3.And(w, z3.Or(blk == NONE, cell_written, _at(pool.rc, blk) != 1, _at(pool.key, blk)))
+                z3.And(
+                    w, z3.Or(blk == NONE, cell_written, _at(pool.rc, blk) != 1, _at(pool.key, blk))
+                )
             )
             for x in range(N):
                 out.wr[x][o] = z3.Or(out.wr[x][o], z3.And(w, blk == x))
@@ -407,12 +428,16 @@ def _distinct_available(fresh, choice, avail) -> list[z3.BoolRef]:
     T = len(fresh)
     out = [z3.Implies(fresh[i], _at(avail, choice[i])) for i in range(T)]
     out += [
-        z3.Implies(z3.And(fresh[i], fresh[j]), choice[i] != choice[j]) for i in range(T) for j in range(i)
+        z3.Implies(z3.And(fresh[i], fresh[j]), choice[i] != choice[j])
+        for i in range(T)
+        for j in range(i)
     ]
     return out
 
 
-def _admit(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutant, d: Defs) -> Effect:
+def _admit(
+    b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutant, d: Defs
+) -> Effect:
     N, T, B = b.num_blocks, b.max_slots, b.block_size
     hit = d.name(ch.h * B, "hit")
     end = d.name(_min(hit + ch.k, ch.prompt), "end")
@@ -422,7 +447,9 @@ def _admit(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Muta
     fresh = [d.name(z3.And(ch.h <= i, i <= last), "fresh") for i in range(T)]
     hits_ok = [z3.Implies(i < ch.h, _at(pool.key, ch.hb[i])) for i in range(T)]
     hits_ok += [
-        z3.Implies(z3.And(i < ch.h, j < ch.h), ch.hb[i] != ch.hb[j]) for i in range(T) for j in range(i)
+        z3.Implies(z3.And(i < ch.h, j < ch.h), ch.hb[i] != ch.hb[j])
+        for i in range(T)
+        for j in range(i)
     ]
     new = tb.new_blocks(hit, end)
     if mutant == "admission-one-short":
@@ -430,7 +457,9 @@ def _admit(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Muta
     evictable_hits = _count([z3.And(kept[i], _at(pool.rc, ch.hb[i]) == 0) for i in range(T)])
     total_free, total_ev = z3.Sum(pool.fl), _count(pool.ev)
     # can_admit: NEVER when it cannot fit even an empty pool, OK when admission.fits.
-    ok = d.name(z3.And(new + _count(kept) <= N, new + evictable_hits <= total_free + total_ev), "ok")
+    ok = d.name(
+        z3.And(new + _count(kept) <= N, new + evictable_hits <= total_free + total_ev), "ok"
+    )
 
     inc = [_count([z3.And(kept[i], ch.hb[i] == x) for i in range(T)]) for x in range(N)]
     revived = d.pool(_incref(pool, inc), "revived")
@@ -439,7 +468,12 @@ def _admit(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Muta
     chosen = [z3.Or(*[z3.And(fresh[i], ch.a[i] == x) for i in range(T)]) for x in range(N)]
     allocated = d.pool(_allocate(revived, chosen, mutant), "alloc")
     slots = [
-        d.name(z3.If(i < first, bv(NONE), z3.If(i < ch.h, ch.hb[i], z3.If(i <= last, ch.a[i], bv(NONE)))), "slot")
+        d.name(
+            z3.If(
+                i < first, bv(NONE), z3.If(i < ch.h, ch.hb[i], z3.If(i <= last, ch.a[i], bv(NONE)))
+            ),
+            "slot",
+        )
         for i in range(T)
     ]
     written, imm = _writes(b, allocated, slots, hit, end)
@@ -450,13 +484,19 @@ def _admit(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Muta
         go=go,
         pool=published,
         seq=Seq(z3.BoolVal(True), end, hit, end, last + 1, slots),
-        constraints=[hit < ch.prompt, *hits_ok, z3.Implies(go, z3.And(*_distinct_available(fresh, ch.a, avail)))],
+        constraints=[
+            hit < ch.prompt,
+            *hits_ok,
+            z3.Implies(go, z3.And(*_distinct_available(fresh, ch.a, avail))),
+        ],
         immutability=z3.And(go, imm),
         admission=fail,
     )
 
 
-def _step(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutant, d: Defs) -> Effect:
+def _step(
+    b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutant, d: Defs
+) -> Effect:
     N, T, B = b.num_blocks, b.max_slots, b.block_size
     start = seq.n
     wend = d.name(start + ch.k, "wend")
@@ -470,7 +510,9 @@ def _step(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutan
     drop = [d.name(z3.And(i < first, held[i]), "drop") for i in range(T)]
     released = _count([z3.And(drop[i], rc_of[i] == 1) for i in range(T)])
     lo, hi = d.name(tb.div_b(start), "lo"), d.name(tb.div_b(wend - 1), "hi")
-    cow = [d.name(z3.And(lo <= i, i <= hi, i < seq.tl, held[i], rc_of[i] > 1), "cow") for i in range(T)]
+    cow = [
+        d.name(z3.And(lo <= i, i <= hi, i < seq.tl, held[i], rc_of[i] > 1), "cow") for i in range(T)
+    ]
     if mutant == "skip-copy-on-write":
         cow = [z3.BoolVal(False)] * T
     top = d.name(tb.div_b(rend - 1), "top")
@@ -486,15 +528,22 @@ def _step(b: Bounds, tb: Tables, pool: Pool, seq: Seq, ch: Choice, mutant: Mutan
     allocated = _allocate(dropped, chosen, mutant)
     for x in range(N):  # copy-on-write copies the written cells of the old block
         for o in range(B):
-            copied = z3.Or(*[
-                z3.And(cow[i], ch.a[i] == x, _at([dropped.wr[y][o] for y in range(N)], seq.sl[i]))
-                for i in range(T)
-            ])
+            copied = z3.Or(
+                *[
+                    z3.And(
+                        cow[i], ch.a[i] == x, _at([dropped.wr[y][o] for y in range(N)], seq.sl[i])
+                    )
+                    for i in range(T)
+                ]
+            )
             allocated.wr[x][o] = z3.Or(allocated.wr[x][o], copied)
     allocated = d.pool(allocated, "alloc")
     dec_cow = [_count([z3.And(cow[i], seq.sl[i] == x) for i in range(T)]) for x in range(N)]
     after = d.pool(_decref(allocated, dec_cow), "cowed")
-    slots = [d.name(z3.If(i < first, bv(NONE), z3.If(fresh[i], ch.a[i], seq.sl[i])), "slot") for i in range(T)]
+    slots = [
+        d.name(z3.If(i < first, bv(NONE), z3.If(fresh[i], ch.a[i], seq.sl[i])), "slot")
+        for i in range(T)
+    ]
     written, imm = _writes(b, after, slots, start, wend)
     published = d.pool(_publish(b, written, slots, ch.reg, lo, tb.div_b(wend)), "stepped")
     go = z3.And(guard, z3.Not(fail))
@@ -526,8 +575,12 @@ def _free(b: Bounds, pool: Pool, seq: Seq, mutant: Mutant, d: Defs) -> Effect:
     if mutant == "free-skips-last-slot":
         slots = [z3.If(seq.tl - 1 == i, bv(NONE), seq.sl[i]) for i in range(T)]
     dec = [_count([slots[i] == x for i in range(T)]) for x in range(N)]
-    return Effect(enabled=seq.live, go=z3.BoolVal(True), pool=d.pool(_decref(pool, dec), "freed"),
-                  seq=_dead(b))
+    return Effect(
+        enabled=seq.live,
+        go=z3.BoolVal(True),
+        pool=d.pool(_decref(pool, dec), "freed"),
+        seq=_dead(b),
+    )
 
 
 def _reset(b: Bounds, pool: Pool) -> Effect:
@@ -546,7 +599,12 @@ class Transition:
 
 
 def transition(
-    b: Bounds, st: State, nxt: State, ch: Choice, mutant: Mutant = "", tag: str = "",
+    b: Bounds,
+    st: State,
+    nxt: State,
+    ch: Choice,
+    mutant: Mutant = "",
+    tag: str = "",
     fixed: tuple[int, int] | None = None,
 ) -> Transition:
     """Constraints tying ``nxt`` to ``st`` under the choice ``ch``.
@@ -589,18 +647,21 @@ def transition(
         adm.append(z3.And(on, eff.admission))
     merged = st.pool.flat()
     for _, take, eff in reversed(takes):
-        merged = [z3.If(take, x, y) for x, y in zip(eff.pool.flat(), merged)]
-    constraints += [x == y for x, y in zip(nxt.pool.flat(), merged)]
+        merged = [z3.If(take, x, y) for x, y in zip(eff.pool.flat(), merged, strict=True)]
+    constraints += [x == y for x, y in zip(nxt.pool.flat(), merged, strict=True)]
     for j in range(S):
         value = st.seqs[j].flat()
         for op, take, eff in reversed(takes):
             if eff.seq is None:
                 continue
             target = forked if op == 3 else acting
-            hits_j = take if isinstance(target, int) and target == j else (
-                z3.BoolVal(False) if isinstance(target, int) else z3.And(take, target == j))
-            value = [z3.If(hits_j, x, y) for x, y in zip(eff.seq.flat(), value)]
-        constraints += [x == y for x, y in zip(nxt.seqs[j].flat(), value)]
+            hits_j = (
+                take
+                if isinstance(target, int) and target == j
+                else (z3.BoolVal(False) if isinstance(target, int) else z3.And(take, target == j))
+            )
+            value = [z3.If(hits_j, x, y) for x, y in zip(eff.seq.flat(), value, strict=True)]
+        constraints += [x == y for x, y in zip(nxt.seqs[j].flat(), value, strict=True)]
     constraints += d.eqs
     return Transition(constraints, z3.Or(*imm), z3.Or(*adm))
 
@@ -667,9 +728,23 @@ def auxiliary(b: Bounds, st: State, blocks: Blocks = None) -> dict[str, z3.BoolR
     p = st.pool
     shape, memory = [], []
     for s in st.seqs:
-        dead = [z3.Not(s.live), s.n == 0, s.st == 0, s.en == 0, s.tl == 0, *[x == NONE for x in s.sl]]
+        dead = [
+            z3.Not(s.live),
+            s.n == 0,
+            s.st == 0,
+            s.en == 0,
+            s.tl == 0,
+            *[x == NONE for x in s.sl],
+        ]
         first = tb.first_needed(s.st)
-        alive = [s.live, 0 <= s.st, s.st < s.n, s.n <= s.en, s.en <= P, s.tl == tb.div_b(s.en - 1) + 1]
+        alive = [
+            s.live,
+            0 <= s.st,
+            s.st < s.n,
+            s.n <= s.en,
+            s.en <= P,
+            s.tl == tb.div_b(s.en - 1) + 1,
+        ]
         for i in range(T):
             alive.append(z3.If(z3.And(first <= i, i < s.tl), s.sl[i] != NONE, s.sl[i] == NONE))
         shape.append(z3.Or(z3.And(*dead), z3.And(*alive)))
@@ -744,7 +819,9 @@ def _first_failure(model: z3.ModelRef, goals: Mapping[str, z3.BoolRef]) -> str:
     return "?"
 
 
-def prove_runs(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS, depth: int | None = None) -> BmcResult:
+def prove_runs(
+    b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS, depth: int | None = None
+) -> BmcResult:
     """Direct BMC: no run of length <= depth breaks a property or an auxiliary invariant.
 
     Depth by depth, each query asks for the FIRST failure: the states before it are asserted
@@ -754,9 +831,7 @@ def prove_runs(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS, depth: int | Non
     """
     u = Unrolling(b, timeout_ms=timeout_ms)
     depth = b.depth if depth is None else depth
-    init = z3.Solver()
-    init.add(z3.Not(z3.And(*invariant(b, u.states[0]).values())))
-    if init.check() != z3.unsat:
+    if not initial_satisfies(b):
         return BmcResult("unknown", reason="the initial state breaks an invariant")
     for t in range(1, depth + 1):
         u.extend()
@@ -778,7 +853,9 @@ def prove_runs(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS, depth: int | Non
     return BmcResult("proved", depth=depth)
 
 
-def find_violation(b: Bounds, prop: str, mutant: Mutant, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> BmcResult:
+def find_violation(
+    b: Bounds, prop: str, mutant: Mutant, timeout_ms: int = DEFAULT_TIMEOUT_MS
+) -> BmcResult:
     """The shortest run (<= depth) on which ``prop`` fails, for a seeded bug."""
     u = Unrolling(b, mutant, timeout_ms)
     for t in range(1, b.depth + 1):
@@ -863,6 +940,13 @@ def induction(b: Bounds, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, str]
     return out
 
 
+def initial_satisfies(b: Bounds) -> bool:
+    """The base case: the empty pool satisfies every property and auxiliary invariant."""
+    solver = z3.Solver()
+    solver.add(z3.Not(z3.And(*invariant(b, initial(b)).values())))
+    return solver.check() == z3.unsat
+
+
 MUTANTS: dict[str, str] = {
     # seeded bug -> the property that must catch it
     "free-skips-last-slot": "refcount-exact",
@@ -887,6 +971,8 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
     ind = induction(b, timeout)
     t_ind = time.perf_counter() - t0
     open_ = {k: v for k, v in ind.items() if v != "inductive"}
+    if not initial_satisfies(b):
+        open_["base case"] = "the initial state breaks an invariant"
     unbounded = [p for p in props if p in ind and not open_]
     direct_depth = b.depth if deep else DEFAULT_DIRECT_DEPTH
     t0 = time.perf_counter()
@@ -903,7 +989,9 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
     else:
         parts.append(f"induction open: {', '.join(f'{k} ({v})' for k, v in open_.items())}")
     if runs.outcome == "proved":
-        parts.append(f"direct BMC (no invariant assumed) agrees to depth {runs.depth} ({t_bmc:.0f}s)")
+        parts.append(
+            f"direct unrolling from the initial state agrees to depth {runs.depth} ({t_bmc:.0f}s)"
+        )
     else:
         parts.append(f"direct BMC: {runs.outcome} ({runs.reason or runs.trace})")
     proved_to = b.depth if not open_ else (runs.depth if runs.outcome == "proved" else 0)
@@ -923,7 +1011,7 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
     return Verdict(outcome, b.describe(), "; ".join(parts), twin=twin, twin_ok=not missed)
 
 
-DEFAULT_DIRECT_DEPTH = 3
+DEFAULT_DIRECT_DEPTH = 2
 
 
 @obligation("refcount-exact/reference-bmc")
@@ -947,47 +1035,88 @@ def reference_bmc(deep: bool) -> Verdict:
     )
 
 
+@attrs.define
+class _Stepper:
+    s0: State
+    s1: State
+    ch: Choice
+    tr: Transition
+    solver: z3.Solver
+
+
+_STEPPERS: dict[Bounds, _Stepper] = {}
+
+
 def concrete_step(b: Bounds, before: Mapping[str, object], choice: Mapping[str, object]) -> dict:
-    """Run one transition on concrete values (for the conformance test): the next state, and
-    the transition-property flags."""
-    s0 = State.fresh(b, "c0")
-    s1 = State.fresh(b, "c1")
-    ch = Choice.fresh(b, "c")
-    tr = transition(b, s0, s1, ch, tag="c")
-    solver = z3.Solver()
-    solver.add(*tr.constraints)
-    solver.add(*_bind(b, s0, before))
-    for name, value in choice.items():
-        target = getattr(ch, name)
-        if isinstance(target, list):
-            for i, v in enumerate(value):  # type: ignore[arg-type]
-                solver.add(target[i] == v)
-        else:
-            solver.add(target == value)
-    answer = solver.check()
-    if answer != z3.sat:
-        raise AssertionError(f"the transition has no successor: {answer}")
-    model = solver.model()
-    out = _read(b, model, s1)
-    out["immutability_violation"] = z3.is_true(model.eval(tr.immutability, model_completion=True))
-    out["admission_violation"] = z3.is_true(model.eval(tr.admission, model_completion=True))
-    # The successor must be unique: no other model of the same choice.
-    solver.add(z3.Or(*[x != model.eval(x, model_completion=True) for x in s1.flat()]))
-    out["unique"] = solver.check() == z3.unsat
-    return out
+    """One transition on concrete values (for the conformance test against the reference):
+    the next state, the transition-property flags, and whether the successor is unique."""
+    if b not in _STEPPERS:
+        s0, s1, ch = State.fresh(b, "c0"), State.fresh(b, "c1"), Choice.fresh(b, "c")
+        tr = transition(b, s0, s1, ch, tag="c")
+        solver = z3.Solver()
+        solver.add(*tr.constraints)
+        _STEPPERS[b] = _Stepper(s0, s1, ch, tr, solver)
+    k = _STEPPERS[b]
+    k.solver.push()
+    try:
+        k.solver.add(*_bind(b, k.s0, before))
+        for name, value in choice.items():
+            target = getattr(k.ch, name)
+            if isinstance(target, list):
+                k.solver.add(*[target[i] == v for i, v in enumerate(value)])  # type: ignore[arg-type]
+            else:
+                k.solver.add(target == value)
+        answer = k.solver.check()
+        if answer != z3.sat:
+            raise AssertionError(f"the transition has no successor: {answer}")
+        model = k.solver.model()
+        out = _read(b, model, k.s1)
+        out["immutability_violation"] = z3.is_true(
+            model.eval(k.tr.immutability, model_completion=True)
+        )
+        out["admission_violation"] = z3.is_true(model.eval(k.tr.admission, model_completion=True))
+        k.solver.add(z3.Or(*[x != model.eval(x, model_completion=True) for x in k.s1.flat()]))
+        out["unique"] = k.solver.check() == z3.unsat
+        return out
+    finally:
+        k.solver.pop()
+
+
+def initial_values(b: Bounds) -> dict:
+    """The initial state as plain values (``concrete_step``'s format)."""
+    return {
+        "rc": [0] * b.num_blocks,
+        "fl": [1] * b.num_blocks,
+        "ev": [False] * b.num_blocks,
+        "key": [False] * b.num_blocks,
+        "wr": [[False] * b.block_size for _ in range(b.num_blocks)],
+        "seqs": [
+            {"live": False, "n": 0, "st": 0, "en": 0, "tl": 0, "sl": [NONE] * b.max_slots}
+            for _ in range(b.num_seqs)
+        ],
+    }
 
 
 def _bind(b: Bounds, st: State, values: Mapping[str, object]) -> list[z3.BoolRef]:
     p = st.pool
     out = []
     for x in range(b.num_blocks):
-        out += [p.rc[x] == values["rc"][x], p.fl[x] == values["fl"][x],  # type: ignore[index]
-                p.ev[x] == values["ev"][x], p.key[x] == values["key"][x]]  # type: ignore[index]
+        out += [
+            p.rc[x] == values["rc"][x],
+            p.fl[x] == values["fl"][x],  # type: ignore[index]
+            p.ev[x] == values["ev"][x],
+            p.key[x] == values["key"][x],
+        ]  # type: ignore[index]
         out += [p.wr[x][o] == values["wr"][x][o] for o in range(b.block_size)]  # type: ignore[index]
     for s, seq in enumerate(st.seqs):
         v = values["seqs"][s]  # type: ignore[index]
-        out += [seq.live == v["live"], seq.n == v["n"], seq.st == v["st"], seq.en == v["en"],
-                seq.tl == v["tl"]]
+        out += [
+            seq.live == v["live"],
+            seq.n == v["n"],
+            seq.st == v["st"],
+            seq.en == v["en"],
+            seq.tl == v["tl"],
+        ]
         out += [seq.sl[i] == v["sl"][i] for i in range(b.max_slots)]
     return out
 
@@ -1005,8 +1134,14 @@ def _read(b: Bounds, model: z3.ModelRef, st: State) -> dict:
         "key": [ev(x) for x in p.key],
         "wr": [[ev(x) for x in w] for w in p.wr],
         "seqs": [
-            {"live": ev(s.live), "n": ev(s.n), "st": ev(s.st), "en": ev(s.en), "tl": ev(s.tl),
-             "sl": [ev(x) for x in s.sl]}
+            {
+                "live": ev(s.live),
+                "n": ev(s.n),
+                "st": ev(s.st),
+                "en": ev(s.en),
+                "tl": ev(s.tl),
+                "sl": [ev(x) for x in s.sl],
+            }
             for s in st.seqs
         ],
     }

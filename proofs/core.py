@@ -28,7 +28,7 @@ class Decision:
     """z3's answer about one claim."""
 
     outcome: Outcome
-    model: Mapping[str, int | bool] = attrs.field(factory=dict)
+    model: Mapping[str, int | bool | None] = attrs.field(factory=dict)
     reason: str = ""
 
     def numbers(self) -> str:
@@ -120,7 +120,7 @@ def obligation(id: str, expect: Outcome = "proved", *, deep_only: bool = False):
 # ---------------------------------------------------------------- deciding claims
 
 
-def plain(model: Mapping[str, int | bool]) -> str:
+def plain(model: Mapping[str, int | bool | None]) -> str:
     return " ".join(f"{k}={_show(v)}" for k, v in model.items())
 
 
@@ -141,6 +141,13 @@ def _value(model: z3.ModelRef, expr: z3.ExprRef) -> int | bool:
     return v.as_long()
 
 
+def _tidy(model: dict[str, int | bool | None]) -> dict[str, int | bool | None]:
+    """A window that is off has no size: print it as None."""
+    if model.get("windowed") is False and "W" in model:
+        model["W"] = None
+    return model
+
+
 def decide(
     hypotheses: Sequence[z3.BoolRef],
     goal: z3.BoolRef,
@@ -157,7 +164,7 @@ def decide(
         return Decision("proved")
     if answer == z3.sat:
         model = solver.model()
-        return Decision("counterexample", {k: _value(model, e) for k, e in show.items()})
+        return Decision("counterexample", _tidy({k: _value(model, e) for k, e in show.items()}))
     return Decision("unknown", reason=solver.reason_unknown())
 
 
@@ -178,7 +185,7 @@ def witness(
     answer = solver.check()
     if answer == z3.sat:
         model = solver.model()
-        return Decision("counterexample", {k: _value(model, e) for k, e in show.items()})
+        return Decision("counterexample", _tidy({k: _value(model, e) for k, e in show.items()}))
     if answer == z3.unsat:
         return Decision("proved", reason="no model exists")
     return Decision("unknown", reason=solver.reason_unknown())
@@ -210,9 +217,11 @@ def lemma(
         var, n = per_value
         prefix = f"unbounded attempt: unknown ({d.reason}); "
         bounds = f"{var}=1..{n} one at a time; all else as stated ({bounds})"
-        d = _per_value(hypotheses, goal, show, var, n, timeout_ms, stop_on_sat=True)
-        twin_decision = _per_value(hypotheses, twin, show, var, n, timeout_ms, stop_on_sat=True)
+        d = _per_value(hypotheses, goal, show, var, n, timeout_ms)
+        twin_decision = _per_value(hypotheses, twin, show, var, n, timeout_ms)
     t = twin_decision or decide(hypotheses, twin, show, timeout)
+    if t.outcome == "unknown" and per_value is not None:
+        t = _per_value(hypotheses, twin, show, *per_value, timeout_ms)
     if t.outcome == "counterexample":
         twin_text, twin_ok = f"refuted ({t.numbers()})", True
     elif t.outcome == "proved":
@@ -235,7 +244,6 @@ def _per_value(
     var: z3.ArithRef,
     n: int,
     timeout_ms: int,
-    stop_on_sat: bool,
 ) -> Decision:
     """``decide`` for var = 1 .. n, substituting each value (one incremental solver)."""
     solver = z3.Solver()
@@ -247,8 +255,10 @@ def _per_value(
         answer = solver.check()
         if answer == z3.sat:
             model = solver.model()
-            shown = {k: _value(model, z3.substitute(e, (var, z3.IntVal(value)))) for k, e in show.items()}
-            return Decision("counterexample", shown)
+            shown = {
+                k: _value(model, z3.substitute(e, (var, z3.IntVal(value)))) for k, e in show.items()
+            }
+            return Decision("counterexample", _tidy(shown))
         if answer != z3.unsat:
             return Decision("unknown", reason=f"{var}={value}: {solver.reason_unknown()}")
         solver.pop()
@@ -279,13 +289,15 @@ def refutation(
 
 
 def select(selection: Iterable[str] | None = None, deep: bool = False) -> list[Obligation]:
-    """Obligations whose ID starts with one of ``selection`` (all when None)."""
-    chosen = []
-    wanted = list(selection) if selection is not None else None
-    for ob in OBLIGATIONS.values():
-        if ob.deep_only and not deep and wanted is None:
-            continue
-        if wanted is not None and not any(ob.id == w or ob.id.startswith(w) for w in wanted):
-            continue
-        chosen.append(ob)
-    return chosen
+    """The obligations named by ``selection`` (all when None): an entry that is an obligation
+    ID selects just it, any other entry every ID starting with it."""
+    if selection is None:
+        return [ob for ob in OBLIGATIONS.values() if deep or not ob.deep_only]
+    wanted = list(selection)
+    exact = {w for w in wanted if w in OBLIGATIONS}
+    prefixes = [w for w in wanted if w not in OBLIGATIONS]
+    return [
+        ob
+        for ob in OBLIGATIONS.values()
+        if ob.id in exact or any(ob.id.startswith(p) for p in prefixes)
+    ]

@@ -87,7 +87,9 @@ def first_needed_block(start, win: Win, block_size):
 
 
 def attends(query_pos, key_pos, win: Win):
-    return z3.And(key_pos <= query_pos, key_pos >= 0, z3.Or(z3.Not(win.on), query_pos - key_pos < win.size))
+    return z3.And(
+        key_pos <= query_pos, key_pos >= 0, z3.Or(z3.Not(win.on), query_pos - key_pos < win.size)
+    )
 
 
 # ---------------------------------------------------------------- spec.admission
@@ -139,12 +141,26 @@ def register(enc: Encoding) -> Encoding:
 for _enc in (
     Encoding("window.ceil_div", window.ceil_div, ceil_div, ("int", "pos")),
     Encoding("window.block_of", window.block_of, block_of, ("nat", "pos")),
-    Encoding("window.blocks_for_tokens", window.blocks_for_tokens, blocks_for_tokens, ("nat", "pos")),
+    Encoding(
+        "window.blocks_for_tokens", window.blocks_for_tokens, blocks_for_tokens, ("nat", "pos")
+    ),
     Encoding("window.blocks_touched", window.blocks_touched, blocks_touched, ("int", "int", "pos")),
     Encoding("window.window_cover", window.window_cover, window_cover, ("pos", "pos")),
-    Encoding("window.first_needed_position", window.first_needed_position, first_needed_position, ("nat", "window")),
-    Encoding("window.needed_blocks", window.needed_blocks, needed_blocks, ("nat", "nat", "window", "pos")),
-    Encoding("window.first_needed_block", window.first_needed_block, first_needed_block, ("nat", "window", "pos")),
+    Encoding(
+        "window.first_needed_position",
+        window.first_needed_position,
+        first_needed_position,
+        ("nat", "window"),
+    ),
+    Encoding(
+        "window.needed_blocks", window.needed_blocks, needed_blocks, ("nat", "nat", "window", "pos")
+    ),
+    Encoding(
+        "window.first_needed_block",
+        window.first_needed_block,
+        first_needed_block,
+        ("nat", "window", "pos"),
+    ),
     Encoding("window.attends", window.attends, attends, ("int", "int", "window")),
     Encoding(
         "admission.new_blocks_for_step",
@@ -153,7 +169,12 @@ for _enc in (
         ("nat", "pos", "window", "pos"),
         requires=lambda hit, end, w, b: end > hit,
     ),
-    Encoding("admission.hit_blocks_held", admission.hit_blocks_held, hit_blocks_held, ("nat", "window", "pos")),
+    Encoding(
+        "admission.hit_blocks_held",
+        admission.hit_blocks_held,
+        hit_blocks_held,
+        ("nat", "window", "pos"),
+    ),
     Encoding("admission.fits", admission.fits, fits, ("nat", "nat", "nat", "nat")),
 ):
     register(_enc)
@@ -172,7 +193,7 @@ def evaluate(enc: Encoding, values: Sequence[int | None], symbols=None) -> int |
     symbols = symbols if symbols is not None else symbolic_args(enc)
     term = enc.z3fn(*symbols)
     pairs: list[tuple[z3.ExprRef, z3.ExprRef]] = []
-    for sym, val, kind in zip(symbols, values, enc.kinds):
+    for sym, val, kind in zip(symbols, values, enc.kinds, strict=True):
         if kind == "window":
             assert isinstance(sym, Win)
             pairs.append((sym.on, z3.BoolVal(val is not None)))

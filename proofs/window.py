@@ -78,8 +78,13 @@ def ceil_w_over_b(deep: bool) -> Verdict:
     return refutation(
         [B >= 1, W >= 1, lo >= 0, B <= 64, W <= 256, lo <= 1024],
         touched <= V.z_v1_block_sliding_window(W, B),
-        {"B": B, "W": W, "start": lo, "touched": touched,
-         "ceil(W/B)": V.z_v1_block_sliding_window(W, B)},
+        {
+            "B": B,
+            "W": W,
+            "start": lo,
+            "touched": touched,
+            "ceil(W/B)": V.z_v1_block_sliding_window(W, B),
+        },
         "search: B<=64, W<=256, start<=1024",
         minimize=[W, B, lo],
     )
@@ -310,7 +315,15 @@ V1E = V.z_v1engine_max_admission_blocks(W, Ex, T, M, B)
 N_POS = W + Ex + T - 1  # positions a request may hold: the (extended) window and in-flight tokens
 V1E_SPEC = E.zmin(E.window_cover(N_POS, B), E.blocks_for_tokens(M, B))
 V1E_HYPS = [B >= 1, W >= 1, Ex >= 0, T >= 1, M >= 1]
-V1E_SHOW = {"B": B, "W": W, "extra": Ex, "in_flight": T, "max_len": M, "vllm": V1E, "spec": V1E_SPEC}
+V1E_SHOW = {
+    "B": B,
+    "W": W,
+    "extra": Ex,
+    "in_flight": T,
+    "max_len": M,
+    "vllm": V1E,
+    "spec": V1E_SPEC,
+}
 
 
 @obligation("window-bound/vllm-0.33.0-v1-admission-cap-sufficient")
