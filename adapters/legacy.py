@@ -6,46 +6,57 @@ reuse, releases up to 0.6.3), ``BlockSpaceManagerV2`` (vllm/core/block_manager_v
 until the V0 engine was removed).  Everything release-specific is detected by import
 availability and ``inspect.signature``, never by version numbers.
 
-The protocol, as vllm/core/scheduler.py of 0.6.3 runs it (line numbers from that file):
+The protocol, as vllm/core/scheduler.py of 0.6.3 runs it (line numbers from that file unless
+another release is named):
 
 * manager class: ``BlockSpaceManager.get_block_space_manager_class(version)`` (scheduler.py:315-
-  337, core/interfaces.py), built with block_size, num_gpu_blocks, num_cpu_blocks,
-  sliding_window, enable_caching and the default watermark (0.01: ``watermark_blocks =
-  int(0.01 * N)``, i.e. 0 below 100 blocks).  The watermark is a spec freedom; this adapter
-  keeps the release default unless told otherwise.
-* admission (``_schedule_prefills``, scheduler.py:905-948): ``can_allocate(seq_group,
-  num_lookahead_slots)`` (lookahead only for multi-step + chunked prefill, else 0) -> OK / LATER
-  / NEVER; then ``_allocate_and_set_running`` (scheduler.py:1413): ``allocate(seq_group)`` takes
-  blocks for EVERY prompt token (whole or chunked prefill alike), status -> RUNNING.
-* per scheduled group, in ``schedule()`` (scheduler.py:1257-1268): ``get_block_table``,
-  ``access_all_blocks_in_seq(seq, now)`` and, with prefix caching,
-  ``get_common_computed_block_ids(running seqs)`` -- the worker skips those blocks
-  (worker/model_runner.py:505-559 ``_compute_for_prefix_cache_hit``; ignored with a sliding
-  window).  That length is the hit ``admit`` returns.  The legacy scheduler's first chunk
-  counts from position 0, so the driver's first step ``[hit, hit + k)`` is the legacy chunk
-  ``hit + k`` with the hit skipped by the worker; ``commit`` accounts it that way.
-* end of ``schedule()`` (scheduler.py:1337-1343): ``mark_blocks_as_computed(seq_group,
-  token_chunk_size)``.  vLLM calls it before the worker runs, relying on a synchronous engine
-  (no lookup can happen before the batch executes).  The driver observes between scheduling
-  and execution, so this adapter calls it in ``commit`` -- the same order relative to every
-  other block-manager call -- followed by ``update_num_computed_tokens`` (llm_engine.py:1098).
-* running groups (``_schedule_running``, scheduler.py:565-618): ``can_append_slots(seq_group,
-  num_lookahead_slots)`` false -> preempt (here: ``NotAdmitted``); else ``_append_slots``
-  (scheduler.py:1418-1453): ``append_slots(seq, num_lookahead_slots)`` per running seq,
-  returning copy-on-write pairs.  The check is per group; ``reserve`` asks it for the group of
-  the sequence (conservative when siblings are already served).
-* preemption by recompute (scheduler.py:1501-1510): status WAITING, ``free(seq)``,
+  337; "v1"/"v2" up to 0.6.3, "selfattn" from 0.6.3.post1), built with block_size,
+  num_gpu_blocks, num_cpu_blocks, sliding_window, enable_caching and the default watermark
+  (0.01: ``watermark_blocks = int(0.01 * N)``, i.e. 0 below 100 blocks).  The watermark is a
+  spec freedom; this adapter keeps the release default unless told otherwise.  The prefix
+  caching + sliding window pair is put to the release's own ``CacheConfig`` (config.py:644-651
+  rejects it) and refused with ``ConfigError`` when it rejects it.
+* admission (``_schedule_prefills``): ``can_allocate(seq_group, num_lookahead_slots=0)``
+  (scheduler.py:911; lookahead only in multi-step chunked prefill) -> OK / LATER / NEVER; then
+  ``_allocate_and_set_running`` (950, 1413-1416): ``allocate(seq_group)`` takes blocks for
+  EVERY prompt token, whole or chunked prefill alike; status -> RUNNING.  From 0.6.4 on, with
+  prefix caching, ``get_num_cached_tokens(seq)`` comes first (0.10.1.1 scheduler.py:1926) and
+  a refusal drops the tracker entry (``remove_seq_from_computed_blocks_tracker``, 1109-1125).
+* per scheduled group, in ``schedule()`` (1257-1268): ``get_block_table``,
+  ``access_all_blocks_in_seq(seq, now)`` (a logical clock stands in for ``time.time()``) and,
+  with prefix caching, ``get_common_computed_block_ids(running seqs)``.  The hit ``admit``
+  returns is what the release skips: up to 0.6.3 the worker skips those blocks
+  (worker/model_runner.py:505-559, not with a sliding window); from 0.6.4 the scheduler counts
+  ``get_num_cached_tokens`` as scheduled, and a fully cached prompt still computes its last
+  token (0.10.1.1 scheduler.py:1955-1959), so that hit can be ``len - 1``.  The legacy first
+  chunk counts from position 0: the driver's first step ``[hit, hit + k)`` is the legacy chunk
+  ``hit + k``, and ``commit`` accounts it that way.
+* end of ``schedule()`` (1341-1343): ``mark_blocks_as_computed(seq_group, token_chunk_size)``.
+  vLLM calls it before the worker runs, relying on a synchronous engine (no lookup happens
+  before the batch executes).  The driver observes between scheduling and execution, so the
+  adapter calls it in ``commit`` -- the same order relative to every other block-manager call
+  -- then ``update_num_computed_tokens`` (llm_engine.py:1098).  For a multi-sequence group
+  BlockSpaceManagerV1 gets its per-sequence body ``compute_full_blocks_in_seq`` instead: the
+  scheduler marks a group once per step, the driver commits its members one by one.
+* running groups: ``can_append_slots(seq_group, num_lookahead_slots)`` (565) false -> preempt
+  (here ``NotAdmitted``); else ``_append_slots`` (615, 1418-1453): ``append_slots(seq,
+  num_lookahead_slots)``, returning copy-on-write pairs.  Lookahead is 0 for prefill chunks
+  (``_get_num_lookahead_slots``, 1561-1588).  The check is per group; ``reserve`` asks it for
+  the sequence's group (conservative when siblings were already served this step).
+* preemption by recompute (1501-1510): status WAITING, ``free(seq)``,
   ``seq.reset_state_for_recompute()``; the same Sequence is re-admitted later with all its
   tokens.  A sequence freed while siblings live is finished instead (FINISHED_STOPPED, then
-  ``free``; output_processor/single_step.py), and re-admitting it builds a fresh group.
-* swapping (scheduler.py:1512-1543, 687-700): ``can_swap_out(group)`` false -> the scheduler
-  aborts (here: ``NotAdmitted``); ``swap_out(group)``, status SWAPPED.  ``can_swap_in(group,
-  lookahead)`` != OK -> not now (``NotAdmitted``); ``swap_in(group)``, status RUNNING, and
-  ``_append_slots`` follows WITHOUT a ``can_append_slots`` check (scheduler.py:716-717): the
-  first ``reserve`` after a swap-in skips the check likewise.  Legacy swaps whole groups, so
+  ``free``, as output_processor/single_step.py does), and re-admitting it builds a fresh group.
+* swapping (1529-1543; ``_schedule_swapped`` 687-732): ``can_swap_out(group)`` false -> the
+  scheduler aborts (here ``NotAdmitted``); ``swap_out(group)``, status SWAPPED.
+  ``can_swap_in(group, lookahead)`` != OK -> not now (``NotAdmitted``); ``swap_in(group)``,
+  status RUNNING, and ``_append_slots`` follows WITHOUT a ``can_append_slots`` check (731-732):
+  the first ``reserve`` after a swap-in skips the check likewise.  Legacy swaps whole groups:
   swapping one member of a group with several live sequences is refused (``NotAdmitted``).
-* fork (output_processor/single_step.py:173-205): ``child = parent.fork(id)``,
-  ``seq_group.add(child)``, ``scheduler.fork_seq(parent, child)`` -> ``fork``.
+* fork (output_processor/single_step.py:173-205, after sampling only): ``child =
+  parent.fork(id)``, ``seq_group.add(child)``, ``scheduler.fork_seq(parent, child)``.  Releases
+  without ``SequenceGroup.add`` (0.6.4 on; n > 1 became separate requests) never fork: no FORK.
+  A fork of a sequence still in prefill is refused (``Unsupported``): vLLM never does it.
 
 Failures: an allocation that raises vLLM's out-of-blocks error
 (``BlockAllocator.NoFreeBlocksError``; V1's ``ValueError("Out of memory! ...")`` or
@@ -318,7 +329,11 @@ class LegacyAdapter:
         self.name = f"vllm-legacy-{manager}"
         self.watermark = getattr(self.mgr, "watermark", watermark)
 
-        caps = {Capability.ADMISSION_CHECK, Capability.FORK}
+        caps = {Capability.ADMISSION_CHECK}
+        # Forked sequences join their parent's group (SequenceGroup.add); releases without
+        # it (0.6.4 on: parallel sampling became separate requests) never fork.
+        if hasattr(self._v.SequenceGroup, "add"):
+            caps.add(Capability.FORK)
         # V1 + sliding window + chunked prefill: arg_utils.py:1081-1085 rejects it.
         if not (self.is_v1 and config.sliding_window is not None):
             caps.add(Capability.CHUNKED_PREFILL)
@@ -337,6 +352,10 @@ class LegacyAdapter:
         self._seqs: dict[int, Any] = {}  # seq_id -> vllm Sequence
         self._groups: dict[int, Any] = {}  # seq_id -> vllm SequenceGroup
         self._pending_hit: dict[int, int] = {}  # hit tokens folded into the first commit
+        # 0.6.4 on, the scheduler asks get_num_cached_tokens before can_allocate and counts
+        # those tokens as scheduled; the answer is kept here until admit.
+        self._cached_api = config.prefix_caching and hasattr(self.mgr, "get_num_cached_tokens")
+        self._admission_cached: dict[int, int] = {}
         self._just_swapped: set[int] = set()  # next reserve skips can_append_slots
         self._request_ids = itertools.count()
         self._clock = 0.0
@@ -419,9 +438,19 @@ class LegacyAdapter:
         self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
     ) -> Admission:
         group = self._prepare(seq_id, tokens, extra)
+        if self._cached_api:
+            # _get_num_new_uncached_and_cached_tokens (0.10.1.1 scheduler.py:1926) runs first.
+            seq = self._seqs[seq_id]
+            self._admission_cached[seq_id] = self.mgr.get_num_cached_tokens(seq)
         fn = self.mgr.can_allocate
         status = fn(group, **_kw(fn, num_lookahead_slots=0))
         a = self._v.AllocStatus
+        if status != a.OK and self._cached_api:
+            # LATER / NEVER: the scheduler drops the tracker entry (scheduler.py:1109-1125).
+            self._admission_cached.pop(seq_id, None)
+            drop = getattr(self.mgr, "remove_seq_from_computed_blocks_tracker", None)
+            if drop is not None:
+                drop(self._seqs[seq_id])
         if status == a.OK:
             return Admission.OK
         if status == a.LATER:
@@ -440,6 +469,8 @@ class LegacyAdapter:
             raise Unsupported("chunked prefill with a sliding window is rejected for V1 "
                               "(engine/arg_utils.py)")
         self._learn(seq_id)  # before allocate: a failed allocate may leave cached hashes behind
+        if self._cached_api and seq_id not in self._admission_cached:
+            self._admission_cached[seq_id] = self.mgr.get_num_cached_tokens(seq)
         try:
             self.mgr.allocate(group)
         except Exception as err:
@@ -453,9 +484,17 @@ class LegacyAdapter:
             s.status = self._status("RUNNING")
         computed = self._schedule_metadata(seq_id)
         hit = 0
-        if computed and self.config.sliding_window is None:
+        if self._cached_api:
+            # 0.6.4 on: the scheduler schedules the cached tokens as computed; a fully cached
+            # prompt still computes its last token (scheduler.py:1951-1956 of 0.10.1.1).
+            hit = self._admission_cached.pop(seq_id, 0)
+            if hit >= seq.get_len():
+                hit = seq.get_len() - 1
+        elif computed and self.config.sliding_window is None:
+            # Up to 0.6.3: the worker skips the common computed blocks
+            # (model_runner._compute_for_prefix_cache_hit); the tracker already leaves out
+            # the last block, so the hit stays below the prompt length.
             hit = len(computed) * self.config.block_size
-            # The model runner never skips the whole prompt (the last block is excluded).
             hit = min(hit, (seq.get_len() - 1) // self.config.block_size * self.config.block_size)
         self._pending_hit[seq_id] = hit
         self._just_swapped.discard(seq_id)
@@ -465,6 +504,7 @@ class LegacyAdapter:
         self._seqs.pop(seq_id, None)
         self._groups.pop(seq_id, None)
         self._pending_hit.pop(seq_id, None)
+        self._admission_cached.pop(seq_id, None)
 
     # ------------------------------------------------------------ steps
 
@@ -479,6 +519,9 @@ class LegacyAdapter:
             # _get_num_lookahead_slots(is_prefill=True) is 0 outside multi-step chunked
             # prefill (scheduler.py:1561-1588): prefill chunks reserve no speculative slots.
             lookahead = 0
+        if self._cached_api and seq.is_prefill():
+            # A running prefill chunk is sized with get_num_cached_tokens first (0.6.4 on).
+            self.mgr.get_num_cached_tokens(seq)
         # Right after a swap-in the scheduler appends slots without asking (scheduler.py:716).
         skip_check = seq_id in self._just_swapped
         if not skip_check:
@@ -526,6 +569,8 @@ class LegacyAdapter:
     # ------------------------------------------------------------ fork, free, swap
 
     def fork(self, parent_id: int, child_id: int) -> None:
+        if Capability.FORK not in self.capabilities:
+            raise Unsupported("this release's engine never forks a sequence (no SequenceGroup.add)")
         parent = self._seq(parent_id)
         if child_id in self._seqs and not self._seqs[child_id].is_finished():
             raise AssertionError(f"child seq {child_id} already exists")
@@ -547,6 +592,7 @@ class LegacyAdapter:
     def free(self, seq_id: int) -> None:
         seq = self._seq(seq_id)
         self._pending_hit.pop(seq_id, None)
+        self._admission_cached.pop(seq_id, None)
         self._just_swapped.discard(seq_id)
         if self._live_siblings(seq_id):
             # One member of a multi-sequence group ends: it finishes (single_step.py).
@@ -663,6 +709,8 @@ class LegacyAdapter:
         cpu = alloc._allocators[VD.CPU]
         null = getattr(alloc, "_null_block", None)
         null_id = null.block_id if null is not None else None
+        if self.config.prefix_caching:
+            self._learn_from_live_blocks(null)
         gpu_view = self._v2_pool(gpu, exclude=null_id, offset=0)
         cpu_offset = min(cpu.all_block_ids) if cpu.all_block_ids else 0
         cpu_view = self._v2_pool(cpu, exclude=None, offset=cpu_offset)
@@ -682,6 +730,22 @@ class LegacyAdapter:
             tables[seq_id] = TableView(seq_id, device, tuple(slots))
         return KVState(gpu=gpu_view, tables=tables,
                        cpu=cpu_view if self.config.num_cpu_blocks > 0 else None)
+
+    def _learn_from_live_blocks(self, null) -> None:
+        """Second source of keys: the hash a live block already computed for itself (the
+        memoized ``_cached_content_hash``, read without triggering a computation)."""
+        B = self.config.block_size
+        for seq_id, bt in self.mgr.block_tables.items():
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            tokens = tuple(int(t) for t in seq.get_token_ids())
+            for i, block in enumerate(bt.blocks):
+                if block is null:
+                    continue
+                h = getattr(block, "_cached_content_hash", None)
+                if h is not None and h not in self._keys and (i + 1) * B <= len(tokens):
+                    self._keys[h] = PrefixKey(tokens[: (i + 1) * B])
 
     def _v2_pool(self, allocator, *, exclude: int | None, offset: int) -> PoolView:
         ids = sorted(b for b in allocator.all_block_ids if b != exclude)
