@@ -1,0 +1,2 @@
+"""The ``kvspec`` command line: check, replay, explain, prove, targets, provision,
+test-targets (see ``kvspec --help``)."""

@@ -42,7 +42,9 @@ def config_from_json(data: Mapping[str, Any]) -> Config:
 
 
 def trace_from_json(items: Iterable[Mapping[str, Any]]) -> list[TraceStep]:
-    return [TraceStep(str(s["op"]), dict(s.get("args", {})), str(s.get("outcome", ""))) for s in items]
+    return [
+        TraceStep(str(s["op"]), dict(s.get("args", {})), str(s.get("outcome", ""))) for s in items
+    ]
 
 
 def invariant_entry(inv_id: str) -> dict[str, Any]:
@@ -99,6 +101,9 @@ def write_atomic(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a report is for sharing
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

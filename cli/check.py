@@ -1,0 +1,514 @@
+"""``kvspec check`` and ``kvspec replay``."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
+from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.testing.driver import Driver, TraceStep, apply_step
+from kvspec.testing.report import (
+    ReportError,
+    build_report,
+    config_from_json,
+    load_report,
+    trace_from_json,
+    write_atomic,
+    write_report,
+)
+from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
+from rich.markup import escape
+from rich.table import Table
+
+import kvspec
+
+from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
+from .run import Outcome, applicable, config_strategy, parse_overrides, run_machine
+from .target import (
+    VllmHere,
+    check_impl_name,
+    choose_impl,
+    current_engine,
+    ensure_provisioned,
+    factory_for,
+    here_for_release,
+    here_for_source,
+    here_local,
+    installed_version,
+    locate_vllm,
+    nearest_venv,
+    needs_vllm,
+    probe,
+    read_source_version,
+    reexec,
+    validate_checkout,
+)
+
+# ------------------------------------------------------------------------------ shared
+
+
+def check_invariant_ids(ids: Sequence[str] | None) -> tuple[str, ...] | None:
+    if not ids:
+        return None
+    for inv in ids:
+        if inv not in INVARIANTS:
+            close = difflib.get_close_matches(inv, list(INVARIANTS), n=1)
+            raise UsageError(
+                f"unknown invariant ID {inv!r}" + (f" (did you mean {close[0]}?)" if close else ""),
+                f"IDs: {', '.join(INVARIANTS)}",
+            )
+    return tuple(dict.fromkeys(ids))
+
+
+def resolve(
+    args: argparse.Namespace, argv: list[str], impl: str | None
+) -> int | tuple[VllmHere | None, str]:
+    """Either run elsewhere (an exit code) or say what runs here: (the vLLM, the impl)."""
+    if not needs_vllm(impl):
+        assert impl is not None
+        if args.vllm or args.vllm_source:
+            raise UsageError(
+                f"--impl {impl} runs without vLLM; --vllm/--vllm-source do not apply",
+                "drop --vllm/--vllm-source, or pick a vLLM --impl",
+            )
+        return None, impl
+    if args.vllm and args.vllm_source:
+        raise UsageError(
+            "--vllm and --vllm-source exclude each other",
+            "a checkout runs in the venv of the nearest provisioned release",
+        )
+    if args.in_target:
+        if args.vllm_source:
+            here = here_for_source(args.vllm_source, args.source_version)
+        elif args.vllm:
+            here = here_for_release(args.vllm)
+        else:
+            here = here_local()
+    elif args.vllm:
+        path = locate_vllm()
+        if (
+            path is not None
+            and installed_version(path) == args.vllm
+            and not os.environ.get("PYTHONPATH")
+        ):
+            here = here_for_release(args.vllm)  # this interpreter is that release's
+        else:
+            t = ensure_provisioned(args.vllm)
+            return reexec(t.python, argv)
+    elif args.vllm_source:
+        root = validate_checkout(args.vllm_source)
+        version = args.source_version or read_source_version(root)
+        if not version or version == "dev":
+            raise UsageError(
+                f"cannot tell which vLLM release the checkout {root} is (no vllm/_version.py, "
+                "dist-info, static version or git tag)",
+                "pass it: --source-version 0.6.3",
+            )
+        from .target import generations
+
+        t = nearest_venv(version, generations(root / "vllm"))
+        err.print(
+            f"running the checkout {root} (vLLM {version}) in the venv of vLLM "
+            f"{t.version}: {t.venv}",
+            markup=False,
+        )
+        extra = [] if args.source_version else ["--source-version", version]
+        return reexec(t.python, [*argv, *extra], pythonpath=root)
+    else:
+        here = here_local()
+    chosen = choose_impl(here, impl)
+    probe(here, chosen)
+    if not getattr(args, "verbose", False):
+        # vLLM logs warnings (e.g. "Failed to reset prefix cache") through its own logger;
+        # they would tear the progress display.  --verbose keeps them.
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    return here, chosen
+
+
+def target_json(here: VllmHere | None, impl: str) -> dict[str, Any]:
+    if here is None:
+        return {
+            "kind": "none",
+            "vllm_version": None,
+            "vllm_path": None,
+            "source_path": None,
+            "venv_release": None,
+            "python": sys.executable,
+            "engine": None,
+        }
+    return {**here.to_json(), "engine": current_engine(impl)}
+
+
+def describe_target(here: VllmHere | None, impl: str) -> str:
+    if here is None:
+        return f"{impl} (kvspec's own, no vLLM)"
+    if here.kind == "source":
+        return (
+            f"{impl} on the vLLM checkout {here.source} (version {here.version}, run in the "
+            f"vLLM {here.venv_release} venv)"
+        )
+    return f"{impl} on vLLM {here.version} ({here.path})"
+
+
+# ------------------------------------------------------------------------------ check
+
+
+def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
+    check_impl_name(args.impl)
+    overrides = parse_overrides(args.config or [])
+    focus = check_invariant_ids(args.invariant)
+    for name in ("examples", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(
+                f"--{name} must be >= 1, got {value}", "a run that runs nothing proves nothing"
+            )
+    resolved = resolve(args, argv, args.impl)
+    if isinstance(resolved, int):
+        return resolved
+    here, impl = resolved
+    factory = factory_for(impl)
+    strategy = config_strategy(impl, overrides)
+    profile = args.profile
+    err.print(f"kvspec {kvspec.__version__}: checking {describe_target(here, impl)}", markup=False)
+    outcome = run_machine(
+        factory,
+        strategy,
+        profile=profile,
+        examples=args.examples,
+        steps=args.steps,
+        seed=args.seed,
+        focus=focus,
+        label=impl,
+    )
+    print_table(outcome)
+    return report_outcome(args, argv, outcome, here, impl, overrides)
+
+
+def print_table(o: Outcome) -> None:
+    table = Table(title="Invariants", title_justify="left", expand=False)
+    table.add_column("invariant")
+    table.add_column("verdict")
+    table.add_column("examples", justify="right")
+    table.add_column("operations", justify="right")
+    table.add_column("statement", max_width=58, overflow="fold")
+    violated = {v.invariant for v in o.violations}
+    for inv_id, inv in INVARIANTS.items():
+        if o.focus is not None and inv_id not in o.focus:
+            table.add_row(inv_id, "[dim]not selected[/]", "-", "-", f"[dim]{inv.title}[/]")
+            continue
+        ex, ops = o.tally.per_invariant.get(inv_id, [0, 0])
+        if inv_id in violated:
+            verdict = "[bold red]VIOLATED[/]"
+        elif ex == 0:
+            verdict = "[dim]not applicable[/]"
+        elif o.status == "holds":
+            verdict = "[green]holds[/]"
+        elif o.status in ("violated", "error", "interrupted"):
+            verdict = "[yellow]no violation seen[/]"  # the search stopped early
+        else:
+            verdict = "[yellow]holds (incomplete run)[/]"
+        table.add_row(inv_id, verdict, str(ex), str(ops), escape(inv.title))
+    out.print(table)
+    seed = f"seed {o.seed}" if o.seed is not None else "derandomized"
+    shrink = f", {o.tally.shrink_runs} shrinking runs" if o.tally.shrink_runs else ""
+    out.print(
+        f"{o.tally.examples} of {o.requested} examples, {o.tally.operations} operations, "
+        f"<= {o.steps} steps each, profile {o.profile}, {seed}{shrink}, {o.seconds:.1f}s",
+        markup=False,
+    )
+    na = [i for i, (ex, _) in o.tally.per_invariant.items() if ex == 0 and i not in violated]
+    if na:
+        reasons = {
+            "window-bound": "no sliding window in any configuration run",
+            "prefix-cache-consistency": "prefix caching off in every configuration run",
+        }
+        for i in na:
+            out.print(
+                f"  not applicable: {i}: {reasons.get(i, 'no example exercised it')}", markup=False
+            )
+
+
+def report_outcome(
+    args: argparse.Namespace,
+    argv: list[str],
+    o: Outcome,
+    here: VllmHere | None,
+    impl: str,
+    overrides: dict[str, Any],
+) -> int:
+    if o.status == "holds":
+        out.print(
+            f"[green]every applicable invariant holds[/] over {o.tally.examples} examples",
+        )
+        return EXIT_OK
+    if o.status == "no-examples":
+        reason = o.error or "no example ran"
+        if o.tally.rejected:
+            reason = f"the target rejected every configuration drawn: {o.tally.rejected[0]}"
+        raise UsageError(
+            f"no example ran: {reason}", "relax --config (the target must accept the configuration)"
+        )
+    if o.status == "interrupted":
+        out.print("[yellow]interrupted[/]: nothing is claimed")
+        return 130
+    if o.status == "incomplete":
+        out.print(
+            f"[yellow]only {o.tally.examples} of the {o.requested} requested examples ran[/]"
+            + (f" ({o.error})" if o.error else "")
+            + "; not a pass. A small configuration space can run out of distinct examples: "
+            "lower --examples or widen --config."
+        )
+        return EXIT_FOUND
+    # violated / error
+    assert o.config is not None
+    if o.status == "violated":
+        out.print(
+            f"\n[bold red]violation[/] found and shrunk to {len(o.trace)} operation(s) "
+            f"on {escape(o.config.describe())}:"
+        )
+        for v in o.violations:
+            out.print(f"  [red]{escape(str(v))}[/]")
+    else:
+        out.print(
+            f"\n[bold red]the target crashed[/] under the scheduler protocol "
+            f"({escape(o.config.describe())}):\n  {escape(first_lines(o.error or '', 8))}"
+        )
+    out.print("trace (what the scheduler did -> what the target answered):")
+    for i, s in enumerate(o.trace, 1):
+        out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
+    out_dir = output_dir(args, impl)
+    repro_info = write_reproducer(args, o, here, impl, out_dir)
+    report = build_report(
+        outcome=o.status,
+        impl=impl,
+        implementation_name=_impl_name(impl, o),
+        target=target_json(here, impl),
+        config=o.config,
+        run=o.run_json(overrides),
+        trace=o.trace,
+        violations=o.violations,
+        error=o.error,
+        reproducer=repro_info,
+        command=["kvspec", *[a for a in argv if a != "--_in-target"]],
+    )
+    path = write_report(out_dir / "report.json", report)
+    out.print(f"report: {path}", markup=False, soft_wrap=True)
+    where = ""
+    if here is not None and here.kind == "release":
+        where = f" --vllm {here.version}"
+    elif here is not None and here.kind == "source":
+        where = f" --vllm-source {here.source} --source-version {here.version}"
+    out.print(f"replay: kvspec replay {path}{where}", markup=False, soft_wrap=True)
+    return EXIT_FOUND
+
+
+def _impl_name(impl: str, o: Outcome) -> str:
+    try:
+        with captured_fds():
+            return str(factory_for(impl)(o.config).name)  # type: ignore[arg-type]
+    except Exception:
+        return impl
+
+
+def output_dir(args: argparse.Namespace, impl: str) -> Path:
+    if args.out:
+        return Path(args.out).expanduser().resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path.cwd() / "kvspec-reports" / f"{impl.replace(':', '-')}-{stamp}"
+
+
+def write_reproducer(
+    args: argparse.Namespace, o: Outcome, here: VllmHere | None, impl: str, out_dir: Path
+) -> dict[str, Any]:
+    """Write the standalone reproducer if one can be made *and* it fails on this target."""
+    assert o.config is not None
+    meta = {"kvspec_version": kvspec.__version__, "vllm_version": here.version if here else None}
+    made = generate(impl, o.config, o.trace, o.violations, meta)
+    if isinstance(made, NotReproducible):
+        out.print(f"[yellow]no standalone reproducer[/]: {escape(made.reason)}")
+        return {"status": "not-available", "reason": made.reason, "path": None}
+    assert isinstance(made, Reproducer)
+    if args.no_verify:
+        path = write_atomic(out_dir / made.filename, made.text)
+        out.print(f"reproducer (not verified): {path}", markup=False, soft_wrap=True)
+        return {"status": "unverified", "path": str(path), "checks": list(made.checks)}
+    verdict, detail = verify_reproducer(made, out_dir)
+    if verdict != "reproduces":
+        out.print(
+            f"[yellow]no standalone reproducer[/]: the generated file {detail}; "
+            "the JSON report and `kvspec replay` reproduce it"
+        )
+        return {"status": "not-reproducible", "reason": detail, "path": None}
+    path = out_dir / made.filename
+    out.print(f"reproducer: {path}", markup=False, soft_wrap=True)
+    out.print(
+        f"  verified: plain pytest fails on this target with: {detail}",
+        markup=False,
+        soft_wrap=True,
+    )
+    out.print(f"  run it:   python -m pytest -q {path}", markup=False, soft_wrap=True)
+    return {"status": "verified", "path": str(path), "checks": list(made.checks), "failure": detail}
+
+
+def verify_reproducer(made: Reproducer, out_dir: Path) -> tuple[str, str]:
+    """Run the file with plain pytest in this interpreter (same PYTHONPATH); keep it only if it
+    fails naming one of its invariants.  Written under a temporary folder, renamed when kept."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=out_dir))
+    try:
+        candidate = write_atomic(scratch / made.filename, made.text)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(scratch),
+            str(candidate),
+        ]
+        with err.status(
+            "verifying the standalone reproducer with plain pytest ...", spinner="dots"
+        ):
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=600, cwd=scratch, check=False
+                )
+            except subprocess.TimeoutExpired:
+                return "timeout", "timed out under pytest"
+        text = proc.stdout + proc.stderr
+        named = [
+            line.strip()
+            for line in text.splitlines()
+            if any(
+                line.lstrip().startswith(f"[{c}]") or f"Failed: [{c}]" in line for c in made.checks
+            )
+        ]
+        if proc.returncode == 1 and named:
+            os.replace(candidate, out_dir / made.filename)
+            return "reproduces", named[0].split("Failed: ", 1)[-1]
+        if proc.returncode == 0:
+            return "passes", "passes on this target (the standalone harness does not reach it)"
+        return (
+            "broken",
+            f"does not run cleanly (pytest exit {proc.returncode}): {first_lines(text, 4)}",
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ replay
+
+
+def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        report = load_report(Path(args.report))
+    except ReportError as error:
+        raise UsageError(str(error), "pass a report.json written by kvspec check") from None
+    try:
+        config = config_from_json(report["config"])
+        trace = trace_from_json(report["trace"])
+    except (ConfigError, KeyError, TypeError) as error:
+        raise UsageError(f"{args.report}: {error}", "the report is damaged") from None
+    impl = args.impl or report["impl"]
+    check_impl_name(impl)
+    # By default, watch what the recorded run watched (its --invariant focus).
+    focus = check_invariant_ids(args.invariant or (report.get("run") or {}).get("focus"))
+    recorded = report.get("target") or {}
+    if (
+        needs_vllm(impl)
+        and not (args.vllm or args.vllm_source or args.in_target)
+        and recorded.get("kind") == "release"
+        and recorded.get("vllm_version")
+        and args.impl is None
+    ):
+        args.vllm = recorded["vllm_version"]  # by default, the release the report came from
+        argv = [*argv, "--vllm", args.vllm]
+    resolved = resolve(args, argv, impl)
+    if isinstance(resolved, int):
+        return resolved
+    here, impl = resolved
+    try:
+        with captured_fds():
+            implementation = factory_for(impl)(config)
+    except (ConfigError, Unsupported) as error:
+        raise UsageError(
+            f"{describe_target(here, impl)} cannot run the report's configuration "
+            f"({config.describe()}): {error}",
+            "replay it on another target",
+        ) from None
+    err.print(f"replaying {len(trace)} operation(s) on {describe_target(here, impl)}", markup=False)
+    driver = Driver(implementation, focus=focus)
+    found: list[Violation] = []
+    diverged: str | None = None
+    for i, step in enumerate(trace, 1):
+        try:
+            apply_step(driver, step)
+        except (AssertionError, KeyError, ValueError, KVSpecError) as error:
+            diverged = (
+                f"step {i} ({step.op}) cannot be applied here: {type(error).__name__}: {error}"
+            )
+            break
+        found = driver.check()
+        if found:
+            break
+    else:
+        found = driver.free_all()
+    table = Table(title=f"Replay of {args.report}", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("operation", overflow="fold")
+    table.add_column("recorded answer", overflow="fold")
+    table.add_column("this target's answer", overflow="fold")
+    for i, (old, new) in enumerate(zip(trace, driver.trace, strict=False), 1):
+        same = old.outcome == new.outcome
+        shown = new.outcome if same else f"[yellow]{escape(new.outcome)}[/]"
+        table.add_row(str(i), escape(_op_text(new)), escape(old.outcome), shown)
+    out.print(table)
+    if diverged:
+        out.print(f"[yellow]the trace diverged[/]: {escape(diverged)}")
+        out.print(
+            "the target answered differently before the recorded violation; nothing is "
+            "claimed either way"
+        )
+        return EXIT_FOUND
+    recorded_ids = {v["invariant"] for v in report.get("violations", [])}
+    if not found:
+        out.print(
+            "[green]no violation[/]: every invariant holds through the trace and after "
+            "freeing every sequence"
+            + (f" (the report recorded {', '.join(sorted(recorded_ids))})" if recorded_ids else "")
+        )
+        return EXIT_OK
+    for v in found:
+        out.print(f"  [red]{escape(str(v))}[/]")
+    found_ids = {v.invariant for v in found}
+    if recorded_ids and recorded_ids <= found_ids:
+        extra = sorted(found_ids - recorded_ids)
+        out.print(
+            "the recorded violation reproduces" + (f" (and {', '.join(extra)})" if extra else "")
+        )
+    else:
+        out.print(
+            f"violations differ from the report's ({', '.join(sorted(recorded_ids)) or 'none'})"
+        )
+    return EXIT_FOUND
+
+
+def _op_text(step: TraceStep) -> str:
+    return step.describe().rsplit(" -> ", 1)[0]
+
+
+__all__ = ["applicable", "cmd_check", "cmd_replay"]

@@ -1,0 +1,406 @@
+"""The ``kvspec`` command line.
+
+Exit codes: 0 every applicable invariant holds and every requested example ran (or the
+subcommand succeeded); 1 a violation, a crash of the target, or an incomplete run; 2 bad
+input (unknown version or invariant, not a vLLM checkout, a vLLM that does not import,
+provisioning failure, unsupported engine generation, invalid configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import pkgutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kvspec.spec.invariants import INVARIANTS
+from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, TargetError, target
+from rich.markup import escape
+from rich.syntax import Syntax
+from rich.table import Table
+
+import kvspec
+
+from .check import check_invariant_ids, cmd_check, cmd_replay
+from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
+from .run import FIELDS, PROFILES
+from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets
+
+EPILOG = """\
+The stateful machine behind `check` is a library class: kvspec.testing.KVCacheMachine takes
+an implementation factory (Config -> Implementation, see kvspec.spec.interface), so another
+project -- vLLM's own CI, another engine -- can run it on its block manager:
+
+    from hypothesis.stateful import run_state_machine_as_test
+    from kvspec.testing import KVCacheMachine
+    run_state_machine_as_test(lambda: KVCacheMachine(MyAdapter))
+
+Exit codes: 0 all applicable invariants hold and every requested example ran; 1 violation,
+crash or incomplete run; 2 bad input.
+"""
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target (default: the vLLM this interpreter imports)")
+    g.add_argument(
+        "--impl",
+        metavar="NAME",
+        help="reference, legacy-v1, legacy-v2, legacy-self-attn, v1 or broken:<name> "
+        "(default: the engine the target runs by default)",
+    )
+    g.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        help="a vLLM release, provisioned into its own venv on first use",
+    )
+    g.add_argument(
+        "--vllm-source",
+        metavar="PATH",
+        help="a vLLM source checkout, run in the nearest provisioned release's venv",
+    )
+    g.add_argument(
+        "--source-version",
+        metavar="VERSION",
+        help="the release a --vllm-source checkout is (when it cannot be read)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the target's own log output (vLLM's logger) while running",
+    )
+    p.add_argument(IN_TARGET_FLAG, dest="in_target", action="store_true", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvspec",
+        description="Check paged KV-cache block managers (vLLM's, or kvspec's reference) "
+        "against kvspec's executable specification.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvspec {kvspec.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "check",
+        help="run the stateful machine against a target",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _target_args(p)
+    e = p.add_argument_group("effort and focus")
+    e.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=None,
+        help="hypothesis profile (default: ci when $CI is set, else $KVSPEC_PROFILE or dev)",
+    )
+    e.add_argument("--examples", type=int, metavar="N", help="examples (machine runs) to try")
+    e.add_argument("--steps", type=int, metavar="N", help="operations per example, at most")
+    e.add_argument(
+        "--seed", type=int, metavar="S", help="seed (the run is repeatable; default: the profile's)"
+    )
+    e.add_argument(
+        "--invariant",
+        action="append",
+        metavar="ID",
+        help=f"check only this invariant (repeatable): {', '.join(INVARIANTS)}",
+    )
+    e.add_argument(
+        "--config",
+        action="append",
+        metavar="KEY=VALUE",
+        help=f"pin a configuration field (repeatable): {', '.join(FIELDS)}",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where the report and reproducer go (default ./kvspec-reports/<impl>-<time>)",
+    )
+    o.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="write the standalone reproducer without running it first",
+    )
+
+    p = sub.add_parser("replay", help="re-run a recorded trace (report.json) against a target")
+    p.add_argument("report", metavar="REPORT.json")
+    _target_args(p)
+    p.add_argument("--invariant", action="append", metavar="ID", help="check only this invariant")
+
+    p = sub.add_parser("explain", help="an invariant: statement, spec source, vLLM code, proofs")
+    p.add_argument("id", metavar="ID", nargs="?", help=", ".join(INVARIANTS))
+
+    p = sub.add_parser("prove", help="run the z3 proofs (kvspec.proofs)")
+    p.add_argument("selection", nargs="*", metavar="ID", help="obligation IDs or ID prefixes")
+    p.add_argument("--deep", action="store_true", help="larger bounds, longer timeouts")
+    p.add_argument("--list", action="store_true", help="list the obligations and exit")
+
+    sub.add_parser("targets", help="list pinned, known and provisioned vLLM releases")
+
+    p = sub.add_parser("provision", help="create or reuse the venv of vLLM releases")
+    p.add_argument("versions", nargs="+", metavar="VERSION")
+
+    p = sub.add_parser("test-targets", help="run tests/targets inside each provisioned target")
+    p.add_argument(
+        "versions",
+        nargs="*",
+        metavar="VERSION",
+        help="the releases (default: every provisioned one)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0) if exit_.code in (0, None) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    # What the command re-executes in a target: everything after the subcommand, as given.
+    try:
+        if args.command == "check":
+            if args.profile is None:
+                # profiles.load()'s choice, without loading it into this process's settings
+                args.profile = (
+                    "ci" if os.environ.get("CI") else os.environ.get("KVSPEC_PROFILE", "dev")
+                )
+                if args.profile not in PROFILES:
+                    raise UsageError(
+                        f"KVSPEC_PROFILE={args.profile} is not a profile",
+                        f"one of: {', '.join(PROFILES)}",
+                    )
+            return cmd_check(args, argv)
+        if args.command == "replay":
+            return cmd_replay(args, argv)
+        if args.command == "explain":
+            return cmd_explain(args)
+        if args.command == "prove":
+            return cmd_prove(args)
+        if args.command == "targets":
+            return cmd_targets()
+        if args.command == "provision":
+            return cmd_provision(args)
+        if args.command == "test-targets":
+            return cmd_test_targets(args)
+    except UsageError as error:
+        return fail_usage(error)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+# ------------------------------------------------------------------------------ explain
+
+
+def _proofs_registry() -> dict | None:
+    """kvspec.proofs' obligation registry, imported lazily: proofs/ is a layer of the same rank
+    as cli/, so the command line reaches it by name, never by a static import."""
+    try:
+        proofs = importlib.import_module("kvspec.proofs")
+    except Exception:  # proofs mid-edit (or z3 missing) must not break explain
+        return None
+    registry = getattr(proofs, "OBLIGATIONS", None)
+    if registry is None:
+        for mod in pkgutil.iter_modules(proofs.__path__):
+            if not mod.name.startswith("_"):
+                try:
+                    importlib.import_module(f"kvspec.proofs.{mod.name}")
+                except Exception:
+                    continue
+        try:
+            registry = importlib.import_module("kvspec.proofs.core").OBLIGATIONS
+        except (ImportError, AttributeError):
+            return None
+    return dict(registry)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if args.id is None:
+        table = Table(title="Invariants (kvspec explain ID)", title_justify="left")
+        table.add_column("ID")
+        table.add_column("title")
+        for inv in INVARIANTS.values():
+            table.add_row(inv.id, escape(inv.title))
+        out.print(table)
+        return EXIT_OK
+    (inv_id,) = check_invariant_ids([args.id]) or ()
+    inv = INVARIANTS[inv_id]
+    fn = getattr(inv.check, "__wrapped__", inv.check)
+    out.rule(f"[bold]{inv.id}[/]: {escape(inv.title)}", align="left")
+    out.print(f"[bold]Statement[/] ({inv.kind} invariant)")
+    out.print(textwrap.indent(inspect.cleandoc(fn.__doc__ or inv.statement), "  "), markup=False)
+    out.print(f"\n[bold]vLLM code it concerns[/]\n  {escape(inv.concerns)}")
+    try:
+        source = inspect.getsource(fn)
+        where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        source, where = "(source not available)", "?"
+    out.print(f"\n[bold]Spec source[/] ({escape(where)})")
+    out.print(Syntax(source, "python", theme="ansi_dark", line_numbers=False, word_wrap=True))
+    registry = _proofs_registry()
+    out.print("[bold]z3 obligations[/]")
+    if registry is None:
+        out.print("  kvspec.proofs has no obligation registry yet")
+        return EXIT_OK
+    backing = [ob for ob in registry.values() if getattr(ob, "serves", "") == inv_id]
+    if not backing:
+        out.print("  none: this invariant is checked by the machines only")
+    for ob in backing:
+        expected = getattr(ob, "expected", "?")
+        tag = "proof" if expected == "proved" else "expected counterexample"
+        deep = ", deep only" if getattr(ob, "deep_only", False) else ""
+        out.print(f"  [bold]{escape(ob.id)}[/] ({tag}{deep})")
+        out.print(textwrap.indent(textwrap.fill(ob.statement, 92), "    "), markup=False)
+    out.print("  run them: kvspec prove", markup=False)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ prove
+
+
+def cmd_prove(args: argparse.Namespace) -> int:
+    """Delegate to ``python -m kvspec.proofs`` (its table, its exit code)."""
+    if importlib.util.find_spec("kvspec.proofs.__main__") is None:
+        raise UsageError(
+            "kvspec.proofs has no command-line entry point (proofs/__main__.py)",
+            "the proofs are still being written; see proofs/",
+        )
+    cmd = [sys.executable, "-m", "kvspec.proofs", *args.selection]
+    cmd += ["--deep"] if args.deep else []
+    cmd += ["--list"] if args.list else []
+    try:
+        return subprocess.run(cmd, check=False).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+# ------------------------------------------------------------------------------ targets
+
+
+def cmd_targets() -> int:
+    provisioned = {t.version: t for t in provisioned_targets()}
+    table = Table(title="vLLM targets", title_justify="left")
+    table.add_column("release")
+    table.add_column("engine")
+    table.add_column("implementations (--impl)")
+    table.add_column("pinned")
+    table.add_column("venv")
+    versions = list(dict.fromkeys([*PINNED, *provisioned]))
+    for version in versions:
+        try:
+            t = provisioned.get(version) or target(version)
+        except TargetError as error:
+            table.add_row(version, "?", escape(str(error)), "", "")
+            continue
+        venv = (
+            f"[green]{escape(str(t.venv))}[/]"
+            if version in provisioned
+            else "[dim]not provisioned[/]"
+        )
+        table.add_row(
+            version, t.engine, ", ".join(t.managers), "yes" if version in PINNED else "", venv
+        )
+    out.print(table)
+    lo, hi = (".".join(map(str, v)) for v in LEGACY_RANGE)
+    out.print(
+        f"known: legacy block managers {lo} .. {hi}; the V1 KVCacheManager from "
+        f"{'.'.join(map(str, V1_FROM))} on (both in between: pick with --impl)",
+        markup=False,
+    )
+    here = locate_vllm()
+    from .target import here_local
+
+    if here is None:
+        out.print(f"this interpreter ({sys.executable}): no vLLM", markup=False)
+    else:
+        out.print(
+            f"this interpreter ({sys.executable}): vLLM {here_local().version} at {here}",
+            markup=False,
+        )
+    out.print(
+        "provision one: kvspec provision VERSION; implementations: "
+        + ", ".join(impl_names()[:5])
+        + ", broken:<name>",
+        markup=False,
+    )
+    return EXIT_OK
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    for version in args.versions:
+        t = ensure_provisioned(version)
+        out.print(f"vLLM {version}: ready at {t.venv}", markup=False)
+    return EXIT_OK
+
+
+def cmd_test_targets(args: argparse.Namespace) -> int:
+    from kvspec.targets.provision import REPO
+
+    tests = REPO / "tests" / "targets"
+    if not tests.is_dir():
+        raise UsageError(f"{tests} does not exist", "tests/targets holds the in-target suite")
+    provisioned = {t.version: t for t in provisioned_targets()}
+    versions = args.versions or list(provisioned)
+    if not versions:
+        raise UsageError("no target is provisioned", "kvspec provision 0.6.3 0.33.0")
+    table = Table(title="tests/targets per target", title_justify="left")
+    table.add_column("release")
+    table.add_column("result")
+    table.add_column("summary", overflow="fold")
+    failed = False
+    for version in versions:
+        t = provisioned.get(version)
+        if t is None:
+            table.add_row(version, "[red]not provisioned[/]", f"kvspec provision {escape(version)}")
+            failed = True
+            continue
+        cmd = [
+            str(t.python),
+            "-m",
+            "pytest",
+            str(tests.relative_to(REPO)),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ]
+        with err.status(f"vLLM {version}: {' '.join(cmd[1:])}", spinner="dots"):
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+        summary = lines[-1] if lines else "(no output)"
+        ok = proc.returncode == 0
+        failed |= not ok
+        table.add_row(
+            version,
+            "[green]passed[/]" if ok else f"[red]failed (exit {proc.returncode})[/]",
+            escape(summary),
+        )
+        if not ok:
+            err.print(
+                f"--- vLLM {version}: last lines ---\n{first_lines(chr(10).join(lines[-30:]), 30)}",
+                markup=False,
+            )
+    out.print(table)
+    return EXIT_FOUND if failed else EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+
+
+__all__ = ["EXIT_FOUND", "EXIT_OK", "EXIT_USAGE", "Path", "build_parser", "main"]

@@ -1,0 +1,338 @@
+"""Running the stateful machine for ``kvspec check``: settings, live progress, results.
+
+The machine is ``kvspec.testing.KVCacheMachine`` subclassed only to report progress (each
+operation through the driver's log hook, each finished example in ``teardown``); the rules,
+the checks and the shrinking are the library's.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings as Settings
+from hypothesis import strategies as st
+from hypothesis.errors import FailedHealthCheck, HypothesisException, Unsatisfiable
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import initialize
+from kvspec.reference.broken import BROKEN
+from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError, Unsupported
+from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.testing import KVCacheMachine, RunStats, SpecViolation, TraceStep
+from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
+from kvspec.testing.strategies import configs
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from .common import UsageError, err
+from .target import Factory
+
+PROFILES = _profiles.PROFILES
+
+# ------------------------------------------------------------------------------ configuration
+
+_BOOL = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+_ALIASES = {
+    "window": "sliding_window",
+    "caching": "prefix_caching",
+    "lookahead": "max_lookahead",
+    "cpu_blocks": "num_cpu_blocks",
+    "blocks": "num_blocks",
+}
+FIELDS = tuple(f.name for f in attrs.fields(Config))
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``--config key=value`` pairs, each value validated the way Config validates it."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = _ALIASES.get(key.strip().replace("-", "_"), key.strip().replace("-", "_"))
+        value = value.strip()
+        if not sep or not key:
+            raise UsageError(f"--config {item!r} is not key=value", f"keys: {', '.join(FIELDS)}")
+        if key not in FIELDS:
+            raise UsageError(
+                f"--config {key}: no such configuration field", f"keys: {', '.join(FIELDS)}"
+            )
+        if key == "prefix_caching":
+            if value.lower() not in _BOOL:
+                raise UsageError(
+                    f"--config prefix_caching={value}: not a boolean", "use true or false"
+                )
+            out[key] = _BOOL[value.lower()]
+        elif key == "sliding_window" and value.lower() in ("none", "off", "null", ""):
+            out[key] = None
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise UsageError(
+                    f"--config {key}={value}: not an integer", f"e.g. --config {key}=4"
+                ) from None
+    try:
+        Config(**{"block_size": 4, "num_blocks": 8, **out})
+    except ConfigError as error:
+        raise UsageError(
+            f"invalid configuration: {error}",
+            "block_size, num_blocks and sliding_window must be >= 1",
+        ) from None
+    return out
+
+
+def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrategy[Config]:
+    """The library's configuration strategy, with the overridden fields pinned."""
+    kw: dict[str, Any] = {}
+    needs: dict = {}
+    if impl.startswith("broken:"):
+        # Small pools and blocks: a deliberately broken variant shows within a few blocks.
+        needs = BROKEN[impl.split(":", 1)[1]].needs
+        kw.update(block_sizes=st.sampled_from([1, 2, 3, 4]), max_blocks=8)
+    if "block_size" in overrides:
+        kw["block_sizes"] = st.just(overrides["block_size"])
+    if "prefix_caching" in overrides:
+        kw["prefix_caching"] = st.just(overrides["prefix_caching"])
+    elif needs.get("prefix_caching"):
+        kw["prefix_caching"] = st.just(True)
+    if "sliding_window" in overrides and overrides["sliding_window"] is None:
+        kw["sliding_window"] = False
+    if "num_cpu_blocks" in overrides:
+        kw["swap"] = overrides["num_cpu_blocks"] > 0
+    if "max_lookahead" in overrides:
+        kw["max_lookahead"] = overrides["max_lookahead"]
+    if "num_blocks" in overrides:
+        kw["max_blocks"] = overrides["num_blocks"]
+    strategy = configs(**kw)
+    if needs.get("window") and "sliding_window" not in overrides:
+        strategy = strategy.filter(lambda c: c.sliding_window is not None)
+    if overrides:
+        pinned = dict(overrides)
+        strategy = strategy.map(lambda c: attrs.evolve(c, **pinned))
+    return strategy
+
+
+def applicable(inv_id: str, config: Config) -> bool:
+    """Whether an invariant can say anything under a configuration."""
+    if inv_id == "window-bound":
+        return config.sliding_window is not None
+    if inv_id == "prefix-cache-consistency":
+        return config.prefix_caching
+    return True
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@attrs.define
+class Tally:
+    """What ran, per invariant, during the search (shrinking runs are counted apart)."""
+
+    examples: int = 0
+    operations: int = 0
+    shrink_runs: int = 0
+    failing_runs: int = 0
+    per_invariant: dict[str, list[int]] = attrs.Factory(dict)  # id -> [examples, operations]
+    rejected: list[str] = attrs.Factory(list)
+    last_config: Config | None = None
+    last_trace: list[TraceStep] = attrs.Factory(list)
+
+
+@attrs.define
+class Outcome:
+    status: str  # holds | violated | error | no-examples | incomplete | interrupted
+    tally: Tally
+    stats: RunStats
+    requested: int
+    steps: int
+    seed: int | None
+    profile: str
+    focus: tuple[str, ...] | None
+    seconds: float
+    violations: list[Violation] = attrs.Factory(list)
+    trace: list[TraceStep] = attrs.Factory(list)
+    config: Config | None = None
+    error: str | None = None
+
+    def run_json(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "profile": self.profile,
+            "seed": self.seed,
+            "derandomized": self.seed is None,
+            "max_examples": self.requested,
+            "steps_per_example": self.steps,
+            "examples_run": self.tally.examples,
+            "operations_run": self.tally.operations,
+            "shrink_runs": self.tally.shrink_runs,
+            "seconds": round(self.seconds, 2),
+            "focus": list(self.focus) if self.focus else None,
+            "config_overrides": dict(overrides),
+        }
+
+
+def run_machine(
+    factory: Factory,
+    strategy: st.SearchStrategy[Config],
+    *,
+    profile: str,
+    examples: int | None,
+    steps: int | None,
+    seed: int | None,
+    focus: tuple[str, ...] | None,
+    label: str,
+) -> Outcome:
+    base = Settings.get_profile(profile)
+    requested = examples if examples is not None else base.max_examples
+    step_count = steps if steps is not None else base.stateful_step_count
+    if seed is None and not base.derandomize:
+        seed = random.SystemRandom().randrange(2**32)  # recorded, so the run can be repeated
+    chosen = Settings(
+        base,
+        max_examples=requested,
+        stateful_step_count=step_count,
+        report_multiple_bugs=False,
+        database=None,  # nothing written into the working directory
+        print_blob=False,
+        deadline=None,
+    )
+    tally = Tally(per_invariant={i: [0, 0] for i in (focus or INVARIANTS)})
+    stats = RunStats()
+    watched = tuple(focus or INVARIANTS)
+
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TextColumn("examples  {task.fields[ops]} operations  {task.fields[found]}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+        refresh_per_second=4,
+    )
+    task = progress.add_task(label, total=requested, ops=0, found="no violation")
+
+    def rejected_config(config: Config) -> Any:
+        try:
+            return factory(config)
+        except (ConfigError, Unsupported) as error:
+            # The target declares this configuration unsupported: not a run (the machine
+            # rejects the example); remembered to explain a run where nothing ran.
+            if len(tally.rejected) < 50:
+                tally.rejected.append(str(error))
+            raise ConfigError(str(error)) from error
+
+    class ProgressMachine(KVCacheMachine):
+        def __init__(self) -> None:
+            super().__init__(rejected_config, strategy, focus=focus, stats=stats)
+
+        @initialize(data=st.data())
+        def build(self, data):
+            super().build(data)
+            driver = self.d
+            log = driver.log
+
+            def counting(message: str) -> None:
+                log(message)
+                progress.update(task, ops=tally.operations + len(driver.trace))
+
+            driver.log = counting
+
+        def teardown(self):
+            # Hypothesis calls teardown in a ``finally``: an exception in flight is either its
+            # own control flow (an example it discards: StopTest, a rejection) or a rule that
+            # crashed, i.e. a failing run.
+            raised = sys.exc_info()[1]
+            discarded = raised is not None and (
+                isinstance(raised, HypothesisException) or not isinstance(raised, Exception)
+            )
+            failed = raised is not None and not discarded
+            try:
+                super().teardown()
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                if self.driver is not None and not discarded:
+                    self._tally(failed or self.failed)
+
+        def _tally(self, failed: bool) -> None:
+            tally.last_config = self.d.config
+            tally.last_trace = list(self.d.trace)
+            if tally.failing_runs:
+                tally.shrink_runs += 1
+            else:
+                tally.examples += 1
+                tally.operations += len(self.d.trace)
+                for inv in watched:
+                    if applicable(inv, self.d.config):
+                        tally.per_invariant[inv][0] += 1
+                        tally.per_invariant[inv][1] += len(self.d.trace)
+            if failed:
+                tally.failing_runs += 1
+            found = (
+                f"[red]{tally.failing_runs} failing run(s), shrinking[/]"
+                if tally.failing_runs
+                else "no violation"
+            )
+            progress.update(
+                task,
+                completed=min(tally.examples, requested),
+                ops=tally.operations,
+                found=found,
+                description="shrinking" if tally.failing_runs else label,
+            )
+
+    from hypothesis.stateful import get_state_machine_test
+
+    test = get_state_machine_test(ProgressMachine, settings=chosen)
+    if seed is not None:
+        test = hypothesis_seed(seed)(test)
+
+    outcome = Outcome("holds", tally, stats, requested, step_count, seed, profile, focus, 0.0)
+    start = time.perf_counter()
+    try:
+        with progress, with_reporter(lambda _text: None):
+            test()
+    except SpecViolation as found:
+        outcome.status = "violated"
+        outcome.violations = list(found.violations)
+        outcome.trace = list(found.trace)
+        outcome.config = tally.last_config
+    except (Unsatisfiable, FailedHealthCheck) as error:
+        outcome.status = "no-examples" if tally.examples == 0 else "incomplete"
+        outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    except KeyboardInterrupt:
+        outcome.status = "interrupted"
+    except Exception as error:  # the target (or the adapter) crashed under a valid protocol
+        outcome.status = "error"
+        outcome.error = f"{type(error).__name__}: {error}"
+        outcome.trace = list(tally.last_trace)
+        outcome.config = tally.last_config
+    outcome.seconds = time.perf_counter() - start
+    if outcome.status == "holds":
+        if tally.examples == 0:
+            outcome.status = "no-examples"
+        elif tally.examples < requested:
+            outcome.status = "incomplete"
+    return outcome

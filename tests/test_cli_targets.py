@@ -1,0 +1,152 @@
+"""``kvspec check`` end to end on a real vLLM: release 0.6.3 (BlockSpaceManagerV2, the seed
+bug), the standalone reproducer under the target venv's plain pytest, and ``--vllm-source`` on
+an unpacked copy of the release's source tree (with and without a fix)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvspec.targets.registry import target
+
+RELEASE = target("0.6.3")
+
+pytestmark = [
+    pytest.mark.target,
+    pytest.mark.skipif(
+        not RELEASE.is_provisioned(),
+        reason=f"vLLM 0.6.3 is not provisioned at {RELEASE.venv}: run `kvspec provision 0.6.3`",
+    ),
+]
+
+SEED = ["--impl", "legacy-v2", "--config", "block_size=4", "--config", "num_blocks=4",
+        "--config", "sliding_window=8", "--invariant", "admission-soundness",
+        "--profile", "ci", "--examples", "60"]
+
+
+def kvspec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvspec.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=900, check=False)
+
+
+def venv_pytest(path: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [str(RELEASE.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+        capture_output=True, text=True, cwd=path.parent, env=env, timeout=600, check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def release_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    proc = kvspec("check", "--vllm", "0.6.3", *SEED, "--out", str(out))
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def source_tree(tmp_path_factory) -> Path:
+    """The release's vllm/ package as a source tree: Python files only, no compiled kernels."""
+    root = tmp_path_factory.mktemp("vllm-src")
+    (installed,) = RELEASE.venv.glob("lib/python*/site-packages/vllm")
+    shutil.copytree(installed, root / "vllm",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return root
+
+
+def test_check_finds_the_seed_bug_and_writes_a_reproducer(release_run):
+    proc, out = release_run
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "VIOLATED" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["target"]["kind"] == "release" and report["target"]["vllm_version"] == "0.6.3"
+    assert report["target"]["engine"] == "legacy"
+    assert {v["invariant"] for v in report["violations"]} == {"admission-soundness"}
+    assert any("answered OK, then the allocation failed" in v["message"]
+               for v in report["violations"])
+    repro = report["reproducer"]
+    assert repro["status"] == "verified", repro
+    assert Path(repro["path"]).is_file()
+
+
+def test_reproducer_fails_under_plain_pytest_naming_the_invariant(release_run):
+    _, out = release_run
+    repro = Path(json.loads((out / "report.json").read_text())["reproducer"]["path"])
+    imported = set()
+    for node in ast.walk(ast.parse(repro.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert "kvspec" not in imported and imported <= {"vllm", "pytest", "inspect", "itertools"}
+    proc = venv_pytest(repro)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "[admission-soundness]" in text
+    assert "can_allocate answered OK, then allocate failed" in text
+    assert "expected the allocation to succeed" in text
+
+
+def test_replay_of_the_report_reproduces_on_the_release(release_run):
+    _, out = release_run
+    proc = kvspec("replay", str(out / "report.json"))  # the report's release by default
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the recorded violation reproduces" in proc.stdout
+
+
+def test_vllm_source_needs_a_version_for_a_bare_tree(source_tree):
+    proc = kvspec("check", "--vllm-source", str(source_tree), "--impl", "legacy-v2")
+    assert proc.returncode == 2
+    assert "--source-version" in proc.stderr
+
+
+def test_vllm_source_behaves_like_the_release(release_run, source_tree, tmp_path):
+    _, release_out = release_run
+    proc = kvspec("check", "--vllm-source", str(source_tree), "--source-version", "0.6.3",
+                  *SEED, "--out", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    release = json.loads((release_out / "report.json").read_text())
+    assert report["target"]["kind"] == "source"
+    assert report["target"]["vllm_path"] == str(source_tree / "vllm")
+    assert report["target"]["venv_release"] == "0.6.3"
+    # the same derandomized search on the same code: the same counterexample
+    assert report["trace"] == release["trace"]
+    assert report["violations"] == release["violations"]
+    assert report["reproducer"]["status"] == "verified"
+
+
+def test_reproducer_and_replay_pass_once_the_bug_is_fixed(release_run, source_tree, tmp_path):
+    """A contributor's fix on a checkout: admission counts every prompt block.  (The fix is
+    our own few lines appended to a copy of the tree; vLLM's code is not edited.)"""
+    fixed = tmp_path / "fixed"
+    shutil.copytree(source_tree, fixed)
+    with open(fixed / "vllm" / "core" / "block_manager_v2.py", "a") as f:
+        f.write(
+            "\n\n_unfixed_can_allocate = BlockSpaceManagerV2.can_allocate\n\n\n"
+            "def _fixed_can_allocate(self, seq_group, num_lookahead_slots=0):\n"
+            "    saved, self.max_block_sliding_window = self.max_block_sliding_window, None\n"
+            "    try:\n"
+            "        return _unfixed_can_allocate(self, seq_group, num_lookahead_slots)\n"
+            "    finally:\n"
+            "        self.max_block_sliding_window = saved\n\n\n"
+            "BlockSpaceManagerV2.can_allocate = _fixed_can_allocate\n"
+        )
+    _, out = release_run
+    report = out / "report.json"
+    repro = Path(json.loads(report.read_text())["reproducer"]["path"])
+    still_broken = venv_pytest(repro, pythonpath=source_tree)
+    assert still_broken.returncode == 1, still_broken.stdout
+    passing = venv_pytest(repro, pythonpath=fixed)
+    assert passing.returncode == 0, passing.stdout + passing.stderr
+    replay = kvspec("replay", str(report), "--vllm-source", str(fixed), "--source-version", "0.6.3")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "no violation" in replay.stdout
