@@ -233,8 +233,11 @@ class _Vllm:
             if self.token_inputs is not None:
                 kwargs["inputs"] = self.token_inputs(prompt_token_ids=list(tokens))
             else:  # LLMInputs (0.5 - 0.6.3) is a TypedDict: a plain dict at runtime
-                kwargs["inputs"] = {"prompt_token_ids": list(tokens), "prompt": None,
-                                    "multi_modal_data": None}
+                kwargs["inputs"] = {
+                    "prompt_token_ids": list(tokens),
+                    "prompt": None,
+                    "multi_modal_data": None,
+                }
         else:  # 0.4.x: Sequence(seq_id, prompt, prompt_token_ids, block_size, ...)
             kwargs["prompt"] = None
             kwargs["prompt_token_ids"] = list(tokens)
@@ -334,8 +337,13 @@ class LegacyAdapter:
         # it (0.6.4 on: parallel sampling became separate requests) never fork.
         if hasattr(self._v.SequenceGroup, "add"):
             caps.add(Capability.FORK)
-        # V1 + sliding window + chunked prefill: arg_utils.py:1081-1085 rejects it.
-        if not (self.is_v1 and config.sliding_window is not None):
+        # Chunked prefill is out for V1 + sliding window (0.6.3 arg_utils.py:1081-1085), and for
+        # prefix caching where mark_blocks_as_computed cannot be told the chunk size: those
+        # releases (0.4.x) have the worker refuse the pair (0.4.3 model_runner.py:285-290).
+        self._chunk_aware_marking = "token_chunk_size" in _params(self.mgr.mark_blocks_as_computed)
+        if not (self.is_v1 and config.sliding_window is not None) and not (
+            config.prefix_caching and not self._chunk_aware_marking
+        ):
             caps.add(Capability.CHUNKED_PREFILL)
         if config.prefix_caching:
             caps.add(Capability.PREFIX_CACHING)
@@ -343,7 +351,10 @@ class LegacyAdapter:
             caps.add(Capability.SLIDING_WINDOW)
         if not self.is_v1:  # V1 asserts num_lookahead_slots == 0 (block_manager_v1.py:290, 378)
             caps.add(Capability.LOOKAHEAD)
-        if config.num_cpu_blocks > 0:
+        # 0.4.x BlockSpaceManagerV2 has no swapping (can_swap_out is always False there);
+        # its allocator learned ``swap`` together with the feature.
+        alloc = getattr(self.mgr, "block_allocator", None)
+        if config.num_cpu_blocks > 0 and (alloc is None or hasattr(alloc, "swap")):
             caps.add(Capability.SWAP)
         if hasattr(self.mgr, "reset_prefix_cache"):
             caps.add(Capability.RESET_PREFIX_CACHE)
@@ -466,8 +477,10 @@ class LegacyAdapter:
         seq = self._seqs[seq_id]
         remaining = seq.get_len()
         if num_new_tokens < remaining and Capability.CHUNKED_PREFILL not in self.capabilities:
-            raise Unsupported("chunked prefill with a sliding window is rejected for V1 "
-                              "(engine/arg_utils.py)")
+            raise Unsupported(
+                "this release rejects chunked prefill with this configuration (V1 + sliding "
+                "window, or prefix caching without a chunk-aware mark_blocks_as_computed)"
+            )
         self._learn(seq_id)  # before allocate: a failed allocate may leave cached hashes behind
         if self._cached_api and seq_id not in self._admission_cached:
             self._admission_cached[seq_id] = self.mgr.get_num_cached_tokens(seq)
@@ -477,8 +490,9 @@ class LegacyAdapter:
             if self._v.is_out_of_blocks(err):
                 # The scheduler would crash here; vLLM's state stays as allocate left it.
                 self._forget(seq_id)
-                raise NoFreeBlocks(f"{type(self.mgr).__name__}.allocate: {type(err).__name__}: "
-                                   f"{err}") from err
+                raise NoFreeBlocks(
+                    f"{type(self.mgr).__name__}.allocate: {type(err).__name__}: {err}"
+                ) from err
             raise
         for s in group.get_seqs(status=self._status("WAITING")):
             s.status = self._status("RUNNING")
@@ -534,9 +548,11 @@ class LegacyAdapter:
             result = fn(seq, **_kw(fn, num_lookahead_slots=lookahead))
         except Exception as err:
             if self._v.is_out_of_blocks(err):
-                raise NoFreeBlocks(f"{type(self.mgr).__name__}.append_slots after "
-                                   f"{'swap-in' if skip_check else 'can_append_slots'} said yes: "
-                                   f"{type(err).__name__}: {err}") from err
+                raise NoFreeBlocks(
+                    f"{type(self.mgr).__name__}.append_slots after "
+                    f"{'swap-in' if skip_check else 'can_append_slots'} said yes: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
             raise
         self._schedule_metadata(seq_id)
         return _copies(result)
@@ -577,8 +593,9 @@ class LegacyAdapter:
         if parent.is_prefill():
             # The output processor forks only after sampling (decode stage): a fork in the
             # middle of a prefill would share a block both sequences still have to write.
-            raise Unsupported(f"legacy vLLM forks only after sampling; seq {parent_id} is "
-                              "still in prefill")
+            raise Unsupported(
+                f"legacy vLLM forks only after sampling; seq {parent_id} is still in prefill"
+            )
         group = self._groups[parent_id]
         child = parent.fork(child_id)
         group.add(child)
@@ -607,14 +624,18 @@ class LegacyAdapter:
 
     def swap_out(self, seq_id: int) -> list[BlockCopy]:
         if Capability.SWAP not in self.capabilities:
-            raise Unsupported("no CPU swap pool (num_cpu_blocks == 0)")
+            raise Unsupported(
+                "no swapping: num_cpu_blocks == 0, or this release's manager cannot swap"
+            )
         seq = self._seq(seq_id)
         group = self._groups[seq_id]
         if seq.status != self._status("RUNNING"):
             raise NotAdmitted(f"seq {seq_id} is not running")
         if self._live_siblings(seq_id):
-            raise NotAdmitted("legacy vLLM swaps whole sequence groups; seq "
-                              f"{seq_id} shares its group with live sequences")
+            raise NotAdmitted(
+                "legacy vLLM swaps whole sequence groups; seq "
+                f"{seq_id} shares its group with live sequences"
+            )
         if not self.mgr.can_swap_out(group):
             raise NotAdmitted(f"can_swap_out refused seq {seq_id} (the scheduler aborts here)")
         mapping = _copies(self.mgr.swap_out(group))
@@ -624,7 +645,9 @@ class LegacyAdapter:
 
     def swap_in(self, seq_id: int) -> list[BlockCopy]:
         if Capability.SWAP not in self.capabilities:
-            raise Unsupported("no CPU swap pool (num_cpu_blocks == 0)")
+            raise Unsupported(
+                "no swapping: num_cpu_blocks == 0, or this release's manager cannot swap"
+            )
         seq = self._seq(seq_id)
         group = self._groups[seq_id]
         if seq.status != self._status("SWAPPED"):
@@ -728,8 +751,9 @@ class LegacyAdapter:
                     slots.append(b - cpu_offset if on_cpu else b)
             device = Device.CPU if on_cpu else Device.GPU
             tables[seq_id] = TableView(seq_id, device, tuple(slots))
-        return KVState(gpu=gpu_view, tables=tables,
-                       cpu=cpu_view if self.config.num_cpu_blocks > 0 else None)
+        return KVState(
+            gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
+        )
 
     def _learn_from_live_blocks(self, null) -> None:
         """Second source of keys: the hash a live block already computed for itself (the
@@ -740,7 +764,7 @@ class LegacyAdapter:
             if seq is None:
                 continue
             tokens = tuple(int(t) for t in seq.get_token_ids())
-            for i, block in enumerate(bt.blocks):
+            for i, block in enumerate(_table_blocks(bt)):
                 if block is null:
                     continue
                 h = getattr(block, "_cached_content_hash", None)
@@ -798,8 +822,9 @@ class LegacyAdapter:
             if bsw is not None and self.v1_window_slots == "tail" and len(slots) > bsw:
                 slots = [None] * (len(slots) - bsw) + slots[-bsw:]
             tables[seq_id] = TableView(seq_id, Device.CPU if on_cpu else Device.GPU, tuple(slots))
-        return KVState(gpu=gpu_view, tables=tables,
-                       cpu=cpu_view if self.config.num_cpu_blocks > 0 else None)
+        return KVState(
+            gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
+        )
 
     def _v1_pool(self, name: str, num_blocks: int) -> PoolView:
         allocator = getattr(self.mgr, name)
@@ -829,9 +854,20 @@ class LegacyAdapter:
                 evictable.append(block.block_number)
             if block.computed:
                 computed.add(block.block_number)
-        return PoolView(ids=ids, refcounts=refcounts, free=tuple(free),
-                        evictable=tuple(evictable), cached=tuple(cached),
-                        computed=frozenset(computed))
+        return PoolView(
+            ids=ids,
+            refcounts=refcounts,
+            free=tuple(free),
+            evictable=tuple(evictable),
+            cached=tuple(cached),
+            computed=frozenset(computed),
+        )
+
+
+def _table_blocks(bt) -> list:
+    """A V2 BlockTable's block objects (a ``blocks`` property from 0.5 on, ``_blocks`` before)."""
+    blocks = getattr(bt, "blocks", None)
+    return list(blocks if blocks is not None else bt._blocks)
 
 
 def _evictor_ids(evictor) -> Iterable[int]:
