@@ -198,8 +198,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
 
 def print_table(o: Outcome) -> None:
     table = Table(title="Invariants", title_justify="left", expand=False)
-    table.add_column("invariant")
-    table.add_column("verdict")
+    table.add_column("invariant", no_wrap=True, min_width=24)
+    table.add_column("verdict", no_wrap=True)
     table.add_column("examples", justify="right")
     table.add_column("operations", justify="right")
     table.add_column("statement", max_width=58, overflow="fold")

@@ -295,3 +295,26 @@ def test_no_reproducer_for_shadow_memory_invariants_or_kvspec_impls():
     assert isinstance(memory_only, NotReproducible) and "shadow KV memory" in memory_only.reason
     own = generate("reference", config, trace, [Violation("no-leak", "x")], {})
     assert isinstance(own, NotReproducible)
+
+
+def test_a_crashing_target_is_reported_not_passed(monkeypatch, capsys, tmp_path):
+    """An exception from the target under a valid protocol is a finding (exit 1) with a trace."""
+    import kvspec.cli.check as check
+    from kvspec.reference import ReferenceManager
+
+    class Crashes(ReferenceManager):
+        name = "crashes"
+
+        def free(self, seq_id):
+            raise RuntimeError("boom in free")
+
+    monkeypatch.setattr(check, "factory_for", lambda impl: Crashes)
+    code = main(["check", "--impl", "reference", "--profile", "ci", "--examples", "20",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "the target crashed" in out and "boom in free" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["outcome"] == "error" and "RuntimeError: boom in free" in report["error"]
+    assert report["trace"] and report["trace"][-1]["op"] in ("free", "preempt")
+    assert report["reproducer"]["status"] == "not-available"
