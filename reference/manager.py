@@ -92,7 +92,8 @@ class ReferenceManager:
                 break
             hits.append(block)
         hit_tokens = len(hits) * B
-        end = min(hit_tokens + max(1, num_new_tokens), len(tokens))
+        # The first step's slots, plus the run's lookahead slots (as V1 admits).
+        end = min(hit_tokens + max(1, num_new_tokens), len(tokens)) + self.config.max_lookahead
         first = min(first_needed_block(hit_tokens, W, B), len(hits))
         kept = hits[first:]
         return _AdmissionPlan(
@@ -233,6 +234,10 @@ class ReferenceManager:
         return copies
 
     def reset_prefix_cache(self) -> bool:
+        # Like V1's KVCacheManager.reset_prefix_cache: only when no block is in use, so a
+        # reset never drops the cache entry of content a running sequence still holds.
+        if any(self.gpu.refcount):
+            return False
         self.gpu.reset_cache()
         return True
 

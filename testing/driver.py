@@ -197,10 +197,11 @@ class Driver:
     def swap_in(self, seq_id: int) -> bool:
         return self._swap(seq_id, "swap_in", Device.CPU, Device.GPU, Status.RUNNING)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
         done = self.impl.reset_prefix_cache()
         self._record("reset_prefix_cache", {}, "done" if done else "refused")
         self._observe()
+        return bool(done)
 
     # ------------------------------------------------------------ checking
 

@@ -86,6 +86,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def build(self, data):
+        self._build_driver(data)
+
+    def _build_driver(self, data):
         config = data.draw(self.config_strategy, label="config")
         note(f"config: {config!r}")
         try:

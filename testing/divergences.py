@@ -1,0 +1,78 @@
+"""Known divergences between an implementation and the reference, in one place.
+
+Each is a difference the spec allows (a policy freedom), with its reason, the upstream
+reference, and a narrow predicate over the comparison at hand.  Comparison code never
+swallows a difference any other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen
+class Mismatch:
+    """One difference the lockstep comparison saw."""
+
+    mode: str  # "outcomes", "counts" or "renaming"
+    op: str
+    seq: int | None
+    target: object
+    reference: object
+    target_name: str
+    prefill: bool  # the sequence had uncomputed prompt tokens at the time
+    caching: bool = False  # prefix caching on
+
+
+@attrs.frozen
+class Divergence:
+    id: str
+    reason: str
+    upstream: str
+    applies: Callable[[Mismatch], bool]
+
+
+def _legacy(m: Mismatch) -> bool:
+    return m.target_name.startswith("vllm-legacy") or "BlockSpaceManager" in m.target_name
+
+
+KNOWN: tuple[Divergence, ...] = (
+    Divergence(
+        "legacy-whole-prompt-allocation",
+        "legacy allocate() takes a block for every prompt token at admission, whatever the "
+        "first chunk computes; the reference allocates per step (a policy freedom, except "
+        "for sliding windows, where window-bound reports it)",
+        "vllm/core/block_manager_v2.py allocate (0.6.3); seed issue",
+        lambda m: _legacy(m) and m.mode == "counts" and m.prefill
+        and isinstance(m.target, int) and isinstance(m.reference, int) and m.target > m.reference,
+    ),
+    Divergence(
+        "conservative-admission",
+        "an implementation may refuse an admission whose exact need fits (policy freedom, "
+        "spec/admission.py): legacy can_allocate keeps watermark_blocks back; V1 0.33's "
+        "allocate_slots(full_sequence_must_fit=True) admits only if the whole request fits",
+        "vllm/core/block_manager_v2.py can_allocate (0.6.3); "
+        "vllm/v1/core/kv_cache_manager.py allocate_slots full_sequence_must_fit (0.33.0)",
+        lambda m: m.mode == "outcomes" and m.op in ("admit", "readmit")
+        and m.target is False and m.reference is True,
+    ),
+    Divergence(
+        "cache-hit-policy",
+        "with prefix caching, which cached blocks survive is eviction policy (and V1 keeps "
+        "duplicate cached blocks), so an implementation may find more of a prompt cached than "
+        "the reference (or less), share differently, and so admit or step where the "
+        "reference's pool is full (or the other way round): with caching on, outcomes are "
+        "policy",
+        "vllm/v1/core/block_pool.py (eviction order, NOTE #1 on duplicates)",
+        lambda m: m.caching and m.mode == "outcomes" and m.op in ("admit", "readmit", "step"),
+    ),
+)
+
+
+def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence | None:
+    for d in known:
+        if d.applies(m):
+            return d
+    return None
