@@ -26,8 +26,8 @@ OK, LATER, NEVER = V.OK, V.LATER, V.NEVER
 
 # ---------------------------------------------------------------- the reference's admission
 
-B, N, free, ev, L, k, hit, eh = z3.Ints(
-    "B N free evictable prompt_len num_new_tokens hit_tokens evictable_hits"
+B, N, free, ev, L, k, hit, eh, la = z3.Ints(
+    "B N free evictable prompt_len num_new_tokens hit_tokens evictable_hits lookahead"
 )
 win = E.Win(z3.Bool("windowed"), z3.Int("W"))
 
@@ -42,16 +42,18 @@ def reference_admission(
     evictable,
     evictable_hits,
     num_blocks,
+    lookahead,
 ):
     """The reference's can_admit answer and the blocks its admit allocates, as z3 terms.
 
-    Mirrors ``ReferenceManager._plan``/``can_admit``/``admit``: ``end`` is the first step's end,
-    ``first`` the first slot it keeps, the table starts as ``first`` dropped slots plus the kept
-    hits, and ``grow_to`` allocates the rest up to the step's last slot.
-    Returns (status, allocated, kept_hits, end).
+    Mirrors ``ReferenceManager._plan``/``can_admit``/``admit``: the first step computes up to
+    ``min(hit + max(1, k), prompt_len)`` and reserves the run's ``lookahead`` slots beyond
+    (``Config.max_lookahead``), so its slots end at ``end``; ``first`` is the first slot it
+    keeps, the table starts as ``first`` dropped slots plus the kept hits, and ``grow_to``
+    allocates the rest up to ``end``'s slot.  Returns (status, allocated, kept_hits, end).
     """
     h = hit_tokens / block_size
-    end = E.zmin(hit_tokens + E.zmax(1, num_new_tokens), prompt_len)
+    end = E.zmin(hit_tokens + E.zmax(1, num_new_tokens), prompt_len) + lookahead
     first = E.zmin(E.first_needed_block(hit_tokens, w, block_size), h)
     kept = h - first
     new = E.new_blocks_for_step(hit_tokens, end, w, block_size)
@@ -64,7 +66,7 @@ def reference_admission(
     return status, allocated, kept, end
 
 
-STATUS, GROW, KEPT, END = reference_admission(hit, L, k, win, B, free, ev, eh, N)
+STATUS, GROW, KEPT, END = reference_admission(hit, L, k, win, B, free, ev, eh, N, la)
 AVAILABLE = free + ev - eh  # free + evictable once the kept hits left the evictable set
 
 STATE = [
@@ -76,6 +78,7 @@ STATE = [
     free + ev <= N,
     L >= 1,
     k >= 0,
+    la >= 0,
     hit >= 0,
     hit % B == 0,  # hits are whole blocks
     hit < L,  # the last prompt token is always computed
@@ -93,12 +96,15 @@ STATE_SHOW: Mapping[str, z3.ExprRef] = {
     "evictable": ev,
     "prompt_len": L,
     "num_new_tokens": k,
+    "lookahead": la,
     "hit_tokens": hit,
     "evictable_hits": eh,
     "status(0=OK,1=LATER,2=NEVER)": STATUS,
     "allocated": GROW,
 }
-REF_BOUNDS = "unbounded: every B, W (or none), pool, free/evictable split, prompt, hit, step"
+REF_BOUNDS = (
+    "unbounded: every B, W (or none), pool, free/evictable split, prompt, hit, step, lookahead"
+)
 
 
 @obligation("admission-soundness/reference")

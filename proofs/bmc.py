@@ -6,11 +6,11 @@ table of at most ``max_slots`` slots.  A transition is one driver operation, don
 reference does it:
 
 * ADMIT s: prefix hits (any cached blocks), can_admit's answer from ``spec.admission``, revive
-  the kept hits, allocate the step's other slots, the worker writes positions hit..end-1,
-  commit (optionally publishing full blocks to the prefix cache);
+  the kept hits, allocate the step's other slots and the run's lookahead slots, the worker
+  writes positions hit..end-1, commit (optionally publishing full blocks to the prefix cache);
 * STEP s: reserve k tokens plus lookahead (drop slots before first_needed_block(start), copy-on-
   write the shared blocks the step writes, grow), the worker writes, commit, publish;
-* FORK p c; FREE s; RESET (reset_prefix_cache); or nothing.
+* FORK p c; FREE s; RESET (reset_prefix_cache, refused while a block is in use); or nothing.
 
 Refcounts move only by the reference's incref/decref/allocate, never recomputed from tables, so
 refcount-exact is a real property.  Which free or evictable block an allocation takes is left to
@@ -440,9 +440,10 @@ def _admit(
 ) -> Effect:
     N, T, B = b.num_blocks, b.max_slots, b.block_size
     hit = d.name(ch.h * B, "hit")
-    end = d.name(_min(hit + ch.k, ch.prompt), "end")
+    end = d.name(_min(hit + ch.k, ch.prompt), "end")  # the first step computes hit..end-1
+    reserved = d.name(end + b.max_lookahead, "reserved")  # and reserves the run's lookahead
     first = d.name(tb.first_needed(hit), "first")
-    last = d.name(tb.div_b(end - 1), "last")
+    last = d.name(tb.div_b(reserved - 1), "last")
     kept = [d.name(z3.And(first <= i, i < ch.h), "kept") for i in range(T)]
     fresh = [d.name(z3.And(ch.h <= i, i <= last), "fresh") for i in range(T)]
     hits_ok = [z3.Implies(i < ch.h, _at(pool.key, ch.hb[i])) for i in range(T)]
@@ -451,7 +452,7 @@ def _admit(
         for i in range(T)
         for j in range(i)
     ]
-    new = tb.new_blocks(hit, end)
+    new = tb.new_blocks(hit, reserved)
     if mutant == "admission-one-short":
         new = new - 1
     evictable_hits = _count([z3.And(kept[i], _at(pool.rc, ch.hb[i]) == 0) for i in range(T)])
@@ -480,10 +481,10 @@ def _admit(
     published = d.pool(_publish(b, written, slots, ch.reg, ch.h, tb.div_b(end)), "admitted")
     go = z3.And(ok, z3.Not(fail))
     return Effect(
-        enabled=z3.Not(seq.live),
+        enabled=z3.And(z3.Not(seq.live), reserved <= b.positions),
         go=go,
         pool=published,
-        seq=Seq(z3.BoolVal(True), end, hit, end, last + 1, slots),
+        seq=Seq(z3.BoolVal(True), end, hit, reserved, last + 1, slots),
         constraints=[
             hit < ch.prompt,
             *hits_ok,
@@ -584,11 +585,14 @@ def _free(b: Bounds, pool: Pool, seq: Seq, mutant: Mutant, d: Defs) -> Effect:
 
 
 def _reset(b: Bounds, pool: Pool) -> Effect:
+    """reset_prefix_cache: refused while any block is in use (as V1's), else every cached
+    entry is dropped and the evictable blocks go to the free list."""
     nxt = pool.copy()
     nxt.key = [z3.BoolVal(False)] * b.num_blocks
     nxt.ev = [z3.BoolVal(False)] * b.num_blocks
     nxt.fl = [pool.fl[x] + z3.If(pool.ev[x], bv(1), bv(0)) for x in range(b.num_blocks)]
-    return Effect(enabled=z3.BoolVal(True), go=z3.BoolVal(True), pool=nxt, seq=None)
+    idle = z3.And(*[rc == 0 for rc in pool.rc])
+    return Effect(enabled=z3.BoolVal(True), go=idle, pool=nxt, seq=None)
 
 
 @attrs.define
@@ -974,7 +978,7 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
     if not initial_satisfies(b):
         open_["base case"] = "the initial state breaks an invariant"
     unbounded = [p for p in props if p in ind and not open_]
-    direct_depth = b.depth if deep else DEFAULT_DIRECT_DEPTH
+    direct_depth = min(b.depth, DEEP_DIRECT_DEPTH if deep else DEFAULT_DIRECT_DEPTH)
     t0 = time.perf_counter()
     runs = prove_runs(b, timeout, depth=direct_depth)
     t_bmc = time.perf_counter() - t0
@@ -1011,7 +1015,8 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
     return Verdict(outcome, b.describe(), "; ".join(parts), twin=twin, twin_ok=not missed)
 
 
-DEFAULT_DIRECT_DEPTH = 2
+DEFAULT_DIRECT_DEPTH = 2  # the unrolled cross-check; induction covers every depth
+DEEP_DIRECT_DEPTH = 4
 
 
 @obligation("refcount-exact/reference-bmc")

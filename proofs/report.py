@@ -15,8 +15,8 @@ from .core import Result
 
 def table(results: Sequence[Result], title: str) -> Table:
     t = Table(title=title, show_lines=True, expand=True)
-    t.add_column("obligation", overflow="fold", ratio=3)
-    t.add_column("serves", overflow="fold", ratio=2)
+    t.add_column("obligation", overflow="fold", min_width=30, max_width=44)
+    t.add_column("serves", no_wrap=True)
     t.add_column("bounds", overflow="fold", ratio=3)
     t.add_column("result", overflow="fold", ratio=7)
     t.add_column("expected", ratio=2)

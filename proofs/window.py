@@ -227,13 +227,17 @@ def v2_decode_held(deep: bool) -> Verdict:
     lookahead)//B (block_table.py:138-146): claim it stays within the window-bound invariant's
     min(window_cover(W + lookahead), ceil((computed + 1 + lookahead)/B))."""
     bound = E.zmin(E.window_cover(W + la, B), E.blocks_for_tokens(c + 1 + la, B))
+    hyps = [B >= 1, W >= 1, c >= 0, la >= 0, B <= 64, W <= 256, c <= 4096, la <= 8]
+    show = {"B": B, "W": W, "computed": c, "lookahead": la, "held": V2_HELD, "bound": bound}
+    seed = witness([*hyps, B == 4, W == 8, la == 0, V2_HELD > bound], show, minimize=[c])
     return refutation(
-        [B >= 1, W >= 1, c >= 0, la >= 0, B <= 64, W <= 256, c <= 4096, la <= 8],
+        hyps,
         V2_HELD <= bound,
-        {"B": B, "W": W, "computed": c, "lookahead": la, "held": V2_HELD, "bound": bound},
+        show,
         "search: B<=64, W<=256, computed<=4096, lookahead<=8",
         minimize=[W, B, c, la],
-        note="over-holding (memory waste), not a lost token",
+        note=f"at the seed's B=4 W=8: {seed.numbers()}; over-holding (memory waste), "
+        "not a lost token",
     )
 
 

@@ -145,14 +145,17 @@ class Harness:
             if block is None or not self.b.prefix_caching:
                 break
             hits.append(block)
+        end = min(len(hits) * B + k, len(prompt))
+        reserved = end + self.b.max_lookahead  # the reference reserves the run's lookahead
+        if reserved > self.b.positions:
+            return  # beyond the model's table bound
         choice = self.base_choice(1, s)
         choice.update(h=len(hits), prompt=len(prompt), k=k, hb=hits + [0] * (T - len(hits)))
         if self.mgr.can_admit(s, prompt, k) is Admission.OK:
             hit = self.mgr.admit(s, prompt, k)
             assert hit == len(hits) * B
-            end = min(hit + k, len(prompt))
             table = self.slots(s)
-            for i in range(len(hits), (end - 1) // B + 1):
+            for i in range(len(hits), (reserved - 1) // B + 1):
                 choice["a"][i] = table[i]
                 self.mem[table[i]] = set()
             self.write(s, hit, end)
@@ -160,7 +163,7 @@ class Harness:
             keys = self.keys()
             choice["reg"] = [table[i] in keys for i in range(T)]
             self.tokens[s] = list(prompt)
-            self.step[s] = (hit, end)
+            self.step[s] = (hit, reserved)
             if end == len(prompt):
                 self.next_token(s)
         self.apply(choice)

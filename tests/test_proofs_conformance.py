@@ -83,15 +83,17 @@ def _zeval(expr: z3.ExprRef, binding: dict) -> int:
     free_donor=st.booleans(),
     tail=st.integers(1, 12),
     k=st.integers(1, 24),
+    la=st.sampled_from([0, 0, 1, 3]),
 )
 def test_reference_admission_encoding_matches_reference_manager(
-    B, W, N, filler, live_hits, more_hits, free_donor, tail, k
+    B, W, N, filler, live_hits, more_hits, free_donor, tail, k, la
 ) -> None:
     """Build a pool with hits in use and evictable, then compare can_admit's answer and the
     blocks admit allocates with ``proofs.admission.reference_admission``."""
-    mgr = ReferenceManager(
-        Config(block_size=B, num_blocks=N, sliding_window=W, prefix_caching=True)
+    config = Config(
+        block_size=B, num_blocks=N, sliding_window=W, prefix_caching=True, max_lookahead=la
     )
+    mgr = ReferenceManager(config)
     prompt = [i % 5 for i in range((live_hits + more_hits) * B + tail)]
 
     def run(seq: int, tokens: list[int]) -> bool:
@@ -129,6 +131,7 @@ def test_reference_admission_encoding_matches_reference_manager(
         adm.free: free,
         adm.ev: evictable,
         adm.eh: evictable_hits,
+        adm.la: la,
         adm.win.on: W is not None,
         adm.win.size: W if W is not None else 1,
     }

@@ -128,3 +128,45 @@ def test_v1_engine_admission_cap_matches_the_release() -> None:
                 max_in_flight_tokens=in_flight, max_model_len=max_len
             )
             assert got == F.v1engine_max_admission_blocks(W, extra, in_flight, max_len, B)
+
+
+@legacy_063
+def test_v2_decode_drop_rule_matches_the_release() -> None:
+    """BlockSpaceManagerV2 keeps slots first_kept_slot(computed) .. last while decoding: the
+    restated drop rule, and the over-holding z3 characterises (window-bound/vllm-0.6.3-v2-*)."""
+    from kvspec.adapters.legacy import make_legacy
+    from kvspec.proofs import vllm_formulas as F
+    from kvspec.spec.window import window_cover
+
+    for B, W in itertools.product((1, 2, 4), (1, 3, 4, 8)):
+        impl = make_legacy(Config(block_size=B, num_blocks=64, sliding_window=W), manager="v2")
+        impl.admit(0, [1, 2, 3], 3)
+        impl.commit(0, 3)
+        impl.append_token(0, 4)
+        for computed in range(3, 40):
+            impl.reserve(0, 1, 0)
+            slots = impl.observe().tables[0].slots
+            first = F.v2_first_kept_slot(computed, B, W)
+            assert all(s is None for s in slots[:first]), (B, W, computed, slots)
+            assert all(s is not None for s in slots[first:]), (B, W, computed, slots)
+            assert len(slots) == computed // B + 1
+            if computed // B >= F.v2_max_block_sliding_window(W, B):
+                held = len(slots) - first
+                assert held == W // B + 3 and held > window_cover(W, B)
+            impl.commit(0, 1)
+            impl.append_token(0, 5)
+
+
+@legacy_063
+def test_v1_ring_matches_the_release() -> None:
+    from kvspec.adapters.legacy import make_legacy
+    from kvspec.proofs import vllm_formulas as F
+
+    for B, W, L in itertools.product((1, 2, 4), (1, 3, 4, 8), (1, 5, 9, 17)):
+        config = Config(block_size=B, num_blocks=32, sliding_window=W)
+        impl = make_legacy(config, manager="v1", v1_window_slots="cyclic")
+        impl.admit(0, list(range(L)), L)
+        slots = impl.observe().tables[0].slots
+        assert len(slots) == -(-L // B)
+        for i, block in enumerate(slots):
+            assert block == slots[F.v1_ring_block(i, W, B)], (B, W, L, slots)
