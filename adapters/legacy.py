@@ -95,9 +95,11 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
@@ -376,6 +378,7 @@ class LegacyAdapter:
         self._v2_hash_extra = False
         if self.is_v1:
             self._v1_init_snapshot()
+            self._count_v1_allocations()
         else:
             from vllm.core.block.prefix_caching_block import PrefixCachingBlock
 
@@ -638,7 +641,12 @@ class LegacyAdapter:
             )
         if not self.mgr.can_swap_out(group):
             raise NotAdmitted(f"can_swap_out refused seq {seq_id} (the scheduler aborts here)")
-        mapping = _copies(self.mgr.swap_out(group))
+        try:
+            mapping = _copies(self.mgr.swap_out(group))
+        except Exception as err:
+            if self._v.is_out_of_blocks(err):
+                raise NoFreeBlocks(f"swap_out after can_swap_out said yes: {err}") from err
+            raise
         seq.status = self._status("SWAPPED")
         self._just_swapped.discard(seq_id)
         return mapping
@@ -800,6 +808,35 @@ class LegacyAdapter:
 
     # V1 -------------------------------------------------------------------
 
+    def _count_v1_allocations(self) -> None:
+        """Count how often each V1 block starts a new life (a block's content lives one).
+
+        Observation only: the wrapper calls the allocator's own ``allocate`` and returns what
+        it returns.  A cache hit (the hash already cached or parked in the evictor) revives
+        the same content and is not a new life.  The cyclic sliding-window reuse never
+        allocates, which is exactly why its in-place overwrite stays visible.
+        """
+        self._v1_epochs: dict[str, Counter] = {}
+        for name in ("gpu_allocator", "cpu_allocator"):
+            allocator = getattr(self.mgr, name)
+            epochs: Counter = Counter()
+            self._v1_epochs[name] = epochs
+            allocate = allocator.allocate
+
+            def counted(*args, _allocate=allocate, _allocator=allocator, _epochs=epochs, **kw):
+                h = args[0] if args else kw.get("block_hash")
+                cached = getattr(_allocator, "cached_blocks", None)
+                evictor = getattr(_allocator, "evictor", None)
+                known = cached is not None and h is not None and (
+                    h in cached or (evictor is not None and h in evictor.free_table)
+                )
+                block = _allocate(*args, **kw)
+                if not known:
+                    _epochs[block.block_number] += 1
+                return block
+
+            allocator.allocate = counted
+
     def _v1_init_snapshot(self) -> None:
         # UncachedBlockAllocator keeps no list of allocated blocks: remember every block object
         # while they all sit on the free list (read-only references).
@@ -827,6 +864,11 @@ class LegacyAdapter:
         )
 
     def _v1_pool(self, name: str, num_blocks: int) -> PoolView:
+        view = self._v1_pool_view(name, num_blocks)
+        epochs = self._v1_epochs[name]
+        return attrs.evolve(view, epochs={b: epochs[b] for b in view.ids})
+
+    def _v1_pool_view(self, name: str, num_blocks: int) -> PoolView:
         allocator = getattr(self.mgr, name)
         ids = tuple(range(num_blocks))
         if hasattr(allocator, "free_blocks"):  # UncachedBlockAllocator

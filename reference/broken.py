@@ -143,7 +143,11 @@ class ForkWithoutIncref(ReferenceManager):
         table = BlockTable(list(parent.table.slots))
         table.first_live = parent.table.first_live
         self.seqs[child_id] = _Seq(
-            list(parent.tokens), parent.extra, table, parent.num_computed, published=parent.published
+            list(parent.tokens),
+            parent.extra,
+            table,
+            parent.num_computed,
+            published=parent.published,
         )
 
 
@@ -194,13 +198,16 @@ class BrokenVariant:
 BROKEN: dict[str, BrokenVariant] = {
     LeakOnFree.name: BrokenVariant(LeakOnFree, frozenset({"no-leak", "refcount-exact"})),
     SkipCopyOnWrite.name: BrokenVariant(SkipCopyOnWrite, frozenset({"immutability"})),
-    OffByOneWindow.name: BrokenVariant(OffByOneWindow, frozenset({"window-bound"}), {"window": True}),
+    OffByOneWindow.name: BrokenVariant(
+        OffByOneWindow, frozenset({"window-bound"}), {"window": True}
+    ),
     EagerWindow.name: BrokenVariant(EagerWindow, frozenset({"kv-readback"}), {"window": True}),
     StaleCacheEntry.name: BrokenVariant(
         StaleCacheEntry, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
     ),
     PublishBeforeCompute.name: BrokenVariant(
-        PublishBeforeCompute, frozenset({"prefix-cache-consistency", "kv-readback"}),
+        PublishBeforeCompute,
+        frozenset({"prefix-cache-consistency", "kv-readback"}),
         {"prefix_caching": True},
     ),
     WindowCappedAdmission.name: BrokenVariant(
@@ -211,4 +218,3 @@ BROKEN: dict[str, BrokenVariant] = {
     DoubleFree.name: BrokenVariant(DoubleFree, frozenset({"conservation"})),
     CyclicWindow.name: BrokenVariant(CyclicWindow, frozenset({"immutability"}), {"window": True}),
 }
-

@@ -120,7 +120,9 @@ class ReferenceManager:
     ) -> int:
         assert seq_id not in self.seqs, f"seq {seq_id} is already live"
         plan = self._plan(tokens, num_new_tokens, extra)
-        if not fits(plan.new_blocks, plan.evictable_hits, len(self.gpu.free), len(self.gpu.evictable)):
+        if not fits(
+            plan.new_blocks, plan.evictable_hits, len(self.gpu.free), len(self.gpu.evictable)
+        ):
             raise NoFreeBlocks(f"seq {seq_id} needs {plan.new_blocks} new blocks")
         for block in plan.kept_hits:
             self.gpu.incref(block)

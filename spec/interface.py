@@ -20,20 +20,20 @@ Operations an implementation lacks are declared in ``capabilities`` and raise ``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from .config import Config
 from .state import KVState
 
 
-class Admission(str, Enum):
+class Admission(StrEnum):
     OK = "ok"  # admit now; the allocation that follows must succeed
     LATER = "later"  # not now (pool busy, watermark); nothing changed
     NEVER = "never"  # cannot fit even in an empty pool
 
 
-class Capability(str, Enum):
+class Capability(StrEnum):
     PREFIX_CACHING = "prefix_caching"
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_PREFILL = "chunked_prefill"

@@ -186,7 +186,9 @@ def window_bound(world: World) -> Iterator[str]:
         seq = world.seqs[table.seq_id]
         start, end = seq.step
         scheduled = max(1, end - start)
-        bound = min(window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size))
+        bound = min(
+            window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size)
+        )
         held = len(table.held())
         if held > bound:
             yield (
@@ -223,9 +225,7 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
             written = [(i, g) for i, g in enumerate(got) if g is not None]
             # A partial key claims only its own tokens; slots past it may fill later.
             if any(i < len(expected) and g != expected[i] for i, g in written):
-                yield (
-                    f"{device.value} block {block} is cached as tokens {want} but holds {got}"
-                )
+                yield (f"{device.value} block {block} is cached as tokens {want} but holds {got}")
             elif block in pool.computed and None in got[: len(want)]:
                 yield (
                     f"{device.value} block {block} can be handed out as a cache hit for {want} "
@@ -319,7 +319,7 @@ def unchanged_but_window_drops(
         if ta is None or ta.device is not Device.GPU or tb.device is not Device.GPU:
             continue
         slots = list(tb.slots)
-        for i, (was, now) in enumerate(zip(tb.slots, ta.slots)):
+        for i, (was, now) in enumerate(zip(tb.slots, ta.slots, strict=False)):
             if was is not None and now is None and i < first_needed.get(sid, 0):
                 slots[i] = None
                 refcounts[was] -= 1
@@ -364,7 +364,8 @@ def _state_diff(before: KVState, after: KVState) -> str:
     if len(before.gpu.free) != len(after.gpu.free):
         parts.append(f"free blocks {len(before.gpu.free)} -> {len(after.gpu.free)}")
     changed = sorted(
-        sid for sid in set(before.tables) | set(after.tables)
+        sid
+        for sid in set(before.tables) | set(after.tables)
         if before.tables.get(sid) != after.tables.get(sid)
     )
     if changed:
@@ -373,7 +374,9 @@ def _state_diff(before: KVState, after: KVState) -> str:
 
 
 def _short(chain: tuple[int, ...]) -> str:
-    return str(list(chain)) if len(chain) <= 12 else f"[{len(chain)} tokens ending {list(chain[-4:])}]"
+    return (
+        str(list(chain)) if len(chain) <= 12 else f"[{len(chain)} tokens ending {list(chain[-4:])}]"
+    )
 
 
 STATE_INVARIANTS = tuple(i for i in INVARIANTS.values() if i.kind == "state")

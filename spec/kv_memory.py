@@ -53,9 +53,7 @@ def cell_of(table: TableView, position: int, block_size: int) -> Cell | None:
     return (table.device, table.slots[index], position % block_size)
 
 
-def block_contents(
-    memory: Memory, device: Device, block: int, block_size: int
-) -> list[KV | None]:
+def block_contents(memory: Memory, device: Device, block: int, block_size: int) -> list[KV | None]:
     return [memory.get((device, block, off)) for off in range(block_size)]
 
 
@@ -79,10 +77,9 @@ def plan_step_writes(
     into it must go through copy-on-write first).  Rewriting a slot with the very KV it
     holds (same position, same token: a recompute) changes nothing and is allowed, and so is
     filling an empty slot of a cached block with exactly the KV its key claims (legacy vLLM
-    and V1 register a block's key when they allocate it, before the worker computes it).  "Registered" means registered before the
-    step and still the same block after it (``before``, when given): vLLM's V1 manager
-    registers the full blocks a step will compute inside ``allocate_slots``, ahead of the
-    worker's write, and that is allowed.
+    and V1 register a block's key when they allocate it, before the worker computes it).
+    "Registered" means registered before the step and still the same block after it
+    (``before``, when given).
     """
     table = state.tables.get(seq.seq_id)
     writes: list[Write] = []
@@ -163,7 +160,11 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
         pool_before = before.pool(device)
         if pool_after is None:
             continue
-        if pool_before is not None and pool_before.epochs is not None and pool_after.epochs is not None:
+        if (
+            pool_before is not None
+            and pool_before.epochs is not None
+            and pool_after.epochs is not None
+        ):
             for block, epoch in pool_after.epochs.items():
                 if pool_before.epochs.get(block) != epoch:
                     dead.add((device, block))
@@ -178,7 +179,34 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
             unreferenced = pool_before.refcounts.get(block, 0) == 0
             if unreferenced and cached_after.get(block) != key:
                 dead.add((device, block))
+        if pool_before.epochs is None or pool_after.epochs is None:
+            dead |= _rehomed(before, after, device, cached_before, cached_after)
     return dead
+
+
+def _rehomed(before: KVState, after: KVState, device: Device, cached_before, cached_after):
+    """Without epochs: a block that now sits in table slots none of which held it before,
+    while none of its earlier slots still hold it, was released and handed out again (a
+    sliding-window drop followed by an allocation inside one operation).  A cache hit on
+    content that stayed registered is not a new life."""
+
+    def holders(state: KVState) -> dict[int, set[tuple[int, int]]]:
+        out: dict[int, set[tuple[int, int]]] = {}
+        for sid, table in state.tables.items():
+            if table.device is device:
+                for i, b in enumerate(table.slots):
+                    if b is not None:
+                        out.setdefault(b, set()).add((sid, i))
+        return out
+
+    was, now = holders(before), holders(after)
+    return {
+        (device, b)
+        for b, slots in now.items()
+        if b in was
+        and not (slots & was[b])
+        and not (b in cached_before and cached_after.get(b) == cached_before[b])
+    }
 
 
 def registered_through(before: KVState, after: KVState, device: Device) -> dict:
@@ -189,9 +217,7 @@ def registered_through(before: KVState, after: KVState, device: Device) -> dict:
         return {}
     dead = {b for d, b in ended_lifetimes(before, after) if d is device}
     keys_after = pa.cached_key_of()
-    return {
-        b: k for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead
-    }
+    return {b: k for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead}
 
 
 def copy_cells(

@@ -10,7 +10,7 @@ scheduler side -- which tokens each sequence holds and how many are computed -- 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum
+from enum import StrEnum
 
 import attrs
 
@@ -18,12 +18,12 @@ from .config import Config
 from .prefix_hash import PrefixKey
 
 
-class Device(str, Enum):
+class Device(StrEnum):
     GPU = "gpu"
     CPU = "cpu"
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     RUNNING = "running"  # blocks on the GPU pool, may be stepped
     SWAPPED = "swapped"  # blocks on the CPU pool
     WAITING = "waiting"  # preempted by recompute: holds nothing, re-admitted later
@@ -99,6 +99,8 @@ class SeqModel:
     num_computed  positions whose KV the worker has written (or a prefix-cache hit supplied).
     step          the positions [start, end) of the step the implementation last reserved
                   slots for (prefill chunk, or decode token plus lookahead).
+    prompt_len    tokens at the latest (re)admission; a preempted sequence recomputes all of
+                  them as prefill before it samples again.
     """
 
     seq_id: int
@@ -107,6 +109,11 @@ class SeqModel:
     status: Status = Status.RUNNING
     step: tuple[int, int] = (0, 0)
     extra: tuple[object, ...] = ()
+    prompt_len: int = 0  # tokens at its latest (re)admission: all of them are prefill
+
+    def decoding(self) -> bool:
+        """A token has been sampled and everything before it is computed."""
+        return len(self.tokens) > self.prompt_len and self.num_computed == len(self.tokens) - 1
 
 
 @attrs.frozen

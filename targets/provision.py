@@ -67,7 +67,11 @@ def install_kvspec(t: Target, progress: Progress) -> None:
     if kvspec_is_current(t):
         return
     progress(f"installing kvspec from {REPO} into {t.venv}")
-    _run([str(t.python), "-m", "pip", "install", "-q", "-e", str(REPO)], progress, "installing kvspec")
+    _run(
+        [str(t.python), "-m", "pip", "install", "-q", "-e", str(REPO)],
+        progress,
+        "installing kvspec",
+    )
     (t.venv / "kvspec-source.txt").write_text(str(REPO))
 
 
@@ -86,8 +90,11 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
     t.venv.parent.mkdir(parents=True, exist_ok=True)
     try:
         _run([sys.executable, "-m", "venv", str(t.venv)], progress, "creating the venv")
-        _run([str(t.python), "-m", "pip", "install", f"vllm=={version}"], progress,
-             f"pip install vllm=={version}")
+        _run(
+            [str(t.python), "-m", "pip", "install", f"vllm=={version}"],
+            progress,
+            f"pip install vllm=={version}",
+        )
         install_kvspec(t, progress)
     except BaseException:
         shutil.rmtree(t.venv, ignore_errors=True)

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import attrs
-
 from kvspec.spec.errors import KVSpecError
 
 
@@ -55,7 +54,7 @@ def home() -> Path:
 
 
 def parse(version: str) -> tuple[int, ...]:
-    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?", version.strip())
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(?:\.\d+)?(?:\.post\d+)?", version.strip())
     if not m:
         raise TargetError(
             f"{version!r} is not a vLLM release version (expected e.g. 0.6.3, 0.6.3.post1, 0.33.0)"
@@ -72,8 +71,10 @@ def target(version: str, engine: str | None = None) -> Target:
         engine = "v1" if v1_ok else "legacy"
     if engine == "legacy" and legacy_ok:
         # BlockSpaceManagerV1 and V2 ship until 0.6.3; SelfAttnBlockSpaceManager from 0.6.3.post1.
-        managers = ("legacy-v1", "legacy-v2") if v <= (0, 6, 3) and "post" not in version else (
-            "legacy-self-attn",
+        managers = (
+            ("legacy-v1", "legacy-v2")
+            if v <= (0, 6, 3) and "post" not in version
+            else ("legacy-self-attn",)
         )
         return Target(version, "legacy", managers)
     if engine == "v1" and v1_ok:

@@ -20,12 +20,11 @@ side that has it), so the two keep running on the same operations.
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
-
 from kvspec.reference import ReferenceManager
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import Status
@@ -35,7 +34,7 @@ from .driver import Driver, SpecViolation
 from .machine import KVCacheMachine
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     OUTCOMES = "outcomes"
     COUNTS = "counts"
     RENAMING = "renaming"
@@ -47,8 +46,9 @@ _ORDER = [Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING]
 class Lockstep:
     """Looks like a Driver to the machine; drives the target and the reference."""
 
-    def __init__(self, target: Driver, reference: Driver, mode: Mode,
-                 known: tuple[Divergence, ...] = KNOWN) -> None:
+    def __init__(
+        self, target: Driver, reference: Driver, mode: Mode, known: tuple[Divergence, ...] = KNOWN
+    ) -> None:
         self.target, self.reference, self.mode, self.known = target, reference, mode, known
         self.untracked: set[int] = set()
         self.mismatches: list[Violation] = []
@@ -60,9 +60,13 @@ class Lockstep:
     def _compares(self, mode: Mode) -> bool:
         return _ORDER.index(self.mode) >= _ORDER.index(mode)
 
-    def _mirror(self, op: str, seq: int | None, run: Callable[[Driver], bool | None]) -> bool | None:
-        prefill = seq is not None and seq in self.target.seqs and (
-            self.target.seqs[seq].num_computed < len(self.target.seqs[seq].tokens) - 1
+    def _mirror(
+        self, op: str, seq: int | None, run: Callable[[Driver], bool | None]
+    ) -> bool | None:
+        prefill = (
+            seq is not None
+            and seq in self.target.seqs
+            and (self.target.seqs[seq].num_computed < len(self.target.seqs[seq].tokens) - 1)
         )
         got = run(self.target)
         if seq is not None and seq in self.untracked:
@@ -93,27 +97,39 @@ class Lockstep:
             self.reference.free(seq)
 
     def _differ(self, mode: Mode, op: str, seq, got, want, prefill: bool) -> None:
-        m = Mismatch(mode.value, op, seq, got, want, self.target.impl.name, prefill,
-                     self.target.config.prefix_caching)
+        m = Mismatch(
+            mode.value,
+            op,
+            seq,
+            got,
+            want,
+            self.target.impl.name,
+            prefill,
+            self.target.config.prefix_caching,
+        )
         why = explained(m, self.known)
         if why is not None:
             self.allowed.append((m, why))
             note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
         elif self._compares(mode):
-            self.mismatches.append(Violation(
-                f"differential/{mode.value}",
-                f"{op} on seq {seq}: {self.target.impl.name} gave {got}, the reference {want}",
-            ))
+            self.mismatches.append(
+                Violation(
+                    f"differential/{mode.value}",
+                    f"{op} on seq {seq}: {self.target.impl.name} gave {got}, the reference {want}",
+                )
+            )
 
     # ------------------------------------------------ the Driver surface the machine uses
 
     def admit(self, seq_id, tokens, num_new_tokens, next_token=0, extra=()):
-        return self._mirror("admit", seq_id,
-                            lambda d: d.admit(seq_id, tokens, num_new_tokens, next_token, extra))
+        return self._mirror(
+            "admit", seq_id, lambda d: d.admit(seq_id, tokens, num_new_tokens, next_token, extra)
+        )
 
     def readmit(self, seq_id, num_new_tokens, next_token=0):
-        return self._mirror("readmit", seq_id,
-                            lambda d: d.readmit(seq_id, num_new_tokens, next_token))
+        return self._mirror(
+            "readmit", seq_id, lambda d: d.readmit(seq_id, num_new_tokens, next_token)
+        )
 
     def step(self, seq_id, num_new_tokens, next_token=0):
         return self._mirror("step", seq_id, lambda d: d.step(seq_id, num_new_tokens, next_token))
@@ -159,9 +175,12 @@ class Lockstep:
         if not self._compares(Mode.COUNTS):
             return
         shared = [
-            s for s, m in self.target.seqs.items()
-            if s not in self.untracked and m.status is not Status.WAITING
-            and s in self.reference.state.tables and s in self.target.state.tables
+            s
+            for s, m in self.target.seqs.items()
+            if s not in self.untracked
+            and m.status is not Status.WAITING
+            and s in self.reference.state.tables
+            and s in self.target.state.tables
         ]
         for s in shared:
             t, r = self.target.state.tables[s], self.reference.state.tables[s]
@@ -176,9 +195,14 @@ class Lockstep:
                     self._differ(Mode.RENAMING, "dropped slots", s, dropped_t, dropped_r, prefill)
         if self._compares(Mode.RENAMING) and not self.target.config.prefix_caching:
             if _sharing(self.target, shared) != _sharing(self.reference, shared):
-                self._differ(Mode.RENAMING, "shared slots", None,
-                             _sharing(self.target, shared), _sharing(self.reference, shared),
-                             False)
+                self._differ(
+                    Mode.RENAMING,
+                    "shared slots",
+                    None,
+                    _sharing(self.target, shared),
+                    _sharing(self.reference, shared),
+                    False,
+                )
 
 
 def _sharing(driver: Driver, seqs: list[int]) -> list[list[tuple[int, int]]]:
@@ -194,8 +218,15 @@ def _sharing(driver: Driver, seqs: list[int]) -> list[list[tuple[int, int]]]:
 class DifferentialMachine(KVCacheMachine):
     """The machine, with the reference run in lockstep and compared in ``mode``."""
 
-    def __init__(self, factory, config_strategy=None, *, mode: Mode = Mode.RENAMING,
-                 known: tuple[Divergence, ...] = KNOWN, **kwargs) -> None:
+    def __init__(
+        self,
+        factory,
+        config_strategy=None,
+        *,
+        mode: Mode = Mode.RENAMING,
+        known: tuple[Divergence, ...] = KNOWN,
+        **kwargs,
+    ) -> None:
         super().__init__(factory, config_strategy, **kwargs)
         self.mode = mode
         self.known = known

@@ -45,8 +45,14 @@ KNOWN: tuple[Divergence, ...] = (
         "first chunk computes; the reference allocates per step (a policy freedom, except "
         "for sliding windows, where window-bound reports it)",
         "vllm/core/block_manager_v2.py allocate (0.6.3); seed issue",
-        lambda m: _legacy(m) and m.mode == "counts" and m.prefill
-        and isinstance(m.target, int) and isinstance(m.reference, int) and m.target > m.reference,
+        lambda m: (
+            _legacy(m)
+            and m.mode == "counts"
+            and m.prefill
+            and isinstance(m.target, int)
+            and isinstance(m.reference, int)
+            and m.target > m.reference
+        ),
     ),
     Divergence(
         "conservative-admission",
@@ -55,8 +61,12 @@ KNOWN: tuple[Divergence, ...] = (
         "allocate_slots(full_sequence_must_fit=True) admits only if the whole request fits",
         "vllm/core/block_manager_v2.py can_allocate (0.6.3); "
         "vllm/v1/core/kv_cache_manager.py allocate_slots full_sequence_must_fit (0.33.0)",
-        lambda m: m.mode == "outcomes" and m.op in ("admit", "readmit")
-        and m.target is False and m.reference is True,
+        lambda m: (
+            m.mode == "outcomes"
+            and m.op in ("admit", "readmit")
+            and m.target is False
+            and m.reference is True
+        ),
     ),
     Divergence(
         "cache-hit-policy",

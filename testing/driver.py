@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 from kvspec.spec.config import Config
-from kvspec.spec.errors import Rejected, Unsupported
+from kvspec.spec.errors import NoFreeBlocks, Rejected, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability, Implementation
 from kvspec.spec.invariants import (
     INVARIANTS,
@@ -108,8 +108,12 @@ class Driver:
         old = self.seqs.get(seq_id)
         if old is not None and old.status is not Status.WAITING:
             raise AssertionError(f"driver bug: seq {seq_id} admitted while live")
-        args = {"seq": seq_id, "tokens": list(tokens), "num_new_tokens": num_new_tokens,
-                "next_token": next_token}
+        args = {
+            "seq": seq_id,
+            "tokens": list(tokens),
+            "num_new_tokens": num_new_tokens,
+            "next_token": next_token,
+        }
         before = self.before_op = self.state
         answer: Admission | None = None
         if self.has(Capability.ADMISSION_CHECK):
@@ -129,7 +133,12 @@ class Driver:
         end = min(hit + max(1, num_new_tokens), len(tokens))
         # The admission may reserve the run's lookahead slots too (V1 does, from 0.11 on).
         self.seqs[seq_id] = SeqModel(
-            seq_id, tokens, num_computed=hit, step=(hit, end + self.lookahead), extra=extra
+            seq_id,
+            tokens,
+            num_computed=hit,
+            step=(hit, end + self.lookahead),
+            extra=extra,
+            prompt_len=len(tokens),
         )
         verdict = "" if answer is None else f"can_admit={answer.value}, "
         self._record("admit", args, f"{verdict}admitted, {hit} cached tokens")
@@ -154,7 +163,9 @@ class Driver:
         try:
             copies = self.impl.reserve(seq_id, k, lookahead)
         except Rejected as err:
-            self._refused(before, answer_ok=False, error=err)
+            # NotAdmitted is the reservation check refusing; NoFreeBlocks is the allocation
+            # failing after the check (legacy can_append_slots) said yes.
+            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err)
             self._record("step", args, f"refused: {type(err).__name__}")
             return False
         self._observe()
@@ -228,7 +239,8 @@ class Driver:
         try:
             copies = getattr(self.impl, op)(seq_id)
         except Rejected as err:
-            self._refused(before, answer_ok=False, error=err)
+            # NoFreeBlocks: the swap's own check (can_swap_out/in) said yes, then it failed.
+            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err)
             self._record(op, {"seq": seq_id}, f"refused: {type(err).__name__}")
             return False
         except Unsupported:
@@ -266,20 +278,20 @@ class Driver:
 
     def _plan_copies(self, copies: list[BlockCopy], src: Device, dst: Device) -> list[tuple]:
         B = self.config.block_size
-        return [
-            (src, a, dst, b, copy_cells(self.memory, (src, a), (dst, b), B)) for a, b in copies
-        ]
+        return [(src, a, dst, b, copy_cells(self.memory, (src, a), (dst, b), B)) for a, b in copies]
 
     def _apply_copies(self, planned: list[tuple]) -> None:
         faults = []
         for src, a, dst, b, writes in planned:
             for w in writes:
                 if w.cell in self.memory and self.memory[w.cell] != w.kv:
-                    faults.append(WriteFault(
-                        "immutability",
-                        f"copying {src.value} block {a} into {dst.value} block {b} overwrites "
-                        f"live content at slot {w.cell[2]}",
-                    ))
+                    faults.append(
+                        WriteFault(
+                            "immutability",
+                            f"copying {src.value} block {a} into {dst.value} block {b} overwrites "
+                            f"live content at slot {w.cell[2]}",
+                        )
+                    )
                 self.memory[w.cell] = w.kv
         self._faults(faults)
 
@@ -293,14 +305,18 @@ class Driver:
         after = self.impl.observe()
         if error is None:
             if normalized(before) != normalized(after):
-                self.pending.append(Violation(
-                    "admission-soundness", "an admission check that refused changed the state"
-                ))
+                self.pending.append(
+                    Violation(
+                        "admission-soundness", "an admission check that refused changed the state"
+                    )
+                )
         else:
             first_needed = {
-                sid: first_needed_block(m.num_computed, self.config.sliding_window,
-                                        self.config.block_size)
-                for sid, m in self.seqs.items() if m.status is Status.RUNNING
+                sid: first_needed_block(
+                    m.num_computed, self.config.sliding_window, self.config.block_size
+                )
+                for sid, m in self.seqs.items()
+                if m.status is Status.RUNNING
             }
             self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
         self._advance(after)
@@ -324,8 +340,17 @@ class Driver:
 
 # ---------------------------------------------------------------- replay
 
-OPS = ("admit", "step", "fork", "free", "preempt", "readmit", "swap_out", "swap_in",
-       "reset_prefix_cache")
+OPS = (
+    "admit",
+    "step",
+    "fork",
+    "free",
+    "preempt",
+    "readmit",
+    "swap_out",
+    "swap_in",
+    "reset_prefix_cache",
+)
 
 
 def apply_step(driver: Driver, step: TraceStep | dict[str, Any]) -> None:

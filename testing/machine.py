@@ -106,6 +106,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         return self.driver
 
     def _chunk(self, data, remaining: int) -> int:
+        if not self.d.has(Capability.CHUNKED_PREFILL):
+            return remaining  # the release prefills whole prompts only
         B = self.d.config.block_size
         return data.draw(
             st.one_of(st.just(remaining), st.just(B), st.integers(1, max(1, 2 * B))),
@@ -130,7 +132,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(self.d.with_status(status))), label=label)
 
     def _has_status(status: Status):
-        return precondition(lambda self: self.driver is not None and self.driver.with_status(status))
+        return precondition(
+            lambda self: self.driver is not None and self.driver.with_status(status)
+        )
 
     def _step(self, data) -> None:
         seq = self._pick(data, Status.RUNNING, "seq")
@@ -155,7 +159,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         model = self.d.seqs.get(seq)
         if not self.d.has(Capability.FORK) or model is None or model.status is not Status.RUNNING:
             return multiple()
-        if model.num_computed != len(model.tokens) - 1:
+        if not model.decoding():
             return multiple()  # schedulers fork after sampling (parallel sampling, beam search)
         child = self.next_id
         self.next_id += 1
@@ -191,9 +195,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.d.swap_in(self._pick(data, Status.SWAPPED, "seq"))
 
     @precondition(
-        lambda self: self.driver is not None
-        and self.driver.has(Capability.RESET_PREFIX_CACHE)
-        and self.driver.config.prefix_caching
+        lambda self: (
+            self.driver is not None
+            and self.driver.has(Capability.RESET_PREFIX_CACHE)
+            and self.driver.config.prefix_caching
+        )
     )
     @rule(data=st.data())
     def reset_prefix_cache(self, data):

@@ -19,8 +19,11 @@ _COMMON = dict(
     deadline=None,
     phases=_PHASES,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                           HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
 )
 
 settings.register_profile(

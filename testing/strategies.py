@@ -15,6 +15,10 @@ from kvspec.spec.config import Config
 ALPHABET = 4  # few distinct tokens: shared prefixes and equal blocks happen often
 
 
+BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 8, 16])
+BOTH = st.booleans()
+
+
 @st.composite
 def windows(draw, block_size: int) -> int | None:
     B = block_size
@@ -34,9 +38,9 @@ def windows(draw, block_size: int) -> int | None:
 def configs(
     draw,
     *,
-    block_sizes: st.SearchStrategy[int] = st.sampled_from([1, 2, 3, 4, 8, 16]),
+    block_sizes: st.SearchStrategy[int] = BLOCK_SIZES,
     max_blocks: int = 32,
-    prefix_caching: st.SearchStrategy[bool] = st.booleans(),
+    prefix_caching: st.SearchStrategy[bool] = BOTH,
     sliding_window: bool = True,
     swap: bool = True,
     max_lookahead: int = 3,
@@ -53,7 +57,9 @@ def configs(
 
 
 @st.composite
-def prompts(draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int) -> tuple[int, ...]:
+def prompts(
+    draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
+) -> tuple[int, ...]:
     fresh = st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=max_len).map(tuple)
     if not earlier:
         return draw(fresh)

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"spec": 0, "reference": 1, "adapters": 1, "targets": 1, "testing": 2, "proofs": 3, "cli": 3}
+LAYER = {
+    "spec": 0,
+    "reference": 1,
+    "adapters": 1,
+    "targets": 1,
+    "testing": 2,
+    "proofs": 3,
+    "cli": 3,
+}
 
 
 def _imports(path: Path):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvspec.targets.provision import REPO, install_kvspec
 from kvspec.targets.registry import PINNED, target
 
@@ -23,7 +22,10 @@ def test_stateful_real_target(version):
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run(
         [str(t.python), "-m", "pytest", "tests/targets", "-q", "-rs", "-p", "no:cacheprovider"],
-        cwd=REPO, env=env, capture_output=True, text=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, f"tests/targets failed in vLLM {version}:\n{proc.stdout[-8000:]}"

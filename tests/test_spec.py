@@ -52,8 +52,14 @@ def test_block_keys_chain():
 
 def _world(refcounts, free, tables, seqs, memory=None, cached=(), evictable=(), window=None):
     config = Config(block_size=2, num_blocks=len(refcounts), sliding_window=window)
-    pool = PoolView(tuple(range(len(refcounts))), dict(enumerate(refcounts)), tuple(free),
-                    tuple(evictable), tuple(cached), frozenset(b for _, b in cached))
+    pool = PoolView(
+        tuple(range(len(refcounts))),
+        dict(enumerate(refcounts)),
+        tuple(free),
+        tuple(evictable),
+        tuple(cached),
+        frozenset(b for _, b in cached),
+    )
     state = KVState(gpu=pool, tables={t.seq_id: t for t in tables})
     return World(config, state, {s.seq_id: s for s in seqs}, memory or {})
 

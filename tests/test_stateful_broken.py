@@ -39,7 +39,9 @@ def test_stateful_broken_variant_is_caught(name, invariant):
         run_state_machine_as_test(
             lambda: KVCacheMachine(variant.cls, _configs_for(variant.needs), focus={invariant}),
             settings=settings(
-                settings(), max_examples=max(settings().max_examples, 300), stateful_step_count=25,
+                settings(),
+                max_examples=max(settings().max_examples, 300),
+                stateful_step_count=25,
                 report_multiple_bugs=False,
             ),
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
-
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import OffByOneWindow
 from kvspec.testing import RunStats, SpecViolation
@@ -36,7 +35,8 @@ def test_stateful_differential_counts_catch_a_window_that_holds_too_much():
             settings=settings(settings(), report_multiple_bugs=False),
         )
     assert {v.invariant for v in caught.value.violations} <= {
-        "differential/outcomes", "differential/counts"
+        "differential/outcomes",
+        "differential/counts",
     }
 
 

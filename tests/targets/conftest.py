@@ -9,7 +9,6 @@ Anywhere else they skip, loudly, naming those commands.
 from __future__ import annotations
 
 import pytest
-
 from kvspec.targets.registry import local_vllm_version, parse
 
 VLLM = local_vllm_version()

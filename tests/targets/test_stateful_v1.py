@@ -7,7 +7,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
-
 from kvspec.testing import KVCacheMachine, RunStats
 from kvspec.testing.strategies import configs
 

@@ -1,0 +1,91 @@
+"""vLLM 0.6.3's legacy block managers against the spec.  The findings (FINDINGS.md) are
+pinned: the machine must find each one from scratch within its example budget, so a change
+that blinds the oracle fails here."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
+from kvspec.testing.strategies import configs
+
+from .conftest import requires_vllm
+
+pytestmark = requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
+
+
+def _factory(manager):
+    from kvspec.adapters.legacy import make_legacy
+
+    return functools.partial(make_legacy, manager=manager)
+
+
+def _windowed(caching=False):
+    return configs(max_blocks=16, prefix_caching=st.just(caching)).filter(
+        lambda c: c.sliding_window is not None
+    )
+
+
+def _full(caching, max_lookahead=3):
+    return configs(
+        max_blocks=16, prefix_caching=st.just(caching), max_lookahead=max_lookahead
+    ).filter(lambda c: c.sliding_window is None)
+
+
+def _find(manager, strategy, invariant) -> SpecViolation:
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(
+            lambda: KVCacheMachine(_factory(manager), strategy, focus={invariant}),
+            settings=settings(settings(), report_multiple_bugs=False),
+        )
+    assert {v.invariant for v in caught.value.violations} == {invariant}
+    return caught.value
+
+
+def test_stateful_v2_seed_bug_found_from_scratch():
+    """F1: can_allocate caps the sliding-window need, allocate takes every prompt block."""
+    found = _find("v2", _windowed(), "admission-soundness")
+    assert "answered OK, then the allocation failed" in str(found)
+    assert len(found.trace) <= 8, found  # a handful of operations
+
+
+def test_stateful_v2_prefill_exceeds_the_window():
+    """F2: allocate holds every prompt block of a sliding-window sequence."""
+    found = _find("v2", _windowed(), "window-bound")
+    assert len(found.trace) <= 8, found  # a handful of operations
+
+
+def test_stateful_v1_overwrites_full_blocks_in_place():
+    """F3: BlockSpaceManagerV1's cyclic sliding-window reuse breaks block immutability."""
+    found = _find("v1", _windowed(), "immutability")
+    assert "overwrites position" in str(found)
+    assert len(found.trace) <= 8, found  # a handful of operations
+
+
+def test_stateful_v2_chunked_prefill_hits_uncomputed_blocks():
+    """F4: with prefix caching, blocks a chunked prefill has not computed yet are marked
+    computed at scheduling and can be handed out as hits."""
+    found = _find("v2", _full(True), "prefix-cache-consistency")
+    assert "only allocated, not written" in str(found)
+
+
+def test_stateful_v2_full_attention_without_caching_holds():
+    stats = RunStats()
+    run_state_machine_as_test(
+        # F11 (lookahead slots + swap) is pinned separately; this run has no lookahead.
+        lambda: KVCacheMachine(_factory("v2"), _full(False, max_lookahead=0), stats=stats),
+        settings=settings(settings(), report_multiple_bugs=False),
+    )
+    for op in ("admit", "step", "fork", "swap_out", "preempt"):
+        assert stats.by_op.get(op, 0) >= 5, stats
+
+
+def test_stateful_v1_recompute_of_a_forked_group_miscounts_refs():
+    """F9: BlockSpaceManagerV1.allocate sets every block's ref_count to the group's
+    num_seqs(), which still counts finished siblings."""
+    found = _find("v1", _full(False), "refcount-exact")
+    assert any(s.op == "fork" for s in found.trace), found
