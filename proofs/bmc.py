@@ -1016,7 +1016,7 @@ def check_reference(b: Bounds, deep: bool) -> Verdict:
 
 
 DEFAULT_DIRECT_DEPTH = 2  # the unrolled cross-check; induction covers every depth
-DEEP_DIRECT_DEPTH = 4
+DEEP_DIRECT_DEPTH = 3
 
 
 @obligation("refcount-exact/reference-bmc")

@@ -1,0 +1,111 @@
+"""``python -m bench <command>`` from the repository root (see bench/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--results", help="directory for the JSON results (default bench/results)")
+    common.add_argument("--md", help="markdown file to update (default BENCHMARKS.md)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("throughput", parents=[common],
+                       help="oracle steps/s vs raw replay of the same traces; cProfile")
+    t.add_argument("--targets", nargs="*", help="e.g. reference v1@0.33.0 legacy-v2@0.6.3")
+    t.add_argument("--examples", type=int, default=100)
+    t.add_argument("--steps", type=int, default=40, help="stateful_step_count")
+    t.add_argument("--profile-examples", type=int, default=30, help="0: no profile")
+    t.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    t.add_argument("--whatif", action="store_true",
+                   help="also run with the proposed fixes patched in (bench/whatif.py)")
+
+    c = sub.add_parser("ttc", parents=[common],
+                       help="time to first counterexample: broken variants and the seed bug")
+    c.add_argument("--seeds", type=int, default=5)
+    c.add_argument("--variants", nargs="*", help="broken variant names (default: all)")
+    c.add_argument("--findings", nargs="*", help="FINDINGS.md cases on vLLM 0.6.3 (default: "
+                   "F1 F2 F3 F4 F9; F1 is the seed bug)")
+    c.add_argument("--max-examples", type=int, default=2000)
+    c.add_argument("--steps", type=int, default=25, help="stateful_step_count (the suite's)")
+    c.add_argument("--explain", nargs="*", default=[], metavar="CASE",
+                   help="also run these cases (variant names, or F1..) with hypothesis' "
+                   "explain phase, which the profiles leave out")
+
+    pr = sub.add_parser("proofs", parents=[common],
+                        help="time of each z3 obligation; BMC time against k, N, S")
+    pr.add_argument("--deep", action="store_true", help="also the deep bounds of each obligation")
+    pr.add_argument("--only", nargs="*", help="obligation id prefixes")
+    pr.add_argument("--grid", choices=("none", "quick", "full"), default="full",
+                    help="the BMC k/N/S sweep")
+    pr.add_argument("--timeout", type=float, default=120.0,
+                    help="z3 timeout (s) per query of a BMC grid point")
+    pr.add_argument("--ob-timeout", type=float, default=600.0,
+                    help="wall-clock limit (s) per obligation at default bounds")
+    pr.add_argument("--ob-timeout-deep", type=float, default=1800.0,
+                    help="wall-clock limit (s) per obligation at deep bounds")
+
+    s = sub.add_parser("scale", parents=[common],
+                       help="cost per step against pool size, live sequences, prompt length")
+    s.add_argument("--targets", nargs="*")
+    s.add_argument("--quick", action="store_true", help="the two smallest points per dimension")
+    s.add_argument("--whatif", action="store_true",
+                   help="also run with the shadow-memory fix patched in (bench/whatif.py)")
+
+    m = sub.add_parser("mutate", parents=[common],
+                       help="mutation score of the oracle on vLLM's own block-manager code")
+    m.add_argument("--targets", nargs="*", help="v1@0.33.0 legacy-v2@0.6.3 (default both)")
+    m.add_argument("--max-mutants", type=int, default=150, help="sample size per target")
+    m.add_argument("--examples", type=int, default=80, help="hypothesis examples per mutant")
+    m.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    m.add_argument("--jobs", type=int, default=2)
+    m.add_argument("--modules", nargs="*", help="restrict to these module names")
+    m.add_argument("--list", action="store_true", help="only generate and count mutants")
+    m.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+
+    r = sub.add_parser("render", parents=[common],
+                       help="rewrite BENCHMARKS.md sections from saved bench/results/*.json")
+    r.add_argument("names", nargs="*",
+                   help="throughput ttc proofs scale mutation (default: all saved)")
+
+    w = sub.add_parser("_worker", help=argparse.SUPPRESS)
+    w.add_argument("task")
+    w.add_argument("params")
+    w.add_argument("out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "_worker":
+        if args.task.startswith("mutation-"):
+            from . import mutation
+
+            mutation.worker_main(args.task, args.params, args.out)
+        else:
+            from .worker import main as worker_main
+
+            worker_main(args.task, args.params, args.out)
+        return 0
+    from . import commands
+
+    if args.command == "render":
+        commands.cmd_render(args)
+    elif args.command == "proofs":
+        from .proofcost import cmd_proofs
+
+        cmd_proofs(args)
+    elif args.command == "mutate":
+        from .mutation import cmd_mutate
+
+        cmd_mutate(args)
+    else:
+        getattr(commands, f"cmd_{args.command}")(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""The ``python -m bench`` subcommands: run the workers, save JSON, write BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .common import (
+    Timer,
+    command_line,
+    header,
+    machine_info,
+    run_worker,
+    save_result,
+    table,
+    write_section,
+)
+from .whatif import PATCHES
+
+# What each target runs in the throughput benchmark.  The legacy manager runs full attention
+# (the brief) without prefix caching: with caching the 0.6.3 V2 machine currently stops at a
+# reported violation (see FINDINGS / the legacy adapter), and a failing run measures shrinking.
+THROUGHPUT_TARGETS: dict[str, dict[str, Any]] = {
+    "reference": {"window": "any", "caching": "any", "swap": True, "max_blocks": 32},
+    "v1@0.33.0": {"window": "any", "caching": "any", "swap": False, "max_blocks": 16},
+    "legacy-v2@0.6.3": {"window": "none", "caching": "off", "swap": True, "max_blocks": 32},
+}
+
+
+def _describe_workload(w: dict[str, Any]) -> str:
+    window = {"any": "any window", "none": "full attention", "only": "sliding window"}[
+        w.get("window", "any")]
+    caching = {"any": "caching on/off", "on": "prefix caching", "off": "no caching"}[
+        w.get("caching", "any")]
+    swap = "swap" if w.get("swap", True) else "no swap"
+    return f"{window}, {caching}, {swap}, N<={w.get('max_blocks', 32)}"
+
+
+def _out(args) -> tuple[Path | None, Path | None]:
+    return (Path(args.results) if args.results else None, Path(args.md) if args.md else None)
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    info = machine_info()
+    targets = args.targets or list(THROUGHPUT_TARGETS)
+    results = []
+    with Timer() as timer:
+        for target in targets:
+            workload = THROUGHPUT_TARGETS.get(target, THROUGHPUT_TARGETS["reference"])
+            for patches in ([[], list(PATCHES)] if args.whatif else [[]]):
+                results.append(_attempt(
+                    target, workload, lambda t=target, w=workload, pw=patches: run_worker(
+                        t, "throughput", {"workload": w, "examples": args.examples,
+                                          "steps": args.steps, "whatif": pw,
+                                          "repeats": args.repeats,
+                                          "profile_examples": 0 if pw else
+                                          args.profile_examples})))
+    data = {"machine": info, "command": command_line(), "results": results}
+    results_dir, md = _out(args)
+    data["seconds"] = timer.seconds
+    save_result("throughput", data, results_dir)
+    write_section("throughput", render_throughput(data, timer.seconds), md)
+    return data
+
+
+def _attempt(target: str, workload: dict[str, Any], run) -> dict[str, Any]:
+    """A failed worker (e.g. the machine stopped on a violation) is reported, not fatal."""
+    try:
+        return run()
+    except RuntimeError as err:
+        lines = [x for x in str(err).splitlines() if x.strip()]
+        reason = next((x for x in reversed(lines) if not x.startswith((" ", "state.", "Draw"))),
+                      lines[-1] if lines else "?")
+        print(f"  [{target}] FAILED: {reason}")
+        return {"target": target, "workload": workload, "error": reason[:300]}
+
+
+def render_throughput(data: dict[str, Any], seconds: float | None = None) -> str:
+    rows = []
+    failed = [r for r in data["results"] if "error" in r]
+    data = {**data, "results": [r for r in data["results"] if "error" not in r]}
+    for r in data["results"]:
+        rows.append([
+            r["target"], ", ".join(r.get("whatif") or []) or "-",
+            _describe_workload(r["workload"]), r["examples"], r["operations"],
+            r["oracle_steps_per_s"], r["driver_steps_per_s"], r["raw_steps_per_s"],
+            r["raw_ops_only_steps_per_s"], f"{r['ratio']:.3f}", f"{r['ratio_ops_only']:.3f}",
+            r["raw_mismatches"],
+        ])
+    parts = [
+        header(data["command"], data["machine"], seconds),
+        "",
+        "Steps are driver operations (admit, step, fork, free, preempt, swap, reset), each "
+        "followed by `observe()` and every invariant. *Oracle*: the hypothesis machine "
+        "(`KVCacheMachine`, ci profile, derandomized). *Driver replay*: the same recorded "
+        "traces through `kvspec.testing.driver.replay` (every check, no hypothesis). *Raw*: the "
+        "same traces through `bench/rawreplay.py` (the implementation's own calls only, "
+        "observation bookkeeping off), including building the manager per example; *raw "
+        "ops-only* excludes building. Each figure is the best of `--repeats` identical "
+        "(derandomized) runs. Ratio = oracle steps/s / raw steps/s (goal >= 0.5).",
+        "",
+        table(["target", "what-if patches", "workload", "examples", "steps", "oracle steps/s",
+               "driver replay steps/s", "raw steps/s", "raw ops-only steps/s",
+               "ratio", "ratio (ops-only)", "replay mismatches"], rows),
+    ]
+    for r in failed:
+        parts += ["", f"**{r['target']}** ({_describe_workload(r['workload'])}): the run "
+                  f"failed: `{r['error']}`"]
+    for r in data["results"]:
+        if r.get("whatif"):
+            continue
+        ops = ", ".join(f"{k} {v}" for k, v in r["by_op"].items())
+        parts += ["", f"**{r['target']}** operations: {ops}."]
+        for key, title in (("profile_oracle", "oracle"), ("profile_raw", "raw replay")):
+            prof = r.get(key)
+            if not prof:
+                continue
+            layers = ", ".join(f"{k} {100 * v:.0f}%" for k, v in prof["layers"].items()
+                               if v >= 0.01)
+            parts += ["", f"cProfile of the {title} ({prof['total_seconds']:.1f} s profiled "
+                      f"self time), share of self time by layer: {layers}."]
+            if key == "profile_oracle":
+                parts += ["", "Top functions by self time:", "",
+                          table(["function", "calls", "self s", "cumulative s"],
+                                [[f["func"], f["calls"], f["tottime"], f["cumtime"]]
+                                 for f in prof["top_tottime"][:12]]),
+                          "", "kvspec functions by cumulative time:", "",
+                          table(["function", "calls", "self s", "cumulative s"],
+                                [[f["func"], f["calls"], f["tottime"], f["cumtime"]]
+                                 for f in prof["top_cumtime_kvspec"][:12]])]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- time to counterexample
+
+TTC_BROKEN_WORKLOAD = {"block_sizes": [1, 2, 3, 4], "max_blocks": 8, "swap": True}
+# The findings on real releases that FINDINGS.md pins in tests/targets/test_stateful_legacy.py,
+# with the same configurations (configs(max_blocks=16), window or not, caching or not) and
+# the same focus.  F1 is the seed bug.
+_WINDOWED = {"window": "only", "caching": "off", "max_blocks": 16}
+TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
+    "F1": ("F1 seed bug: BlockSpaceManagerV2 admits, allocate fails", "legacy-v2@0.6.3",
+           _WINDOWED, ["admission-soundness"]),
+    "F2": ("F2: BlockSpaceManagerV2 holds the whole prompt", "legacy-v2@0.6.3", _WINDOWED,
+           ["window-bound"]),
+    "F3": ("F3: BlockSpaceManagerV1 overwrites full blocks", "legacy-v1@0.6.3", _WINDOWED,
+           ["immutability"]),
+    "F4": ("F4: V2 chunked prefill hands out uncomputed blocks", "legacy-v2@0.6.3",
+           {"window": "none", "caching": "on", "max_blocks": 16}, ["prefix-cache-consistency"]),
+    "F9": ("F9: BlockSpaceManagerV1 forked-group refcounts", "legacy-v1@0.6.3",
+           {"window": "none", "caching": "off", "max_blocks": 16}, ["refcount-exact"]),
+}
+
+
+def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
+    from kvspec.reference.broken import BROKEN
+
+    info = machine_info()
+    seeds = list(range(args.seeds))
+    cases: list[tuple[str, str, str, dict[str, Any], list[str] | None]] = []
+    names = BROKEN if args.variants is None else args.variants
+    for name in sorted(names):
+        v = BROKEN[name]
+        workload = dict(TTC_BROKEN_WORKLOAD)
+        if v.needs.get("window"):
+            workload["window"] = "only"
+        if v.needs.get("prefix_caching"):
+            workload["caching"] = "on"
+        cases.append((name, f"broken:{name}", f"broken:{name}", workload, sorted(v.catches)))
+    for key in (TTC_FINDINGS if args.findings is None else args.findings):
+        label, target, workload, focus = TTC_FINDINGS[key]
+        cases.append((key, label, target, workload, focus))
+    results = []
+    with Timer() as timer:
+        for name, label, target, workload, focus in cases:
+            for explain in ([False, True] if name in (args.explain or []) else [False]):
+                r = run_worker(target, "ttc", {
+                    "workload": workload, "focus": focus, "seeds": seeds,
+                    "max_examples": args.max_examples, "steps": args.steps,
+                    "explain": explain,
+                })
+                r["label"] = label + (" (with the explain phase)" if explain else "")
+                r["case"] = name
+                results.append(r)
+    data = {"machine": info, "command": command_line(), "results": results}
+    results_dir, md = _out(args)
+    data["seconds"] = timer.seconds
+    save_result("ttc", data, results_dir)
+    write_section("ttc", render_ttc(data, timer.seconds), md)
+    return data
+
+
+def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
+    rows = []
+    for r in data["results"]:
+        seeds = len(r["rows"])
+        invs = sorted({i for row in r["rows"] for i in row.get("invariants", [])})
+        exs = [row["examples_to_discovery"] for row in r["rows"] if "examples_to_discovery" in row]
+        lens = [row["shrunk_trace_len"] for row in r["rows"] if "shrunk_trace_len" in row]
+        other = sorted({row["outcome"] for row in r["rows"] if row["outcome"] != "found"})
+        rows.append([
+            r["label"], ", ".join(r["focus"] or ["all"]), f"{r['found']}/{seeds}",
+            _fmt(r["median_discovery"]), _span(r["min_discovery"], r["max_discovery"]),
+            f"{statistics.median(exs):.0f} ({min(exs)}-{max(exs)})" if exs else "-",
+            _fmt(r["median_total"]), _fmt(r["max_total"]),
+            f"{statistics.median(lens):.0f}" if lens else "-",
+            ", ".join(invs) + (f"; {'; '.join(other)}" if other else ""),
+        ])
+    seed_rows = [row for r in data["results"] if r.get("case") == "F1"
+                 and not r.get("explain") for row in r["rows"] if row.get("trace")]
+    example = []
+    if seed_rows:
+        best = min(seed_rows, key=lambda row: row["shrunk_trace_len"])
+        example = ["", f"Shrunk counterexample for the seed bug (seed {best['seed']}, "
+                   f"config {best.get('config', '?')}): {best['message']}", "", "```",
+                   *[f"{i}. {line}" for i, line in enumerate(best["trace"], 1)], "```"]
+    return "\n".join([
+        header(data["command"], data["machine"], seconds),
+        "",
+        "Per case, one hypothesis run per seed (`settings(derandomize=False, database=None)` "
+        "under `@seed(n)`, n = 0..seeds-1), the machine watching the listed invariants "
+        "(`focus`). *Discovery*: wall time from the start of the run to the first failing "
+        "example (before shrinking); *total*: until hypothesis has shrunk and raised "
+        "`SpecViolation`. Broken variants: block sizes 1-4, N <= 8 (the suite's "
+        "configuration). F1-F9: the findings FINDINGS.md pins, on the real managers of vLLM "
+        "0.6.3, with the configurations and focus of their pinned tests "
+        "(tests/targets/test_stateful_legacy.py: N <= 16, window or not, caching or not).",
+        "",
+        table(["case", "focus", "found", "median discovery s", "discovery range s",
+               "examples to discovery, median (range)", "median total s", "max total s",
+               "median shrunk trace", "reported"], rows),
+        *example,
+    ])
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _span(lo: float | None, hi: float | None) -> str:
+    return "-" if lo is None or hi is None else f"{lo:.2f}-{hi:.2f}"
+
+
+# ---------------------------------------------------------------- scale
+
+SCALE_DIMENSIONS: dict[str, list[dict[str, Any]]] = {
+    # Pool size only: the same small workload (4 sequences, 96-token prompts) in ever larger
+    # pools, so what grows is the per-step cost of observing and checking the pool.
+    "pool size": [
+        {"num_blocks": n, "block_size": 16, "seqs": 4, "prompt_len": 96, "decode": 16,
+         **({"profile": True} if n == 2048 else {})}
+        for n in (32, 256, 2048, 8192)
+    ],
+    "live sequences": [
+        {"num_blocks": 2048, "block_size": 16, "seqs": s, "prompt_len": 64, "decode": 8}
+        for s in (1, 4, 16, 64)
+    ],
+    "prompt length": [
+        {"num_blocks": 2048, "block_size": 16, "seqs": 2, "prompt_len": n, "decode": 16,
+         "chunk": 512}
+        # 6144, not 8192: the V1 adapter's max_model_len is 8192 and vLLM allocates no slot
+        # at or past it (the scheduler would have finished the request by length).
+        for n in (64, 512, 2048, 6144)
+    ],
+}
+SCALE_TARGETS = ("reference", "v1@0.33.0")
+
+
+def cmd_scale(args: argparse.Namespace) -> dict[str, Any]:
+    info = machine_info()
+    targets = args.targets or list(SCALE_TARGETS)
+    dims = SCALE_DIMENSIONS
+    if args.quick:
+        dims = {k: v[:2] for k, v in dims.items()}
+    points = [dict(p, dimension=d) for d, ps in dims.items() for p in ps]
+    results = []
+    with Timer() as timer:
+        for target in targets:
+            for patches in ([[], ["lifetimes"]] if args.whatif else [[]]):
+                results.append(run_worker(target, "scale", {"points": points,
+                                                            "whatif": patches}))
+    data = {"machine": info, "command": command_line(), "results": results}
+    results_dir, md = _out(args)
+    data["seconds"] = timer.seconds
+    save_result("scale", data, results_dir)
+    write_section("scale", render_scale(data, timer.seconds), md)
+    return data
+
+
+def render_scale(data: dict[str, Any], seconds: float | None = None) -> str:
+    parts = [
+        header(data["command"], data["machine"], seconds),
+        "",
+        "A fixed schedule (bench/workload.py): admit the sequences (prompts sharing their "
+        "first half), prefill in chunks of 512 tokens, decode round-robin, free all; prefix "
+        "caching on, full attention, B = 16. *Driver*: every invariant after every operation "
+        "(the oracle without hypothesis); *raw*: the same trace through the implementation "
+        "alone. Milliseconds per operation.",
+    ]
+    dims = []
+    for r in data["results"]:
+        for row in r["rows"]:
+            if row["dimension"] not in dims:
+                dims.append(row["dimension"])
+    for dim in dims:
+        rows = []
+        for r in data["results"]:
+            for row in r["rows"]:
+                if row["dimension"] != dim:
+                    continue
+                bad = "; ".join(row.get("violations", [])) or ""
+                label = r["target"] + (f" (what-if: {', '.join(r['whatif'])})"
+                                       if r.get("whatif") else "")
+                rows.append([
+                    label, row["num_blocks"], row["seqs"], row["prompt_len"], row["ops"],
+                    row["driver_ms_per_op"], row["raw_ms_per_op"],
+                    row["driver_ms_per_op"] / row["raw_ms_per_op"] if row["raw_ms_per_op"] else "-",
+                    row["raw_mismatches"], bad or "none",
+                ])
+        parts += ["", f"**{dim}**", "",
+                  table(["target", "pool blocks", "live seqs", "prompt tokens", "ops",
+                         "driver ms/op", "raw ms/op", "driver / raw", "mismatches",
+                         "violations"], rows)]
+    for r in data["results"]:
+        for row in r["rows"]:
+            prof = row.get("profile")
+            if not prof:
+                continue
+            layers = ", ".join(f"{k} {100 * v:.0f}%" for k, v in prof["layers"].items()
+                               if v >= 0.01)
+            label = r["target"] + (f" (what-if: {', '.join(r['whatif'])}; the patched "
+                                   "functions count as 'bench')" if r.get("whatif") else "")
+            parts += ["", f"cProfile of the driver run, {label}, {row['num_blocks']} "
+                      f"blocks: self time by layer: {layers}. kvspec functions by cumulative "
+                      "time:", "",
+                      table(["function", "calls", "self s", "cumulative s"],
+                            [[f["func"], f["calls"], f["tottime"], f["cumtime"]]
+                             for f in prof["top_cumtime_kvspec"][:10]])]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- render
+
+
+def cmd_render(args: argparse.Namespace) -> None:
+    """Re-render sections from saved results (after editing notes or the renderers)."""
+    import json
+
+    from .common import RESULTS
+    from .mutation import render_mutation
+    from .proofcost import render_proofs
+
+    renderers = {"throughput": render_throughput, "ttc": render_ttc, "scale": render_scale,
+                 "proofs": render_proofs, "mutation": render_mutation}
+    results_dir, md = _out(args)
+    directory = results_dir or RESULTS
+    for name in args.names or list(renderers):
+        path = directory / f"{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        write_section(name, renderers[name](data, data.get("seconds")), md)
+        print(f"rendered {name} from {path}")

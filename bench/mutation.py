@@ -1,0 +1,709 @@
+"""Mutation score of the oracle on vLLM's own block-manager code.
+
+Nothing in the installed venv is touched.  For a target release:
+
+1. the orchestrator copies each mutated module's source from the venv's site-packages into a
+   temporary directory and enumerates mutants there (``bench.mutants``: operators, and why
+   not mutmut/cosmic-ray);
+2. *baseline*: a worker in the target venv loads every module from those copies, unmutated,
+   through the same import hook the mutants use (``_Finder``, a ``sys.meta_path`` finder),
+   runs the oracle with the mutants' budget and records line coverage of the copies.  It
+   must pass (no false alarm) or the target gets no score.  It also replays its own traces
+   and keeps a digest of every observed state, for the equivalence check below;
+3. mutants whose lines the baseline never executed are *not covered* (reported, not run);
+   the covered ones are sampled deterministically (per module, proportionally, fixed seed);
+4. a fork server in the target venv imports torch/vLLM's heavy parts once (none of the
+   mutated modules), then forks one child per mutant, two at a time: the child installs the
+   finder with the one mutation, imports the adapter (which imports the mutated module
+   fresh, so every importer binds the mutated code), runs the oracle and reports:
+   *killed* (SpecViolation, or a crash: any other exception), *timed out* (the parent kills
+   the child at the limit), *survived*.  A survivor is replayed on the baseline's traces: if
+   every observed state and outcome is identical it is *suspected equivalent*; otherwise the
+   first difference is recorded (behaviour the spec accepts, or a bug the budget missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from .common import (
+    REPO,
+    RESULTS,
+    Timer,
+    command_line,
+    header,
+    machine_info,
+    python_for,
+    save_result,
+    split_target,
+    table,
+    write_section,
+)
+from .mutants import Mutant, enumerate_mutants, mutate_tree
+
+TARGETS: dict[str, dict[str, Any]] = {
+    "v1@0.33.0": {
+        "modules": [
+            "vllm.v1.core.block_pool",
+            "vllm.v1.core.kv_cache_utils",
+            "vllm.v1.core.single_type_kv_cache_manager",
+            "vllm.v1.core.kv_cache_manager",
+        ],
+        # Heavy imports done once in the fork server; none of them imports a mutated module.
+        "preimport": ["torch", "vllm", "vllm.config", "vllm.sampling_params",
+                      "vllm.v1.kv_cache_interface", "vllm.v1.request", "vllm.utils.hashing"],
+        "workload": {"window": "any", "caching": "any", "swap": False, "max_blocks": 16},
+    },
+    "legacy-v2@0.6.3": {
+        "modules": [
+            "vllm.core.block.block_table",
+            "vllm.core.block.common",
+            "vllm.core.block.cpu_gpu_block_allocator",
+            "vllm.core.block.naive_block",
+            "vllm.core.block.prefix_caching_block",
+            "vllm.core.block.utils",
+            "vllm.core.block_manager_v2",
+            "vllm.core.evictor_v2",
+        ],
+        "preimport": ["torch", "vllm", "vllm.sequence", "vllm.core.interfaces", "vllm.utils",
+                      "vllm.inputs", "vllm.config", "vllm.sampling_params"],
+        "workload": {"window": "none", "caching": "off", "swap": True, "max_blocks": 16},
+    },
+}
+
+SAMPLE_SEED = 20240601
+
+
+# ---------------------------------------------------------------- the import hook
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, path: str, mutation: dict[str, Any] | None) -> None:
+        self.path = path
+        self.mutation = mutation
+
+    def create_module(self, spec):  # default module creation
+        return None
+
+    def exec_module(self, module) -> None:
+        source = Path(self.path).read_text()
+        if self.mutation is None:
+            code = compile(source, self.path, "exec")
+        else:
+            m = self.mutation
+            tree, _ = mutate_tree(source, m["module"], m["site"], m["op"], m["variant"])
+            code = compile(tree, self.path, "exec")
+        module.__file__ = self.path
+        exec(code, module.__dict__)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Serves the target modules from the temporary copies (one of them mutated)."""
+
+    def __init__(self, paths: dict[str, str], mutation: dict[str, Any] | None = None) -> None:
+        self.paths = paths
+        self.mutation = mutation
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.paths:
+            return None
+        mutation = self.mutation if (self.mutation or {}).get("module") == fullname else None
+        return importlib.machinery.ModuleSpec(
+            fullname, _Loader(self.paths[fullname], mutation), origin=self.paths[fullname]
+        )
+
+
+def _install(paths: dict[str, str], mutation: dict[str, Any] | None = None) -> None:
+    loaded = [m for m in paths if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"mutated modules already imported before the hook: {loaded}")
+    sys.meta_path.insert(0, _Finder(paths, mutation))
+
+
+def _check_loaded(paths: dict[str, str]) -> None:
+    for name, path in paths.items():
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None) != path:
+            raise RuntimeError(f"{name} was imported from {mod.__file__}, not the copy {path}")
+
+
+# ---------------------------------------------------------------- oracle runs (worker side)
+
+
+def _canon(state) -> str:
+    def pool(p):
+        if p is None:
+            return None
+        return (tuple(p.ids), tuple(sorted(p.refcounts.items())), tuple(p.free),
+                tuple(p.evictable), tuple(sorted((repr(k), b) for k, b in p.cached)),
+                tuple(sorted(p.computed)),
+                None if p.epochs is None else tuple(sorted(p.epochs.items())))
+
+    tables = tuple(sorted((s, t.device.value, t.slots) for s, t in state.tables.items()))
+    return hashlib.sha1(repr((pool(state.gpu), pool(state.cpu), tables)).encode()).hexdigest()
+
+
+def _replay_digests(make, config, trace) -> tuple[list[str], list[str], str]:
+    """Replay a trace through the Driver recording every observed state; also the outcomes
+    and the first violation or crash ('' if none)."""
+    from kvspec.testing.driver import Driver, apply_step
+
+    impl = make(config)
+    digests: list[str] = []
+    observe = impl.observe
+
+    def recording():
+        state = observe()
+        digests.append(_canon(state))
+        return state
+
+    impl.observe = recording
+    driver = Driver(impl)
+    problem = ""
+    try:
+        for step in trace:
+            apply_step(driver, step)
+            found = driver.check()
+            if found:
+                problem = f"violation {found[0]}"
+                break
+    except Exception as err:  # a crash on the replay: say where (vLLM, adapter or driver)
+        import traceback
+
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        where = frame.filename.split("site-packages/")[-1].replace(str(REPO) + "/", "")
+        problem = f"crash {type(err).__name__}: {err} at {where}:{frame.lineno}"
+    return digests, [s.outcome for s in driver.trace], problem[:300]
+
+
+def _oracle(target: str, workload: dict, examples: int, steps: int,
+            record: bool = False) -> dict[str, Any]:
+    from hypothesis import Phase
+    from hypothesis.errors import HypothesisException
+    from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
+
+    from .common import factory, hypothesis_settings, run_machine, strategy
+
+    impl, _ = split_target(target)
+    make = factory(impl)
+    runs: list[tuple[Any, list]] = []
+
+    class Recorder(RunStats):
+        def add(self, driver) -> None:
+            super().add(driver)
+            if record:
+                runs.append((driver.config, [s.to_json() for s in driver.trace]))
+
+    stats = Recorder()
+    strat = strategy(workload)
+    # No shrinking: a mutant is killed by its first failing example.
+    settings = hypothesis_settings(max_examples=examples, steps=steps,
+                                   phases=[Phase.explicit, Phase.generate])
+    out: dict[str, Any] = {}
+    start = time.perf_counter()
+    try:
+        run_machine(lambda: KVCacheMachine(make, strat, stats=stats), settings)
+        out["status"] = "survived"
+    except SpecViolation as err:
+        out["status"] = "killed"
+        out["kind"] = "violation"
+        out["invariants"] = sorted({v.invariant for v in err.violations})
+        out["error"] = str(err.violations[0])[:300]
+    except HypothesisException as err:  # Unsatisfiable (every config rejected), Flaky, ...
+        out["status"] = "killed"
+        out["kind"] = f"hypothesis: {type(err).__name__}"
+        out["error"] = str(err)[:300]
+    except Exception as err:  # vLLM (or the adapter) crashed: assertion, IndexError, ...
+        out["status"] = "killed"
+        out["kind"] = f"crash: {type(err).__name__}"
+        out["error"] = f"{type(err).__name__}: {err}"[:300]
+    out["seconds"] = time.perf_counter() - start
+    out["examples"] = stats.examples
+    out["operations"] = stats.operations
+    out["_runs"] = runs
+    out["_make"] = make
+    return out
+
+
+def baseline(p: dict[str, Any]) -> dict[str, Any]:
+    """Unmutated copies through the hook: coverage, a clean pass, and the trace digests."""
+    import threading
+
+    paths: dict[str, str] = p["paths"]
+    by_file = {path: name for name, path in paths.items()}
+    phase: dict[str, set] = {"import": set(), "run": set()}
+    current = {"set": phase["import"]}
+
+    def local(frame, event, arg):
+        if event == "line":
+            current["set"].add((frame.f_code.co_filename, frame.f_lineno))
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename in by_file:
+            current["set"].add((frame.f_code.co_filename, frame.f_lineno))
+            return local
+        return None
+
+    for name in p["preimport"]:
+        __import__(name)
+    _install(paths)
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    from kvspec.spec.config import Config
+
+    from .common import factory
+
+    # Import (and build once) with tracing: module-level lines count as import coverage.
+    factory(split_target(p["target"])[0])(Config(block_size=4, num_blocks=8,
+                                                 prefix_caching=True))
+    current["set"] = phase["run"]
+    traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"])
+    sys.settrace(None)
+    threading.settrace(None)
+    _check_loaded(paths)
+    # The same budget again without the tracer: the clean pass the mutants are held to.
+    clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True)
+    replays = []
+    for config, trace in clean["_runs"]:
+        d1, o1, prob1 = _replay_digests(clean["_make"], config, trace)
+        d2, _o2, _ = _replay_digests(clean["_make"], config, trace)
+        replays.append({"config": _config_json(config), "trace": trace, "digests": d1,
+                        "outcomes": o1, "deterministic": d1 == d2, "problem": prob1})
+    Path(p["replays_file"]).write_text(json.dumps(replays))
+
+    def lines(kind: str) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = defaultdict(list)
+        for f, line in phase[kind]:
+            out[by_file[f]].append(line)
+        return {k: sorted(v) for k, v in out.items()}
+
+    return {
+        "traced": {k: v for k, v in traced.items() if not k.startswith("_")},
+        "clean": {k: v for k, v in clean.items() if not k.startswith("_")},
+        "coverage_import": lines("import"),
+        "coverage_run": lines("run"),
+        "replays": len(replays),
+        "nondeterministic_replays": sum(not r["deterministic"] for r in replays),
+        "replay_problems": [r["problem"] for r in replays if r["problem"]][:5],
+    }
+
+
+def _config_json(config) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(config)
+
+
+def _equivalence(make, replays_file: str) -> str:
+    from kvspec.spec.config import Config
+
+    replays = json.loads(Path(replays_file).read_text())
+    for i, r in enumerate(replays):
+        config = Config(**r["config"])
+        try:
+            digests, outcomes, problem = _replay_digests(make, config, r["trace"])
+        except Exception as err:  # building the manager failed
+            return f"replay {i}: crash {type(err).__name__}: {err}"[:300]
+        # An earlier different outcome (say, a refused admission) explains a later crash of
+        # the replay (the trace then names a sequence that is not running): report it first.
+        step = next((j for j, (a, b) in enumerate(zip(outcomes, r["outcomes"], strict=False))
+                     if a != b), None)
+        if step is not None:
+            return (f"replay {i} step {step + 1}: `{r['outcomes'][step]}` became "
+                    f"`{outcomes[step]}`")[:300]
+        if problem:
+            return f"replay {i}: {problem}"
+        if len(outcomes) != len(r["outcomes"]):
+            return f"replay {i}: {len(outcomes)} steps instead of {len(r['outcomes'])}"
+        if digests != r["digests"]:
+            j = next((j for j, (a, b) in enumerate(zip(digests, r["digests"], strict=False))
+                      if a != b), min(len(digests), len(r["digests"])))
+            return f"replay {i}: observed state differs at observation {j + 1}"
+    return ""
+
+
+def _run_child(p: dict[str, Any], job: dict[str, Any], out_path: str) -> None:
+    mutation = None if job["site"] is None else job
+    _install(p["paths"], mutation)
+    res = _oracle(p["target"], p["workload"], p["examples"], p["steps"])
+    _check_loaded(p["paths"])
+    if res["status"] == "survived":
+        diff = _equivalence(res["_make"], p["replays_file"])
+        res["replay"] = diff
+        if not diff:
+            res["status"] = "equivalent"
+    Path(out_path).write_text(json.dumps({k: v for k, v in res.items()
+                                          if not k.startswith("_")}))
+
+
+def worker_main(task: str, params_file: str, out: str) -> None:
+    p = json.loads(Path(params_file).read_text())
+    if task == "mutation-server":
+        server_main(p, out)
+    elif task == "mutation-baseline":
+        Path(out).write_text(json.dumps(baseline(p), default=str))
+    else:
+        raise SystemExit(f"unknown task {task}")
+
+
+def server_main(p: dict[str, Any], out: str) -> None:
+    """Fork server: heavy imports once, then one forked child per mutant."""
+    for name in p["preimport"]:
+        __import__(name)
+    import kvspec.testing  # noqa: F401  (hypothesis and the machine, shared by the children)
+
+    from . import common  # noqa: F401
+
+    loaded = [m for m in p["paths"] if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"pre-imports pulled in mutated modules: {loaded}")
+    outdir = Path(p["outdir"])
+    jobs = list(p["jobs"])
+    running: dict[int, tuple[dict[str, Any], float, str]] = {}
+    results: list[dict[str, Any]] = []
+    total = len(jobs)
+
+    def finish(pid: int, status: int | None) -> None:
+        job, started, out_path = running.pop(pid)
+        elapsed = time.perf_counter() - started
+        if status is None:
+            res = {"status": "timeout", "seconds": elapsed}
+        elif os.path.exists(out_path):
+            res = json.loads(Path(out_path).read_text())
+        else:
+            res = {"status": "killed", "kind": f"crash: child exit status {status}",
+                   "error": _tail(out_path + ".log"), "seconds": elapsed}
+        res["key"] = job["key"]
+        res["wall"] = elapsed
+        results.append(res)
+        print(f"[{len(results)}/{total}] {job['key']}: {res['status']} "
+              f"{res.get('kind', '')} {elapsed:.1f}s", flush=True)
+
+    while jobs or running:
+        while jobs and len(running) < p["jobs_max"]:
+            job = jobs.pop(0)
+            out_path = str(outdir / (job["key"].replace(":", "_").replace("/", "_") + ".json"))
+            pid = os.fork()
+            if pid == 0:  # the child
+                code = 0
+                try:
+                    log = os.open(out_path + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(log, 1)
+                    os.dup2(log, 2)
+                    _run_child(p, job, out_path)
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            running[pid] = (job, time.perf_counter(), out_path)
+        time.sleep(0.05)
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                finish(pid, status)
+            elif time.perf_counter() - running[pid][1] > p["timeout"]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                finish(pid, None)
+    Path(out).write_text(json.dumps(results))
+
+
+def _tail(path: str, n: int = 3) -> str:
+    try:
+        return " | ".join(Path(path).read_text(errors="replace").splitlines()[-n:])[:300]
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def site_packages(target: str) -> Path:
+    venv = Path(python_for(target)).parent.parent
+    found = glob.glob(str(venv / "lib" / "python*" / "site-packages"))
+    if not found:
+        raise SystemExit(f"no site-packages under {venv}")
+    return Path(found[0])
+
+
+def _covered(m: Mutant, cov_import: dict[str, set[int]], cov_run: dict[str, set[int]]) -> bool:
+    span = set(range(m.lineno, m.end_lineno + 1))
+    if span & cov_run.get(m.module, set()):
+        return True
+    return not m.in_function and bool(span & cov_import.get(m.module, set()))
+
+
+def sample(mutants: list[Mutant], limit: int, seed: int = SAMPLE_SEED) -> list[Mutant]:
+    """Deterministic stratified sample: each module gets its proportional share (largest
+    remainder) taken from a fixed shuffle of its mutants; listed in source order."""
+    if len(mutants) <= limit:
+        return list(mutants)
+    by_module: dict[str, list[Mutant]] = defaultdict(list)
+    for m in mutants:
+        by_module[m.module].append(m)
+    quotas = {k: limit * len(v) / len(mutants) for k, v in by_module.items()}
+    shares = {k: int(q) for k, q in quotas.items()}
+    for k in sorted(quotas, key=lambda k: quotas[k] - shares[k], reverse=True)[
+        : limit - sum(shares.values())
+    ]:
+        shares[k] += 1
+    out = []
+    for k, v in by_module.items():
+        # A fixed shuffle, then its first n: a larger sample contains every smaller one.
+        order = list(v)
+        random.Random(f"{seed}-{k}").shuffle(order)
+        out += sorted(order[: shares[k]], key=lambda m: (m.lineno, m.site, m.op, m.variant))
+    return out
+
+
+def _spawn_worker(target: str, task: str, params: dict[str, Any], log_path: Path,
+                  stream: bool = False) -> dict[str, Any]:
+    python = python_for(target)
+    params_file = log_path.with_suffix(".params.json")
+    params_file.write_text(json.dumps({**params, "target": target}))
+    out = log_path.with_suffix(".out.json")
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("CI", None)
+    cmd = [python, "-m", "bench", "_worker", task, str(params_file), str(out)]
+    with open(log_path, "w") as log:
+        if stream:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=log, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print("   ", line.rstrip(), flush=True)
+            code = proc.wait()
+        else:
+            code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=log).returncode
+    if code != 0 or not out.exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        raise RuntimeError(f"{task} on {target} failed ({code}):\n" + "\n".join(tail))
+    return json.loads(out.read_text())
+
+
+def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    spec = TARGETS[target]
+    modules = [m for m in spec["modules"] if not args.modules or m in args.modules
+               or m.rsplit(".", 1)[1] in args.modules]
+    site = site_packages(target)
+    copies = workdir / "src"
+    paths: dict[str, str] = {}
+    mutants: list[Mutant] = []
+    for name in spec["modules"]:  # every module is served from its copy, mutated or not
+        src = site / (name.replace(".", "/") + ".py")
+        dst = copies / (name.replace(".", "/") + ".py")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        paths[name] = str(dst)
+        if name in modules:
+            mutants += enumerate_mutants(name, src.read_text())
+    print(f"{target}: {len(mutants)} mutants in {len(modules)} modules")
+    if args.list:
+        return {"target": target, "generated": len(mutants),
+                "by_module": dict(Counter(m.module for m in mutants))}
+    params = {"paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
+              "examples": args.examples, "steps": 40,
+              "replays_file": str(workdir / "replays.json")}
+    print(f"{target}: baseline (unmutated copies through the import hook, with coverage) ...")
+    base = _spawn_worker(target, "mutation-baseline", params, workdir / "baseline.log")
+    clean = base["clean"]
+    print(f"{target}: baseline {clean['status']} in {clean['seconds']:.1f}s "
+          f"({clean['examples']} examples, {clean['operations']} steps)")
+    result: dict[str, Any] = {"target": target, "modules": modules, "baseline": base,
+                              "generated": len(mutants), "workload": spec["workload"],
+                              "examples": args.examples}
+    if clean["status"] != "survived" or base["traced"]["status"] != "survived":
+        result["error"] = ("the unmutated code does not pass the oracle with this budget: "
+                           f"{clean.get('error') or base['traced'].get('error')}")
+        print(f"{target}: {result['error']}")
+        return result
+    cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
+    cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
+    covered = [m for m in mutants if _covered(m, cov_import, cov_run)]
+    chosen = sample(covered, args.max_mutants)
+    print(f"{target}: {len(covered)} covered, running {len(chosen)} "
+          f"(timeout {args.timeout:.0f}s, {args.jobs} at a time)")
+    identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
+    jobs = [identity] + [{"key": m.key, "module": m.module, "site": m.site, "op": m.op,
+                          "variant": m.variant} for m in chosen]
+    outdir = workdir / "mutants"
+    outdir.mkdir(exist_ok=True)
+    server = _spawn_worker(target, "mutation-server", {
+        **params, "jobs": jobs, "jobs_max": args.jobs, "timeout": args.timeout,
+        "outdir": str(outdir)}, workdir / "server.log", stream=True)
+    by_key = {r["key"]: r for r in server}
+    ident = by_key.pop("identity", {"status": "missing"})
+    result.update(
+        identity=ident,
+        covered=len(covered),
+        covered_by_module=dict(Counter(m.module for m in covered)),
+        generated_by_module=dict(Counter(m.module for m in mutants)),
+        mutants=[{**_mutant_json(m), **by_key.get(m.key, {"status": "missing"})}
+                 for m in chosen],
+    )
+    if ident.get("status") not in ("survived", "equivalent"):
+        result["error"] = f"the identity mutant (no mutation, fork server) failed: {ident}"
+    return result
+
+
+def _mutant_json(m: Mutant) -> dict[str, Any]:
+    return {"key": m.key, "module": m.module, "line": m.lineno, "op": m.op,
+            "original": m.original, "mutated": m.mutated, "describe": m.describe()}
+
+
+def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the targets one after the other; each target's result (with its own command,
+    machine and settings) is saved as soon as it is done, replacing an earlier result for
+    the same target and keeping the others."""
+    targets = args.targets or list(TARGETS)
+    results_dir = Path(args.results) if args.results else None
+    md = Path(args.md) if args.md else None
+    settings = {"examples": args.examples, "timeout": args.timeout, "jobs": args.jobs,
+                "max_mutants": args.max_mutants, "seed": SAMPLE_SEED}
+    data: dict[str, Any] = {"results": []}
+    for target in targets:
+        info = machine_info()
+        workdir = Path(tempfile.mkdtemp(prefix=f"kvspec-mut-{split_target(target)[0]}-"))
+        try:
+            with Timer() as timer:
+                result = run_target(target, args, workdir)
+        finally:
+            if not args.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                print(f"kept {workdir}")
+        if args.list:
+            print(result)
+            continue
+        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        result.update(machine=info, command=command_line(), settings=settings,
+                      seconds=timer.seconds)
+        path = (results_dir or RESULTS) / "mutation.json"
+        data = json.loads(path.read_text()) if path.exists() else {"results": []}
+        data["results"] = [r for r in data["results"] if r["target"] != target] + [result]
+        order = list(TARGETS)
+        data["results"].sort(key=lambda r: order.index(r["target"]) if r["target"] in order
+                             else len(order))
+        save_result("mutation", data, results_dir)
+        write_section("mutation", render_mutation(data), md)
+    return data
+
+
+# ---------------------------------------------------------------- report
+
+KILLED = ("killed", "timeout")
+
+
+def _score(muts: list[dict[str, Any]]) -> tuple[str, dict[str, int]]:
+    c = Counter()
+    for m in muts:
+        st = m["status"]
+        if st == "killed":
+            c["violation" if m.get("kind") == "violation" else "crash"] += 1
+        else:
+            c[st] += 1
+    killed = c["violation"] + c["crash"] + c["timeout"]
+    denom = len(muts) - c["equivalent"] - c["missing"]
+    score = f"{100 * killed / denom:.0f}%" if denom else "-"
+    return score, c
+
+
+def _notes() -> dict[str, str]:
+    path = Path(__file__).with_name("mutation_notes.json")
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
+    parts = ["Score = (killed + timed out) / (run - suspected equivalent). Each target's "
+             "section names its command, machine and budget."]
+    notes = _notes()
+    for r in data["results"]:
+        s = r["settings"]
+        parts += ["", f"### {r['target']}", "",
+                  header(r["command"], r["machine"], r.get("seconds")), "",
+                  f"Budget per mutant: {s['examples']} hypothesis examples (ci profile: "
+                  f"derandomized, 40 steps, no shrinking), wall-clock limit "
+                  f"{s['timeout']:.0f} s, {s['jobs']} mutants at a time. Covered mutants are "
+                  f"sampled per module in proportion, at most {s['max_mutants']} per target "
+                  f"(the first ones of `random.Random('{s['seed']}-<module>').shuffle`).", ""]
+        if "baseline" in r:
+            b = r["baseline"]["clean"]
+            parts.append(
+                f"Baseline (unmutated copies through the import hook, same budget): "
+                f"**{'clean' if b['status'] == 'survived' else 'FAILED'}** in "
+                f"{b['seconds']:.1f} s ({b['examples']} examples, {b['operations']} steps); "
+                f"identity mutant through the fork server: "
+                f"{r.get('identity', {}).get('status', '-')}; "
+                f"{r['baseline']['nondeterministic_replays']} of {r['baseline']['replays']} "
+                "baseline replays nondeterministic. Workload: "
+                f"{json.dumps(r['workload'])}.")
+        if r.get("error"):
+            parts += ["", f"**No score: {r['error']}**"]
+        if "mutants" not in r:
+            continue
+        muts = r["mutants"]
+        score, c = _score(muts)
+        no_crash = c["violation"] + c["survived"]
+        spec_score = f"{100 * c['violation'] / no_crash:.0f}%" if no_crash else "-"
+        parts += ["", f"**Score {score}** over {len(muts)} mutants run: killed by a violation "
+                  f"{c['violation']}, by a crash {c['crash']}, timed out {c['timeout']}, "
+                  f"survived {c['survived']}, suspected equivalent {c['equivalent']}. "
+                  f"Generated {r['generated']}, covered by the baseline {r['covered']}. "
+                  f"Among the mutants that neither crashed nor hung, the invariants caught "
+                  f"{spec_score} ({c['violation']}/{no_crash})."]
+        rows = []
+        for mod in r["modules"]:
+            mm = [m for m in muts if m["module"] == mod]
+            sc, cc = _score(mm)
+            rows.append([mod.split(".")[-1], r["generated_by_module"].get(mod, 0),
+                         r["covered_by_module"].get(mod, 0), len(mm), cc["violation"],
+                         cc["crash"], cc["timeout"], cc["survived"], cc["equivalent"], sc])
+        parts += ["", table(["module", "generated", "covered", "run", "killed: violation",
+                             "killed: crash", "timed out", "survived", "equivalent?",
+                             "score"], rows)]
+        invs = Counter(i for m in muts if m.get("kind") == "violation"
+                       for i in m.get("invariants", []))
+        if invs:
+            parts += ["", "Invariants that killed: " + ", ".join(
+                f"{k} {v}" for k, v in invs.most_common()) + "."]
+        crashes = Counter(m.get("kind", "") for m in muts
+                          if m["status"] == "killed" and m.get("kind") != "violation")
+        if crashes:
+            parts += ["", "Crashes: " + ", ".join(f"{k.removeprefix('crash: ')} {v}"
+                                                  for k, v in crashes.most_common()) + "."]
+        surv = [m for m in muts if m["status"] == "survived"]
+        if surv:
+            parts += ["", "Survivors:", "",
+                      table(["mutant", "replay of the baseline traces", "why the oracle misses it"],
+                            [[m["describe"], m.get("replay", ""),
+                              notes.get(m["key"], "(not yet analysed)")] for m in surv])]
+        eq = [m for m in muts if m["status"] == "equivalent"]
+        if eq:
+            parts += ["", "Suspected equivalent (identical observed states and outcomes on "
+                      "every baseline trace): " + "; ".join(f"`{m['describe']}`" for m in eq)]
+    return "\n".join(parts)
