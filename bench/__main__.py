@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .common import pin_kvspec_to_checkout
+
+    pin_kvspec_to_checkout()
     args = _parser().parse_args(argv)
     if args.command == "_worker":
         if args.task.startswith("mutation-"):
