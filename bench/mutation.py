@@ -704,6 +704,7 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
                               notes.get(m["key"], "(not yet analysed)")] for m in surv])]
         eq = [m for m in muts if m["status"] == "equivalent"]
         if eq:
-            parts += ["", "Suspected equivalent (identical observed states and outcomes on "
-                      "every baseline trace): " + "; ".join(f"`{m['describe']}`" for m in eq)]
+            parts += ["", f"<details><summary>{len(eq)} suspected equivalent (identical "
+                      "observed states and outcomes on every baseline trace)</summary>", "",
+                      "```", *[m["describe"] for m in eq], "```", "", "</details>"]
     return "\n".join(parts)
