@@ -144,6 +144,12 @@ def cmd_proofs(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
+def _verdict(r: dict[str, Any]) -> str:
+    if r["seconds"] is None:
+        return f"did not finish ({r['outcome']})"
+    return r["outcome"] + ("" if r["ok"] else f" (UNEXPECTED: expected {r['expected']})")
+
+
 def _secs(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -156,11 +162,8 @@ def render_proofs(data: dict[str, Any], seconds: float | None = None) -> str:
     for ob_id, runs in by_id.items():
         d, e = runs.get(False), runs.get(True)
         rows.append([
-            ob_id,
-            f"{d['outcome']}{'' if d['ok'] else ' (UNEXPECTED)'}" if d else "deep only",
-            _secs(d["seconds"]) if d else "-",
-            (f"{e['outcome']}{'' if e['ok'] else ' (UNEXPECTED)'}" if e else "not run"),
-            _secs(e["seconds"]) if e else "-",
+            ob_id, _verdict(d) if d else "deep only", _secs(d["seconds"]) if d else "-",
+            _verdict(e) if e else "not run", _secs(e["seconds"]) if e else "-",
         ])
     total_default = sum(r["seconds"] or 0 for r in data["obligations"] if not r["deep"])
     total_deep = sum(r["seconds"] or 0 for r in data["obligations"] if r["deep"])
