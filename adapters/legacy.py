@@ -93,6 +93,7 @@ Mapping choices:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections import Counter
@@ -115,8 +116,14 @@ _VERSION_STRINGS = {"v1": "v1", "v2": "v2", "self_attn": "selfattn"}
 # ---------------------------------------------------------------- release detection
 
 
-def _params(fn: Callable[..., Any]) -> set[str]:
-    return set(inspect.signature(fn).parameters)
+def _params(fn: Callable[..., Any]) -> frozenset[str]:
+    # Bound methods are looked up through their function so the cache holds no manager alive.
+    return _function_params(getattr(fn, "__func__", fn))
+
+
+@functools.cache
+def _function_params(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _kw(fn: Callable[..., Any], **candidates: Any) -> dict[str, Any]:

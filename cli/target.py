@@ -321,9 +321,10 @@ def _kvspec_in(t: Target) -> bool:
             [
                 str(t.python),
                 "-c",
-                "import kvspec, pathlib; "
-                "print(pathlib.Path(kvspec.__file__).resolve().parent.parent)",
+                "import kvspec.targets.provision as p; print(p.REPO)",
             ],
+            # Not the checkout: from there its own folder would import, installed or not.
+            cwd=t.venv,
             capture_output=True,
             text=True,
             timeout=60,

@@ -81,6 +81,24 @@ class StaleCacheEntry(ReferenceManager):
         self.gpu = _StalePool(config.num_blocks, config.prefix_caching)
 
 
+class _FreeCachedPool(BlockPool):
+    def decref(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free.append(block)  # the cache entry stays: its block is up for grabs
+
+
+class ReleaseCachedAsFree(ReferenceManager):
+    """Releases an unreferenced cached block to the free list but keeps its cache entry (a
+    0.33.0 mutant of BlockPool did this: hash set, block_hash cleared)."""
+
+    name = "release-cached-as-free"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _FreeCachedPool(config.num_blocks, config.prefix_caching)
+
+
 class PublishBeforeCompute(ReferenceManager):
     """Publishes a prompt's full blocks at admission, before their KV is written."""
 
@@ -204,6 +222,9 @@ BROKEN: dict[str, BrokenVariant] = {
     EagerWindow.name: BrokenVariant(EagerWindow, frozenset({"kv-readback"}), {"window": True}),
     StaleCacheEntry.name: BrokenVariant(
         StaleCacheEntry, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
+    ),
+    ReleaseCachedAsFree.name: BrokenVariant(
+        ReleaseCachedAsFree, frozenset({"conservation"}), {"prefix_caching": True}
     ),
     PublishBeforeCompute.name: BrokenVariant(
         PublishBeforeCompute,

@@ -115,7 +115,9 @@ def refcount_exact(world: World) -> Iterator[str]:
 )
 def conservation(world: World) -> Iterator[str]:
     """Free + evictable + in-use is exactly the pool, pairwise disjoint; nothing is freed twice
-    and no block id is out of range.
+    and no block id is out of range.  A free block is not in the prefix-cache map: the next
+    allocation may overwrite it while a lookup still hands it out (unreferenced cached
+    blocks are evictable, not free).
     """
     for device, pool in _pools(world.state):
         ids = set(pool.ids)
@@ -139,6 +141,8 @@ def conservation(world: World) -> Iterator[str]:
         cached = pool.cached_key_of()
         for block in sorted(evictable - set(cached)):
             yield f"{name} block {block} is evictable but holds no cached content"
+        for block in sorted(free & set(cached)):
+            yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
 
 
 @invariant(

@@ -169,12 +169,19 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
                 if pool_before.epochs.get(block) != epoch:
                     dead.add((device, block))
         cached_after = pool_after.cached_key_of()
+        # A block that was already free and uncached before the operation lost its content
+        # when it got there; counting it again would make every step cost O(pool).
+        cached_before = pool_before.cached_key_of() if pool_before is not None else {}
+        already = (
+            set()
+            if pool_before is None
+            else {b for b in pool_before.free if b not in cached_before}
+        )
         for block in pool_after.free:
-            if block not in cached_after:
+            if block not in cached_after and block not in already:
                 dead.add((device, block))
         if pool_before is None:
             continue
-        cached_before = pool_before.cached_key_of()
         for block, key in cached_before.items():
             unreferenced = pool_before.refcounts.get(block, 0) == 0
             if unreferenced and cached_after.get(block) != key:

@@ -24,7 +24,7 @@ from enum import StrEnum
 
 from hypothesis import note
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant
+from hypothesis.stateful import initialize
 from kvspec.reference import ReferenceManager
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import Status
@@ -241,15 +241,6 @@ class DifferentialMachine(KVCacheMachine):
         self._build_driver(data)
         reference = Driver(ReferenceManager(self.driver.config), focus=self.focus)
         self.lockstep = Lockstep(self.driver, reference, self.mode, self.known)
-
-    @invariant()
-    def invariants_hold(self):
-        if self.lockstep is None:
-            return
-        found = self.lockstep.check()
-        if found:
-            self.failed = True
-            raise SpecViolation(found, self.driver.trace)
 
     def teardown(self):
         if self.lockstep is None or self.failed:

@@ -13,6 +13,7 @@ checks ``no-leak``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -34,7 +35,7 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
-from .strategies import ALPHABET, configs, prompts
+from .strategies import ALPHABET, configs, draw_prompt, integers
 
 ImplementationFactory = Callable[[Config], Implementation]
 
@@ -57,6 +58,16 @@ class RunStats:
 STATS = RunStats()
 
 tokens = st.integers(0, ALPHABET - 1)
+
+# One step's scheduler choices travel as bytes: (go, chunk, token) per sequence, one draw for
+# the whole iteration.  Shrinking moves bytes to 0, i.e. towards "skip" / "whole remainder" /
+# token 0, one byte at a time.
+_STEP_BYTES = 3
+
+
+@functools.cache
+def _iteration_bytes(n: int) -> st.SearchStrategy[bytes]:
+    return st.binary(min_size=n, max_size=n)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -81,6 +92,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.failed = False
         self.next_id = 0
         self.prompts: list[tuple[int, ...]] = []
+        self.checked_at = -1  # driver operation count at the last invariant check
 
     # ------------------------------------------------------------ setup
 
@@ -105,26 +117,34 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.driver is not None
         return self.driver
 
-    def _chunk(self, data, remaining: int) -> int:
+    def _chunk(self, code: int, remaining: int) -> int:
+        """Tokens this step schedules, from one drawn byte: the whole remainder, one block, or
+        1 .. 2B tokens (0 -> the whole remainder, which is what shrinking moves towards)."""
         if not self.d.has(Capability.CHUNKED_PREFILL):
             return remaining  # the release prefills whole prompts only
         B = self.d.config.block_size
-        return data.draw(
-            st.one_of(st.just(remaining), st.just(B), st.integers(1, max(1, 2 * B))),
-            label="num_new_tokens",
-        )
+        kind, rest = code % 3, code // 3
+        if kind == 0:
+            return remaining
+        if kind == 1:
+            return B
+        return 1 + rest % (2 * B)
+
+    def _choices(self, data, n: int, label: str) -> bytes:
+        return data.draw(_iteration_bytes(n), label=label)
 
     # ------------------------------------------------------------ rules
 
     @rule(target=seqs, data=st.data())
     def admit(self, data):
         B = self.d.config.block_size
-        prompt = data.draw(prompts(self.prompts, B, B * self.max_prompt_blocks), label="prompt")
+        prompt = draw_prompt(data.draw, self.prompts, B, B * self.max_prompt_blocks)
         self.prompts.append(prompt)
         seq_id = self.next_id
         self.next_id += 1
-        k = self._chunk(data, len(prompt))
-        if self.d.admit(seq_id, prompt, k, data.draw(tokens, label="next_token")):
+        chunk, token = self._choices(data, 2, "num_new_tokens, next_token")
+        k = self._chunk(chunk, len(prompt))
+        if self.d.admit(seq_id, prompt, k, token % ALPHABET):
             return multiple(seq_id)
         return multiple()
 
@@ -136,23 +156,31 @@ class KVCacheMachine(RuleBasedStateMachine):
             lambda self: self.driver is not None and self.driver.with_status(status)
         )
 
-    def _step(self, data) -> None:
-        seq = self._pick(data, Status.RUNNING, "seq")
+    def _step(self, seq: int, chunk: int, token: int) -> None:
         model = self.d.seqs[seq]
         remaining = len(model.tokens) - model.num_computed
-        k = 1 if remaining == 1 else self._chunk(data, remaining)
-        self.d.step(seq, k, data.draw(tokens, label="next_token"))
+        k = 1 if remaining == 1 else self._chunk(chunk, remaining)
+        self.d.step(seq, k, token % ALPHABET)
 
-    # Stepping is most of what a scheduler does; two rules weight it accordingly.
     @_has_status(Status.RUNNING)
     @rule(data=st.data())
     def step(self, data):
-        self._step(data)
+        seq = self._pick(data, Status.RUNNING, "seq")
+        self._step(seq, *self._choices(data, 2, "num_new_tokens, next_token"))
 
+    # Stepping is most of what a scheduler does: one iteration steps every running sequence
+    # (vLLM's schedule() does), each step checked as it happens.
     @_has_status(Status.RUNNING)
     @rule(data=st.data())
-    def step_again(self, data):
-        self._step(data)
+    def schedule(self, data):
+        running = sorted(self.d.with_status(Status.RUNNING))
+        raw = self._choices(data, _STEP_BYTES * len(running), "iteration: (go, chunk, token) each")
+        for i, seq in enumerate(running):
+            go, chunk, token = raw[_STEP_BYTES * i : _STEP_BYTES * (i + 1)]
+            if go == 0:
+                continue
+            self._check()
+            self._step(seq, chunk, token)
 
     @rule(target=seqs, seq=seqs)
     def fork(self, seq):
@@ -180,8 +208,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def readmit(self, data):
         seq = self._pick(data, Status.WAITING, "seq")
-        k = self._chunk(data, len(self.d.seqs[seq].tokens))
-        self.d.readmit(seq, k, data.draw(tokens, label="next_token"))
+        chunk, token = self._choices(data, 2, "num_new_tokens, next_token")
+        k = self._chunk(chunk, len(self.d.seqs[seq].tokens))
+        self.d.readmit(seq, k, token % ALPHABET)
 
     @precondition(lambda self: self.driver is not None and self.driver.has(Capability.SWAP))
     @_has_status(Status.RUNNING)
@@ -204,15 +233,20 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def reset_prefix_cache(self, data):
         # Rare on purpose: a reset empties the cache that every other rule builds up.
-        if data.draw(st.integers(0, 7), label="reset?") == 0:
+        if data.draw(integers(0, 7), label="reset?") == 0:
             self.d.reset_prefix_cache()
 
     # ------------------------------------------------------------ checks
 
     @invariant()
     def invariants_hold(self):
-        if self.driver is None:
+        self._check()
+
+    def _check(self) -> None:
+        """Every invariant, once per driver operation (a rule may perform several)."""
+        if self.driver is None or self.d.operations == self.checked_at:
             return
+        self.checked_at = self.d.operations
         found = self.d.check()
         if found:
             self.failed = True

@@ -7,7 +7,9 @@ from earlier prompts (cut and extended) so that prefix caching and sharing get e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
@@ -56,21 +58,48 @@ def configs(
     )
 
 
+# Token runs are drawn as one byte string each: a single hypothesis draw however long the
+# run (per-token draws were most of the oracle's time), and bytes shrink towards token 0
+# one position at a time.
+def token_runs(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return _token_runs(min_size, max_size)
+
+
+@functools.cache
+def _token_runs(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.binary(min_size=min_size, max_size=max_size).map(as_tokens)
+
+
+def as_tokens(raw: bytes) -> tuple[int, ...]:
+    return tuple(b % ALPHABET for b in raw)
+
+
+@functools.cache
+def integers(lo: int, hi: int) -> st.SearchStrategy[int]:
+    return st.integers(lo, hi)
+
+
 @st.composite
 def prompts(
     draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
 ) -> tuple[int, ...]:
-    fresh = st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=max_len).map(tuple)
-    if not earlier:
-        return draw(fresh)
-    base = draw(st.sampled_from(list(earlier)))
+    return draw_prompt(lambda strategy, label=None: draw(strategy), earlier, block_size, max_len)
+
+
+def draw_prompt(
+    draw: Callable[..., Any], earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
+) -> tuple[int, ...]:
+    """A prompt, usually an earlier one cut and extended (so that prefixes are shared).
+    ``draw`` is hypothesis' draw function; the machine calls this without building a
+    strategy per admission."""
+    if not earlier or draw(integers(0, 3), label="fresh?") == 0:
+        return draw(token_runs(1, max_len), label="prompt")
+    base = earlier[draw(integers(0, len(earlier) - 1), label="base")]
     # Cut at a block boundary most of the time: that is where cache hits happen.
-    cut = draw(
-        st.one_of(
-            st.integers(0, len(base) // block_size).map(lambda n: n * block_size),
-            st.integers(0, len(base)),
-        )
-    )
-    tail = draw(st.lists(st.integers(0, ALPHABET - 1), max_size=max_len))
-    prompt = (base[:cut] + tuple(tail))[:max_len]
-    return prompt or draw(fresh)
+    if draw(integers(0, 1), label="cut inside a block?") == 0:
+        cut = draw(integers(0, len(base) // block_size), label="cut (blocks)") * block_size
+    else:
+        cut = draw(integers(0, len(base)), label="cut")
+    tail = draw(token_runs(0, max_len), label="tail")
+    prompt = (base[:cut] + tail)[:max_len]
+    return prompt or draw(token_runs(1, max_len), label="prompt")
