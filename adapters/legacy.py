@@ -376,7 +376,11 @@ class LegacyAdapter:
         # those tokens as scheduled; the answer is kept here until admit.
         self._cached_api = config.prefix_caching and hasattr(self.mgr, "get_num_cached_tokens")
         self._admission_cached: dict[int, int] = {}
-        self._just_swapped: set[int] = set()  # next reserve skips can_append_slots
+        # The sequence swapped in by the last operation: its next reserve skips
+        # can_append_slots, as _schedule_swapped appends right after swap_in in the same
+        # schedule() call.  Any other operation in between (a fork, an admission) cannot
+        # happen there, so it ends the exemption.
+        self._just_swapped: int | None = None
         self._request_ids = itertools.count()
         self._clock = 0.0
         self._keys: dict[int, PrefixKey] = {}  # release hash -> PrefixKey
@@ -483,6 +487,7 @@ class LegacyAdapter:
     ) -> int:
         if num_new_tokens < 1:
             raise ValueError("num_new_tokens must be >= 1")
+        self._just_swapped = None
         group = self._prepare(seq_id, tokens, extra)
         seq = self._seqs[seq_id]
         remaining = seq.get_len()
@@ -521,7 +526,6 @@ class LegacyAdapter:
             hit = len(computed) * self.config.block_size
             hit = min(hit, (seq.get_len() - 1) // self.config.block_size * self.config.block_size)
         self._pending_hit[seq_id] = hit
-        self._just_swapped.discard(seq_id)
         return hit
 
     def _forget(self, seq_id: int) -> None:
@@ -547,12 +551,12 @@ class LegacyAdapter:
             # A running prefill chunk is sized with get_num_cached_tokens first (0.6.4 on).
             self.mgr.get_num_cached_tokens(seq)
         # Right after a swap-in the scheduler appends slots without asking (scheduler.py:716).
-        skip_check = seq_id in self._just_swapped
+        skip_check = self._just_swapped == seq_id
+        self._just_swapped = None
         if not skip_check:
             fn = self.mgr.can_append_slots
             if not fn(group, **_kw(fn, num_lookahead_slots=lookahead)):
                 raise NotAdmitted(f"can_append_slots refused seq {seq_id} (lookahead {lookahead})")
-        self._just_swapped.discard(seq_id)
         fn = self.mgr.append_slots
         try:
             result = fn(seq, **_kw(fn, num_lookahead_slots=lookahead))
@@ -597,6 +601,7 @@ class LegacyAdapter:
     def fork(self, parent_id: int, child_id: int) -> None:
         if Capability.FORK not in self.capabilities:
             raise Unsupported("this release's engine never forks a sequence (no SequenceGroup.add)")
+        self._just_swapped = None
         parent = self._seq(parent_id)
         if child_id in self._seqs and not self._seqs[child_id].is_finished():
             raise AssertionError(f"child seq {child_id} already exists")
@@ -620,7 +625,7 @@ class LegacyAdapter:
         seq = self._seq(seq_id)
         self._pending_hit.pop(seq_id, None)
         self._admission_cached.pop(seq_id, None)
-        self._just_swapped.discard(seq_id)
+        self._just_swapped = None
         if self._live_siblings(seq_id):
             # One member of a multi-sequence group ends: it finishes (single_step.py).
             seq.status = self._status("FINISHED_STOPPED")
@@ -637,6 +642,7 @@ class LegacyAdapter:
             raise Unsupported(
                 "no swapping: num_cpu_blocks == 0, or this release's manager cannot swap"
             )
+        self._just_swapped = None
         seq = self._seq(seq_id)
         group = self._groups[seq_id]
         if seq.status != self._status("RUNNING"):
@@ -655,7 +661,6 @@ class LegacyAdapter:
                 raise NoFreeBlocks(f"swap_out after can_swap_out said yes: {err}") from err
             raise
         seq.status = self._status("SWAPPED")
-        self._just_swapped.discard(seq_id)
         return mapping
 
     def swap_in(self, seq_id: int) -> list[BlockCopy]:
@@ -663,6 +668,7 @@ class LegacyAdapter:
             raise Unsupported(
                 "no swapping: num_cpu_blocks == 0, or this release's manager cannot swap"
             )
+        self._just_swapped = None
         seq = self._seq(seq_id)
         group = self._groups[seq_id]
         if seq.status != self._status("SWAPPED"):
@@ -679,13 +685,14 @@ class LegacyAdapter:
                 raise NoFreeBlocks(f"swap_in after can_swap_in said OK: {err}") from err
             raise
         seq.status = self._status("RUNNING")
-        self._just_swapped.add(seq_id)
+        self._just_swapped = seq_id
         return mapping
 
     def reset_prefix_cache(self) -> bool:
         fn = getattr(self.mgr, "reset_prefix_cache", None)
         if fn is None:
             raise Unsupported("this release's legacy block manager has no reset_prefix_cache")
+        self._just_swapped = None
         return bool(fn())
 
     # ------------------------------------------------------------ prefix keys
