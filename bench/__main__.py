@@ -20,8 +20,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=40, help="stateful_step_count")
     t.add_argument("--profile-examples", type=int, default=30, help="0: no profile")
     t.add_argument("--repeats", type=int, default=3, help="best of this many runs")
-    t.add_argument("--whatif", action="store_true",
-                   help="also run with the proposed fixes patched in (bench/whatif.py)")
 
     c = sub.add_parser("ttc", parents=[common],
                        help="time to first counterexample: broken variants and the seed bug")
@@ -52,8 +50,6 @@ def _parser() -> argparse.ArgumentParser:
                        help="cost per step against pool size, live sequences, prompt length")
     s.add_argument("--targets", nargs="*")
     s.add_argument("--quick", action="store_true", help="the two smallest points per dimension")
-    s.add_argument("--whatif", action="store_true",
-                   help="also run with the shadow-memory fix patched in (bench/whatif.py)")
 
     m = sub.add_parser("mutate", parents=[common],
                        help="mutation score of the oracle on vLLM's own block-manager code")

@@ -17,7 +17,6 @@ from .common import (
     table,
     write_section,
 )
-from .whatif import PATCHES
 
 # What each target runs in the throughput benchmark.  The legacy manager runs full attention
 # (the brief) without prefix caching: with caching the 0.6.3 V2 machine currently stops at a
@@ -52,14 +51,11 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
     with Timer() as timer:
         for target in targets:
             workload = THROUGHPUT_TARGETS.get(target, THROUGHPUT_TARGETS["reference"])
-            for patches in ([[], list(PATCHES)] if args.whatif else [[]]):
-                results.append(_attempt(
-                    target, workload, lambda t=target, w=workload, pw=patches: run_worker(
-                        t, "throughput", {"workload": w, "examples": args.examples,
-                                          "steps": args.steps, "whatif": pw,
-                                          "repeats": args.repeats,
-                                          "profile_examples": 0 if pw else
-                                          args.profile_examples})))
+            results.append(_attempt(
+                target, workload, lambda t=target, w=workload: run_worker(
+                    t, "throughput", {"workload": w, "examples": args.examples,
+                                      "steps": args.steps, "repeats": args.repeats,
+                                      "profile_examples": args.profile_examples})))
     data = {"machine": info, "command": command_line(), "results": results}
     results_dir, md = _out(args)
     data["seconds"] = timer.seconds
@@ -86,8 +82,7 @@ def render_throughput(data: dict[str, Any], seconds: float | None = None) -> str
     data = {**data, "results": [r for r in data["results"] if "error" not in r]}
     for r in data["results"]:
         rows.append([
-            r["target"], ", ".join(r.get("whatif") or []) or "-",
-            _describe_workload(r["workload"]), r["examples"], r["operations"],
+            r["target"], _describe_workload(r["workload"]), r["examples"], r["operations"],
             r["oracle_steps_per_s"], r["driver_steps_per_s"], r["raw_steps_per_s"],
             r["raw_ops_only_steps_per_s"], f"{r['ratio']:.3f}", f"{r['ratio_ops_only']:.3f}",
             r["raw_mismatches"],
@@ -104,7 +99,7 @@ def render_throughput(data: dict[str, Any], seconds: float | None = None) -> str
         "ops-only* excludes building. Each figure is the best of `--repeats` identical "
         "(derandomized) runs. Ratio = oracle steps/s / raw steps/s (goal >= 0.5).",
         "",
-        table(["target", "what-if patches", "workload", "examples", "steps", "oracle steps/s",
+        table(["target", "workload", "examples", "steps", "oracle steps/s",
                "driver replay steps/s", "raw steps/s", "raw ops-only steps/s",
                "ratio", "ratio (ops-only)", "replay mismatches"], rows),
     ]
@@ -112,8 +107,6 @@ def render_throughput(data: dict[str, Any], seconds: float | None = None) -> str
         parts += ["", f"**{r['target']}** ({_describe_workload(r['workload'])}): the run "
                   f"failed: `{r['error']}`"]
     for r in data["results"]:
-        if r.get("whatif"):
-            continue
         ops = ", ".join(f"{k} {v}" for k, v in r["by_op"].items())
         parts += ["", f"**{r['target']}** operations: {ops}."]
         for key, title in (("profile_oracle", "oracle"), ("profile_raw", "raw replay")):
@@ -281,9 +274,7 @@ def cmd_scale(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     with Timer() as timer:
         for target in targets:
-            for patches in ([[], ["lifetimes"]] if args.whatif else [[]]):
-                results.append(run_worker(target, "scale", {"points": points,
-                                                            "whatif": patches}))
+            results.append(run_worker(target, "scale", {"points": points}))
     data = {"machine": info, "command": command_line(), "results": results}
     results_dir, md = _out(args)
     data["seconds"] = timer.seconds
@@ -314,8 +305,7 @@ def render_scale(data: dict[str, Any], seconds: float | None = None) -> str:
                 if row["dimension"] != dim:
                     continue
                 bad = "; ".join(row.get("violations", [])) or ""
-                label = r["target"] + (f" (what-if: {', '.join(r['whatif'])})"
-                                       if r.get("whatif") else "")
+                label = r["target"]
                 rows.append([
                     label, row["num_blocks"], row["seqs"], row["prompt_len"], row["ops"],
                     row["driver_ms_per_op"], row["raw_ms_per_op"],
@@ -333,8 +323,7 @@ def render_scale(data: dict[str, Any], seconds: float | None = None) -> str:
                 continue
             layers = ", ".join(f"{k} {100 * v:.0f}%" for k, v in prof["layers"].items()
                                if v >= 0.01)
-            label = r["target"] + (f" (what-if: {', '.join(r['whatif'])}; the patched "
-                                   "functions count as 'bench')" if r.get("whatif") else "")
+            label = r["target"]
             parts += ["", f"cProfile of the driver run, {label}, {row['num_blocks']} "
                       f"blocks: self time by layer: {layers}. kvspec functions by cumulative "
                       "time:", "",

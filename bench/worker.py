@@ -141,9 +141,6 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
     from kvspec.testing import KVCacheMachine
     from kvspec.testing.driver import replay
 
-    from . import whatif
-
-    patches = whatif.apply(p.get("whatif", []))
     target = p["target"]
     # Best of a few identical (derandomized) runs: the machine is shared, and interference
     # only ever adds time.
@@ -167,7 +164,7 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
         driver_times.append(time.perf_counter() - start)
     t_driver = min(driver_times)
 
-    out: dict[str, Any] = {"target": target, "workload": p["workload"], "whatif": patches}
+    out: dict[str, Any] = {"target": target, "workload": p["workload"]}
     if p.get("profile_examples"):
         strat = strategy(p["workload"])
         settings = hypothesis_settings(max_examples=p["profile_examples"], steps=p["steps"])
@@ -178,9 +175,7 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
         prof.disable()
         out["profile_oracle"] = _profile_summary(prof)
 
-    # Raw: build, then the implementation's own calls.  The adapters' signature probing
-    # (inspect.signature per request) is adapter overhead, not the target's: memoised here.
-    whatif.apply(["signatures"])
+    # Raw: build, then the implementation's own calls.
     best: tuple[float, float] | None = None
     mismatches = 0
     for _ in range(repeats):
@@ -331,13 +326,8 @@ def scale(p: dict[str, Any]) -> dict[str, Any]:
     from kvspec.spec.config import Config
     from kvspec.testing import Driver
 
-    from . import whatif
     from .workload import scheduler_workload
 
-    patches = whatif.apply(p.get("whatif", []))
-    # The adapters' per-request inspect.signature is adapter overhead, the same in both
-    # columns and not what this benchmark is about: memoised for the driver and raw alike.
-    whatif.apply(["signatures"])
     target = p["target"]
     impl, _ = split_target(target)
     make = factory(impl)
@@ -380,7 +370,7 @@ def scale(p: dict[str, Any]) -> dict[str, Any]:
             raw_mismatches=raw.mismatches,
         )
         rows.append(row)
-    return {"target": target, "rows": rows, "whatif": patches}
+    return {"target": target, "rows": rows}
 
 
 def _proof_task(name: str):
