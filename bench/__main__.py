@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", type=int, default=5)
     c.add_argument("--variants", nargs="*", help="broken variant names (default: all)")
     c.add_argument("--findings", nargs="*", help="FINDINGS.md cases on vLLM 0.6.3 (default: "
-                   "F1 F2 F3 F4 F9; F1 is the seed bug)")
+                   "F1 F2 F3 F4 F9 F12; F1 is the seed bug)")
     c.add_argument("--max-examples", type=int, default=2000)
     c.add_argument("--steps", type=int, default=25, help="stateful_step_count (the suite's)")
     c.add_argument("--explain", nargs="*", default=[], metavar="CASE",

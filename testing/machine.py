@@ -63,6 +63,7 @@ tokens = st.integers(0, ALPHABET - 1)
 # the whole iteration.  Shrinking moves bytes to 0, i.e. towards "skip" / "whole remainder" /
 # token 0, one byte at a time.
 _STEP_BYTES = 3
+MAX_ADMISSIONS_PER_ITERATION = 2
 
 
 @functools.cache
@@ -137,6 +138,10 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(target=seqs, data=st.data())
     def admit(self, data):
+        seq_id = self._admit(data)
+        return multiple() if seq_id is None else multiple(seq_id)
+
+    def _admit(self, data) -> int | None:
         B = self.d.config.block_size
         prompt = draw_prompt(data.draw, self.prompts, B, B * self.max_prompt_blocks)
         self.prompts.append(prompt)
@@ -144,9 +149,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         chunk, token = self._choices(data, 2, "num_new_tokens, next_token")
         k = self._chunk(chunk, len(prompt))
-        if self.d.admit(seq_id, prompt, k, token % ALPHABET):
-            return multiple(seq_id)
-        return multiple()
+        return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET) else None
 
     def _pick(self, data, status: Status, label: str) -> int:
         return data.draw(st.sampled_from(sorted(self.d.with_status(status))), label=label)
@@ -168,19 +171,29 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = self._pick(data, Status.RUNNING, "seq")
         self._step(seq, *self._choices(data, 2, "num_new_tokens, next_token"))
 
-    # Stepping is most of what a scheduler does: one iteration steps every running sequence
-    # (vLLM's schedule() does), each step checked as it happens.
-    @_has_status(Status.RUNNING)
-    @rule(data=st.data())
+    # One scheduler iteration, the way vLLM's schedule() runs one: every running sequence
+    # steps (a prefill chunk or a decode token), then new prompts are admitted.  One rule,
+    # many operations, each checked as it happens: hypothesis' cost per rule, not per draw,
+    # was most of the oracle's time.
+    @rule(target=seqs, data=st.data())
     def schedule(self, data):
         running = sorted(self.d.with_status(Status.RUNNING))
-        raw = self._choices(data, _STEP_BYTES * len(running), "iteration: (go, chunk, token) each")
+        raw = self._choices(
+            data, 1 + _STEP_BYTES * len(running), "admissions, then (go, chunk, token) per seq"
+        )
         for i, seq in enumerate(running):
-            go, chunk, token = raw[_STEP_BYTES * i : _STEP_BYTES * (i + 1)]
+            go, chunk, token = raw[1 + _STEP_BYTES * i : 1 + _STEP_BYTES * (i + 1)]
             if go == 0:
                 continue
             self._check()
             self._step(seq, chunk, token)
+        admitted = []
+        for _ in range(raw[0] % (MAX_ADMISSIONS_PER_ITERATION + 1)):
+            self._check()
+            seq_id = self._admit(data)
+            if seq_id is not None:
+                admitted.append(seq_id)
+        return multiple(*admitted)
 
     @rule(target=seqs, seq=seqs)
     def fork(self, seq):

@@ -58,16 +58,10 @@ def configs(
     )
 
 
-# Token runs are drawn as one byte string each: a single hypothesis draw however long the
-# run (per-token draws were most of the oracle's time), and bytes shrink towards token 0
-# one position at a time.
-def token_runs(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
-    return _token_runs(min_size, max_size)
-
-
-@functools.cache
-def _token_runs(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
-    return st.binary(min_size=min_size, max_size=max_size).map(as_tokens)
+# A prompt, like a scheduler iteration's choices, is one byte string: a single hypothesis
+# draw however long the prompt (per-token draws were most of the oracle's time), and bytes
+# shrink towards 0 one position at a time -- a fresh prompt, no shared prefix, token 0.
+PROMPT_HEADER = 2  # source byte, cut byte; the rest are the tail's tokens
 
 
 def as_tokens(raw: bytes) -> tuple[int, ...]:
@@ -79,27 +73,38 @@ def integers(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.integers(lo, hi)
 
 
-@st.composite
-def prompts(
-    draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
+@functools.cache
+def prompt_bytes(max_len: int) -> st.SearchStrategy[bytes]:
+    return st.binary(min_size=PROMPT_HEADER, max_size=PROMPT_HEADER + max_len)
+
+
+def prompt_from_bytes(
+    raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
 ) -> tuple[int, ...]:
-    return draw_prompt(lambda strategy, label=None: draw(strategy), earlier, block_size, max_len)
+    """Decode a prompt: usually an earlier prompt cut and extended (so that prefixes are
+    shared), cut at a block boundary half of the time (that is where cache hits happen)."""
+    source, cut_code = raw[0], raw[1]
+    tail = as_tokens(raw[PROMPT_HEADER:])
+    if not earlier or source % 4 == 0:
+        return tail[:max_len] or (0,)
+    base = earlier[(source // 4) % len(earlier)]
+    if cut_code % 2 == 0:
+        cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
+    else:
+        cut = (cut_code // 2) % (len(base) + 1)
+    return (base[:cut] + tail)[:max_len] or base[:max_len]
 
 
 def draw_prompt(
     draw: Callable[..., Any], earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
 ) -> tuple[int, ...]:
-    """A prompt, usually an earlier one cut and extended (so that prefixes are shared).
-    ``draw`` is hypothesis' draw function; the machine calls this without building a
-    strategy per admission."""
-    if not earlier or draw(integers(0, 3), label="fresh?") == 0:
-        return draw(token_runs(1, max_len), label="prompt")
-    base = earlier[draw(integers(0, len(earlier) - 1), label="base")]
-    # Cut at a block boundary most of the time: that is where cache hits happen.
-    if draw(integers(0, 1), label="cut inside a block?") == 0:
-        cut = draw(integers(0, len(base) // block_size), label="cut (blocks)") * block_size
-    else:
-        cut = draw(integers(0, len(base)), label="cut")
-    tail = draw(token_runs(0, max_len), label="tail")
-    prompt = (base[:cut] + tail)[:max_len]
-    return prompt or draw(token_runs(1, max_len), label="prompt")
+    """``draw`` is hypothesis' draw function (the machine's ``data.draw``)."""
+    raw = draw(prompt_bytes(max_len), label="prompt (source, cut, tokens...)")
+    return prompt_from_bytes(raw, earlier, block_size, max_len)
+
+
+@st.composite
+def prompts(
+    draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
+) -> tuple[int, ...]:
+    return prompt_from_bytes(draw(prompt_bytes(max_len)), earlier, block_size, max_len)

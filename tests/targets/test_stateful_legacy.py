@@ -76,12 +76,21 @@ def test_stateful_v2_chunked_prefill_hits_uncomputed_blocks():
 def test_stateful_v2_full_attention_without_caching_holds():
     stats = RunStats()
     run_state_machine_as_test(
-        # F11 (lookahead slots + swap) is pinned separately; this run has no lookahead.
+        # F12 (lookahead slots + swap) is pinned separately; this run has no lookahead.
         lambda: KVCacheMachine(_factory("v2"), _full(False, max_lookahead=0), stats=stats),
         settings=settings(settings(), report_multiple_bugs=False),
     )
     for op in ("admit", "step", "fork", "swap_out", "preempt"):
         assert stats.by_op.get(op, 0) >= 5, stats
+
+
+def test_stateful_v2_swap_out_ignores_lookahead_blocks():
+    """F12: can_swap_out counts the full blocks and the blocks the unseen tokens touch, not
+    the empty blocks a lookahead reservation (multi-step, speculative decoding) holds; then
+    swap_out runs the CPU pool dry."""
+    found = _find("v2", _full(False), "admission-soundness")
+    assert "swap_out after can_swap_out said yes" in str(found), found
+    assert len(found.trace) <= 8, found
 
 
 def test_stateful_v1_recompute_of_a_forked_group_miscounts_refs():
