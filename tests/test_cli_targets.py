@@ -118,8 +118,12 @@ def test_vllm_source_behaves_like_the_release(release_run, source_tree, tmp_path
     assert report["target"]["kind"] == "source"
     assert report["target"]["vllm_path"] == str(source_tree / "vllm")
     assert report["target"]["venv_release"] == "0.6.3"
-    # the same derandomized search on the same code: the same counterexample
-    assert report["trace"] == release["trace"]
+    # The same derandomized search on the same code finds the same bug.  The traces may
+    # differ: hypothesis seeds its generation with constants it reads from *local* source
+    # files (hypothesis.internal.conjecture.providers._get_local_constants), and a checkout
+    # is local code where an installed release is not.  Each mode repeats itself exactly.
+    assert report["violations"] == release["violations"]
+    assert report["trace"][-1]["outcome"] == release["trace"][-1]["outcome"]
     assert report["violations"] == release["violations"]
     assert report["reproducer"]["status"] == "verified"
 
