@@ -387,6 +387,7 @@ class LegacyAdapter:
         # seq_id -> (full blocks learned, prompt length they were hashed with)
         self._learned: dict[int, tuple[int, int]] = {}
         self._v2_hash_extra = False
+        self._v2_ids: dict[int, list[int]] = {}  # id(allocator) -> its sorted block ids
         if self.is_v1:
             self._v1_init_snapshot()
             self._count_v1_allocations()
@@ -794,7 +795,11 @@ class LegacyAdapter:
                     self._keys[h] = PrefixKey(tokens[: (i + 1) * B])
 
     def _v2_pool(self, allocator, *, exclude: int | None, offset: int) -> PoolView:
-        ids = sorted(b for b in allocator.all_block_ids if b != exclude)
+        ids = self._v2_ids.get(id(allocator))
+        if ids is None:  # a pool's ids never change: sorted once, not on every observe
+            ids = self._v2_ids[id(allocator)] = sorted(
+                b for b in allocator.all_block_ids if b != exclude
+            )
         hashless = getattr(allocator, "_hashless_allocator", None)
         naive = hashless if hashless is not None else allocator
         counts = naive.refcounter._refcounts  # shared with the prefix-caching allocator

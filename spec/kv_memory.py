@@ -48,9 +48,10 @@ class WriteFault:
 def cell_of(table: TableView, position: int, block_size: int) -> Cell | None:
     """The memory cell position ``position`` of this table lives in, or None if unmapped."""
     index = block_of(position, block_size)
-    if index >= len(table.slots) or table.slots[index] is DROPPED:
+    slots = table.slots
+    if index >= len(slots) or slots[index] is DROPPED:
         return None
-    return (table.device, table.slots[index], position % block_size)
+    return (table.device, slots[index], position % block_size)
 
 
 def block_contents(memory: Memory, device: Device, block: int, block_size: int) -> list[KV | None]:
@@ -68,6 +69,7 @@ def plan_step_writes(
     block_size: int,
     memory: Memory,
     before: KVState | None = None,
+    dead: set[tuple[Device, int]] | None = None,
 ) -> tuple[list[Write], list[WriteFault]]:
     """The writes a step computing positions ``start .. end-1`` performs, and their faults.
 
@@ -79,7 +81,7 @@ def plan_step_writes(
     filling an empty slot of a cached block with exactly the KV its key claims (legacy vLLM
     and V1 register a block's key when they allocate it, before the worker computes it).
     "Registered" means registered before the step and still the same block after it
-    (``before``, when given).
+    (``before``, when given; ``dead``: ``ended_lifetimes(before, state)`` if already known).
     """
     table = state.tables.get(seq.seq_id)
     writes: list[Write] = []
@@ -88,7 +90,7 @@ def plan_step_writes(
         faults.append(WriteFault("admission-soundness", f"seq {seq.seq_id} has no block table"))
         return writes, faults
     pool = state.pool(table.device)
-    cached = registered_through(before or state, state, table.device)
+    cached = registered_through(before or state, state, table.device, dead)
     for pos in range(start, end):
         cell = cell_of(table, pos, block_size)
         if cell is None:
@@ -155,6 +157,8 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
     free list and the cache map are all there is to go by.
     """
     dead: set[tuple[Device, int]] = set()
+    if before is after:
+        return dead
     for device in Device:
         pool_after = after.pool(device)
         pool_before = before.pool(device)
@@ -206,6 +210,8 @@ def _rehomed(before: KVState, after: KVState, device: Device, cached_before, cac
                         out.setdefault(b, set()).add((sid, i))
         return out
 
+    if all(before.tables.get(sid) == table for sid, table in after.tables.items()):
+        return set()  # no table took a block anywhere new
     was, now = holders(before), holders(after)
     return {
         (device, b)
@@ -216,13 +222,17 @@ def _rehomed(before: KVState, after: KVState, device: Device, cached_before, cac
     }
 
 
-def registered_through(before: KVState, after: KVState, device: Device) -> dict:
+def registered_through(
+    before: KVState, after: KVState, device: Device, dead: set | None = None
+) -> dict:
     """Blocks (with their keys) in the prefix cache before an operation that are still the
     same cached block (same key, same life) after it."""
     pb, pa = before.pool(device), after.pool(device)
     if pb is None or pa is None:
         return {}
-    dead = {b for d, b in ended_lifetimes(before, after) if d is device}
+    if dead is None:
+        dead = ended_lifetimes(before, after)
+    dead = {b for d, b in dead if d is device}
     keys_after = pa.cached_key_of()
     return {b: k for b, k in pb.cached_key_of().items() if keys_after.get(b) == k and b not in dead}
 
@@ -247,12 +257,22 @@ def readback_faults(
 ) -> Iterable[str]:
     """Positions the sequence's next token attends whose slot does not hold its own token."""
     lo = first_needed_position(seq.num_computed, window)
+    slots, device, tokens = table.slots, table.device, seq.tokens
     for pos in range(lo, seq.num_computed):
+        # The common case first, inlined (cell_of): this runs for every attended position of
+        # every live sequence after every operation.
+        index = pos // block_size
+        block = slots[index] if index < len(slots) else DROPPED
+        if block is not DROPPED and memory.get((device, block, pos % block_size)) == (
+            pos,
+            tokens[pos],
+        ):
+            continue
         cell = cell_of(table, pos, block_size)
+        got = memory.get(cell) if cell is not None else None
         if cell is None:
             yield f"seq {seq.seq_id}: attended position {pos} has no slot (dropped or missing)"
             continue
-        got = memory.get(cell)
         if got != (pos, seq.tokens[pos]):
             shown = "nothing written" if got is None else f"position {got[0]} token {got[1]}"
             yield (

@@ -82,6 +82,8 @@ class Driver:
         self.operations = 0
         self.checked: set[str] = set()
         self.memory_version = 0  # bumped by every change to ``memory``
+        # The last (before, after, ended_lifetimes) computed: a step's write plan asks again.
+        self._lifetimes: tuple[KVState | None, KVState | None, set] = (None, None, set())
         # The last world every state invariant passed on: the checks are pure functions of
         # the world, so an operation that changed nothing (most refusals) needs none.
         self._clean: tuple[KVState, dict[int, SeqModel], int] | None = None
@@ -271,8 +273,10 @@ class Driver:
         self._apply_copies(self._plan_copies(copies, Device.GPU, Device.GPU))
         seq = self.seqs[seq_id]
         B = self.config.block_size
+        b, a, dead = self._lifetimes
+        known = dead if (b is self.before_op and a is self.state) else None
         writes, faults = plan_step_writes(
-            self.state, seq, start, end, B, self.memory, before=self.before_op
+            self.state, seq, start, end, B, self.memory, before=self.before_op, dead=known
         )
         self._faults(faults)
         for w in writes:
@@ -338,7 +342,9 @@ class Driver:
 
     def _advance(self, after: KVState) -> None:
         B = self.config.block_size
-        for device, block in ended_lifetimes(self.state, after):
+        dead = ended_lifetimes(self.state, after)
+        self._lifetimes = (self.state, after, dead)
+        for device, block in dead:
             for off in range(B):
                 if self.memory.pop((device, block, off), None) is not None:
                     self.memory_version += 1

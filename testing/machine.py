@@ -7,13 +7,14 @@ argument, so a downstream suite (vLLM's CI, another engine) can run it on its ow
     run_state_machine_as_test(lambda: KVCacheMachine(MyAdapter))
 
 Every rule goes through the ``Driver`` (which records a replayable trace and ``note()``s each
-operation); every invariant is checked after every step; teardown frees everything and
-checks ``no-leak``.
+operation); every invariant is checked after every operation, including each of the several
+a ``schedule`` rule (one scheduler iteration) performs; teardown frees everything and checks
+``no-leak``.  Rules take their choices as small byte strings decoded here, rather than as
+many separate draws: hypothesis' cost per draw was most of the oracle's time (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -35,7 +36,7 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
-from .strategies import ALPHABET, configs, draw_prompt, integers
+from .strategies import ADMISSION_HEADER, ALPHABET, admission_bytes, configs, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
 
@@ -57,18 +58,23 @@ class RunStats:
 
 STATS = RunStats()
 
-tokens = st.integers(0, ALPHABET - 1)
-
-# One step's scheduler choices travel as bytes: (go, chunk, token) per sequence, one draw for
-# the whole iteration.  Shrinking moves bytes to 0, i.e. towards "skip" / "whole remainder" /
-# token 0, one byte at a time.
-_STEP_BYTES = 3
+# A scheduler iteration draws (go, chunk, token) for up to this many running sequences in one
+# byte string (the rest step with the defaults: the whole remainder, token 0), and its
+# admissions as a short list of admission byte strings.
+SCHEDULED_PER_ITERATION = 8
 MAX_ADMISSIONS_PER_ITERATION = 2
+iteration_bytes = st.binary(
+    min_size=3 * SCHEDULED_PER_ITERATION, max_size=3 * SCHEDULED_PER_ITERATION
+)
+admissions = st.lists(admission_bytes, max_size=MAX_ADMISSIONS_PER_ITERATION)
+three_bytes = st.binary(min_size=3, max_size=3)
+pick_code = st.integers(0, 255)
 
 
-@functools.cache
-def _iteration_bytes(n: int) -> st.SearchStrategy[bytes]:
-    return st.binary(min_size=n, max_size=n)
+def skipped(go: int) -> bool:
+    """An iteration leaves a running sequence out now and then (1 in 8); 0, what shrinking
+    moves towards, schedules it."""
+    return go % 8 == 7
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -131,28 +137,26 @@ class KVCacheMachine(RuleBasedStateMachine):
             return B
         return 1 + rest % (2 * B)
 
-    def _choices(self, data, n: int, label: str) -> bytes:
-        return data.draw(_iteration_bytes(n), label=label)
-
     # ------------------------------------------------------------ rules
 
-    @rule(target=seqs, data=st.data())
-    def admit(self, data):
-        seq_id = self._admit(data)
+    @rule(target=seqs, raw=admission_bytes)
+    def admit(self, raw):
+        seq_id = self._admit(raw)
         return multiple() if seq_id is None else multiple(seq_id)
 
-    def _admit(self, data) -> int | None:
+    def _admit(self, raw: bytes) -> int | None:
         B = self.d.config.block_size
-        prompt = draw_prompt(data.draw, self.prompts, B, B * self.max_prompt_blocks)
+        prompt = prompt_from(raw, self.prompts, B, B * self.max_prompt_blocks)
         self.prompts.append(prompt)
         seq_id = self.next_id
         self.next_id += 1
-        chunk, token = self._choices(data, 2, "num_new_tokens, next_token")
+        chunk, token = raw[ADMISSION_HEADER - 2 : ADMISSION_HEADER]
         k = self._chunk(chunk, len(prompt))
         return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET) else None
 
-    def _pick(self, data, status: Status, label: str) -> int:
-        return data.draw(st.sampled_from(sorted(self.d.with_status(status))), label=label)
+    def _pick(self, status: Status, code: int) -> int:
+        candidates = sorted(self.d.with_status(status))
+        return candidates[code % len(candidates)]
 
     def _has_status(status: Status):
         return precondition(
@@ -166,31 +170,27 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.d.step(seq, k, token % ALPHABET)
 
     @_has_status(Status.RUNNING)
-    @rule(data=st.data())
-    def step(self, data):
-        seq = self._pick(data, Status.RUNNING, "seq")
-        self._step(seq, *self._choices(data, 2, "num_new_tokens, next_token"))
+    @rule(raw=three_bytes)
+    def step(self, raw):
+        pick, chunk, token = raw
+        self._step(self._pick(Status.RUNNING, pick), chunk, token)
 
-    # One scheduler iteration, the way vLLM's schedule() runs one: every running sequence
-    # steps (a prefill chunk or a decode token), then new prompts are admitted.  One rule,
-    # many operations, each checked as it happens: hypothesis' cost per rule, not per draw,
-    # was most of the oracle's time.
-    @rule(target=seqs, data=st.data())
-    def schedule(self, data):
-        running = sorted(self.d.with_status(Status.RUNNING))
-        raw = self._choices(
-            data, 1 + _STEP_BYTES * len(running), "admissions, then (go, chunk, token) per seq"
-        )
-        for i, seq in enumerate(running):
-            go, chunk, token = raw[1 + _STEP_BYTES * i : 1 + _STEP_BYTES * (i + 1)]
-            if go == 0:
+    # A scheduler iteration, the way vLLM's schedule() runs one: every running sequence steps
+    # (a prefill chunk or a decode token), then new prompts are admitted.  One rule, many
+    # operations, each checked as it happens: hypothesis' cost per rule and per draw, not
+    # the checks, was most of the oracle's time.
+    @rule(target=seqs, raw=iteration_bytes, new=admissions)
+    def schedule(self, raw, new):
+        for i, seq in enumerate(sorted(self.d.with_status(Status.RUNNING))):
+            go, chunk, token = raw[3 * i : 3 * i + 3] or b"\0\0\0"
+            if skipped(go):
                 continue
             self._check()
             self._step(seq, chunk, token)
         admitted = []
-        for _ in range(raw[0] % (MAX_ADMISSIONS_PER_ITERATION + 1)):
+        for admission in new:
             self._check()
-            seq_id = self._admit(data)
+            seq_id = self._admit(admission)
             if seq_id is not None:
                 admitted.append(seq_id)
         return multiple(*admitted)
@@ -213,28 +213,28 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.d.free(seq)
 
     @_has_status(Status.RUNNING)
-    @rule(data=st.data())
-    def preempt(self, data):
-        self.d.preempt(self._pick(data, Status.RUNNING, "seq"))
+    @rule(pick=pick_code)
+    def preempt(self, pick):
+        self.d.preempt(self._pick(Status.RUNNING, pick))
 
     @_has_status(Status.WAITING)
-    @rule(data=st.data())
-    def readmit(self, data):
-        seq = self._pick(data, Status.WAITING, "seq")
-        chunk, token = self._choices(data, 2, "num_new_tokens, next_token")
+    @rule(raw=three_bytes)
+    def readmit(self, raw):
+        pick, chunk, token = raw
+        seq = self._pick(Status.WAITING, pick)
         k = self._chunk(chunk, len(self.d.seqs[seq].tokens))
         self.d.readmit(seq, k, token % ALPHABET)
 
     @precondition(lambda self: self.driver is not None and self.driver.has(Capability.SWAP))
     @_has_status(Status.RUNNING)
-    @rule(data=st.data())
-    def swap_out(self, data):
-        self.d.swap_out(self._pick(data, Status.RUNNING, "seq"))
+    @rule(pick=pick_code)
+    def swap_out(self, pick):
+        self.d.swap_out(self._pick(Status.RUNNING, pick))
 
     @_has_status(Status.SWAPPED)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        self.d.swap_in(self._pick(data, Status.SWAPPED, "seq"))
+    @rule(pick=pick_code)
+    def swap_in(self, pick):
+        self.d.swap_in(self._pick(Status.SWAPPED, pick))
 
     @precondition(
         lambda self: (
@@ -243,10 +243,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             and self.driver.config.prefix_caching
         )
     )
-    @rule(data=st.data())
-    def reset_prefix_cache(self, data):
+    @rule(draw=st.integers(0, 7))
+    def reset_prefix_cache(self, draw):
         # Rare on purpose: a reset empties the cache that every other rule builds up.
-        if data.draw(integers(0, 7), label="reset?") == 0:
+        if draw == 0:
             self.d.reset_prefix_cache()
 
     # ------------------------------------------------------------ checks

@@ -7,9 +7,7 @@ from earlier prompts (cut and extended) so that prefix caching and sharing get e
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
@@ -58,36 +56,31 @@ def configs(
     )
 
 
-# A prompt, like a scheduler iteration's choices, is one byte string: a single hypothesis
-# draw however long the prompt (per-token draws were most of the oracle's time), and bytes
-# shrink towards 0 one position at a time -- a fresh prompt, no shared prefix, token 0.
-PROMPT_HEADER = 2  # source byte, cut byte; the rest are the tail's tokens
+# The machine's choices travel as byte strings: few hypothesis draws per operation
+# (per-draw overhead was most of the oracle's time), and bytes shrink towards 0 one position
+# at a time -- a fresh prompt, no shared prefix, the whole remainder, token 0.
+ADMISSION_HEADER = 4  # source, cut, chunk, next token; then the prompt's own tokens
+MAX_TAIL = 96  # prompt tokens one admission draws (the prompt may extend an earlier one)
+admission_bytes = st.binary(min_size=ADMISSION_HEADER, max_size=ADMISSION_HEADER + MAX_TAIL)
 
 
 def as_tokens(raw: bytes) -> tuple[int, ...]:
     return tuple(b % ALPHABET for b in raw)
 
 
-@functools.cache
-def integers(lo: int, hi: int) -> st.SearchStrategy[int]:
-    return st.integers(lo, hi)
-
-
-@functools.cache
-def prompt_bytes(max_len: int) -> st.SearchStrategy[bytes]:
-    return st.binary(min_size=PROMPT_HEADER, max_size=PROMPT_HEADER + max_len)
-
-
-def prompt_from_bytes(
+def prompt_from(
     raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
 ) -> tuple[int, ...]:
-    """Decode a prompt: usually an earlier prompt cut and extended (so that prefixes are
-    shared), cut at a block boundary half of the time (that is where cache hits happen)."""
+    """A prompt from an admission's bytes: usually an earlier prompt cut and extended (so that
+    prefixes are shared), cut at a block boundary half of the time (that is where cache hits
+    happen)."""
     source, cut_code = raw[0], raw[1]
-    tail = as_tokens(raw[PROMPT_HEADER:])
+    tail = as_tokens(raw[ADMISSION_HEADER:])[:max_len]
     if not earlier or source % 4 == 0:
-        return tail[:max_len] or (0,)
-    base = earlier[(source // 4) % len(earlier)]
+        return tail or (0,)
+    # Counted back from the newest prompt: the shrinker can then drop older admissions
+    # without changing which prompt this one extends.
+    base = earlier[-1 - (source // 4) % len(earlier)]
     if cut_code % 2 == 0:
         cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
     else:
@@ -95,16 +88,8 @@ def prompt_from_bytes(
     return (base[:cut] + tail)[:max_len] or base[:max_len]
 
 
-def draw_prompt(
-    draw: Callable[..., Any], earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
-) -> tuple[int, ...]:
-    """``draw`` is hypothesis' draw function (the machine's ``data.draw``)."""
-    raw = draw(prompt_bytes(max_len), label="prompt (source, cut, tokens...)")
-    return prompt_from_bytes(raw, earlier, block_size, max_len)
-
-
 @st.composite
 def prompts(
     draw, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
 ) -> tuple[int, ...]:
-    return prompt_from_bytes(draw(prompt_bytes(max_len)), earlier, block_size, max_len)
+    return prompt_from(draw(admission_bytes), earlier, block_size, max_len)
