@@ -105,6 +105,11 @@ def factory(impl: str) -> Callable[[Any], Any]:
     raise SystemExit(f"unknown implementation {impl!r}")
 
 
+def machine_options(workload: dict[str, Any]) -> dict[str, Any]:
+    """KVCacheMachine keyword arguments a workload sets (``free_swapped``)."""
+    return {k: workload[k] for k in ("free_swapped",) if k in workload}
+
+
 def strategy(workload: dict[str, Any]):
     """The machine's config strategy for a workload description (plain JSON, so that it can
     cross into a worker process).

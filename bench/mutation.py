@@ -83,7 +83,11 @@ TARGETS: dict[str, dict[str, Any]] = {
         ],
         "preimport": ["torch", "vllm", "vllm.sequence", "vllm.core.interfaces", "vllm.utils",
                       "vllm.inputs", "vllm.config", "vllm.sampling_params"],
-        "workload": {"window": "none", "caching": "off", "swap": True, "max_blocks": 16},
+        # No lookahead: with lookahead slots and swap the unmutated code fails on FINDINGS F12
+        # (can_swap_out ignores lookahead blocks), and a baseline must pass cleanly.
+        # Nor frees of swapped-out sequences: they crash it (F13).
+        "workload": {"window": "none", "caching": "off", "swap": True, "max_blocks": 16,
+                     "max_lookahead": 0, "free_swapped": False},
     },
 }
 
@@ -198,7 +202,7 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
     from hypothesis.errors import HypothesisException
     from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
 
-    from .common import factory, hypothesis_settings, run_machine, strategy
+    from .common import factory, hypothesis_settings, machine_options, run_machine, strategy
 
     impl, _ = split_target(target)
     make = factory(impl)
@@ -218,7 +222,8 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
     out: dict[str, Any] = {}
     start = time.perf_counter()
     try:
-        run_machine(lambda: KVCacheMachine(make, strat, stats=stats), settings)
+        opts = machine_options(workload)
+        run_machine(lambda: KVCacheMachine(make, strat, stats=stats, **opts), settings)
         out["status"] = "survived"
     except SpecViolation as err:
         out["status"] = "killed"

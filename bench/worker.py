@@ -16,7 +16,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, factory, hypothesis_settings, run_machine, split_target, strategy
+from .common import (
+    REPO,
+    factory,
+    hypothesis_settings,
+    machine_options,
+    run_machine,
+    split_target,
+    strategy,
+)
 from .rawreplay import replay_raw, strip_observation
 
 # ---------------------------------------------------------------- recording machine runs
@@ -56,7 +64,8 @@ def _oracle_run(target: str, workload: dict, examples: int, steps: int):
     strat = strategy(workload)
     settings = hypothesis_settings(max_examples=examples, steps=steps)
     start = time.perf_counter()
-    run_machine(lambda: KVCacheMachine(make, strat, stats=rec), settings)
+    opts = machine_options(workload)
+    run_machine(lambda: KVCacheMachine(make, strat, stats=rec, **opts), settings)
     return make, rec, time.perf_counter() - start
 
 
@@ -171,7 +180,8 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
         rec2 = _recorder_cls()()
         prof = cProfile.Profile()
         prof.enable()
-        run_machine(lambda: KVCacheMachine(make, strat, stats=rec2), settings)
+        opts = machine_options(p["workload"])
+        run_machine(lambda: KVCacheMachine(make, strat, stats=rec2, **opts), settings)
         prof.disable()
         out["profile_oracle"] = _profile_summary(prof)
 
