@@ -699,6 +699,7 @@ def conservation(b: Bounds, st: State, blocks: Blocks = None) -> z3.BoolRef:
             p.fl[x] <= 1,
             _count([p.fl[x] == 1, p.ev[x], in_use]) == 1,
             z3.Implies(p.ev[x], p.key[x]),
+            z3.Implies(p.fl[x] >= 1, z3.Not(p.key[x])),  # a free block is not in the cache map
         ]
     for s in st.seqs:
         out += [z3.Or(sl == NONE, z3.And(sl >= 0, sl < b.num_blocks)) for sl in s.sl]
