@@ -106,6 +106,7 @@ class Lockstep:
             self.target.impl.name,
             prefill,
             self.target.config.prefix_caching,
+            self.target.refusal_window_drops > 0,
         )
         why = explained(m, self.known)
         if why is not None:

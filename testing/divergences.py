@@ -24,6 +24,7 @@ class Mismatch:
     target_name: str
     prefill: bool  # the sequence had uncomputed prompt tokens at the time
     caching: bool = False  # prefix caching on
+    dropped_on_refusal: bool = False  # a refusal earlier in the run released window blocks
 
 
 @attrs.frozen
@@ -66,6 +67,21 @@ KNOWN: tuple[Divergence, ...] = (
             and m.op in ("admit", "readmit")
             and m.target is False
             and m.reference is True
+        ),
+    ),
+    Divergence(
+        "refusal-drops-window-blocks",
+        "V1's allocate_slots releases a sliding-window request's out-of-window blocks before "
+        "it checks capacity, 'even if we cannot schedule' (a freedom of admission-soundness); "
+        "the reference's refusals change nothing, so after such a refusal the target may have "
+        "room for an operation the reference refuses",
+        "vllm/v1/core/kv_cache_manager.py allocate_slots (remove_skipped_blocks first, 0.33.0)",
+        lambda m: (
+            m.mode == "outcomes"
+            and m.dropped_on_refusal
+            and m.op in ("admit", "readmit", "step")
+            and m.target is True
+            and m.reference is False
         ),
     ),
     Divergence(

@@ -82,6 +82,7 @@ class Driver:
         self.operations = 0
         self.checked: set[str] = set()
         self.memory_version = 0  # bumped by every change to ``memory``
+        self.refusal_window_drops = 0  # refusals that released window blocks (a freedom)
         # The last (before, after, ended_lifetimes) computed: a step's write plan asks again.
         self._lifetimes: tuple[KVState | None, KVState | None, set] = (None, None, set())
         # The last world every state invariant passed on: the checks are pure functions of
@@ -335,6 +336,8 @@ class Driver:
                 if m.status is Status.RUNNING
             }
             self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
+            if normalized(before) != normalized(after):
+                self.refusal_window_drops += 1
         self._advance(after)
 
     def _observe(self) -> None:

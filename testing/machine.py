@@ -33,7 +33,7 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
-from .strategies import ADMISSION_HEADER, ALPHABET, admission_bytes, configs, prompt_from
+from .strategies import ALPHABET, admission_bytes, configs, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
 
@@ -148,7 +148,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.prompts.append(prompt)
         seq_id = self.next_id
         self.next_id += 1
-        chunk, token = raw[ADMISSION_HEADER - 2 : ADMISSION_HEADER]
+        chunk, token = raw[2:4]
         k = self._chunk(chunk, len(prompt))
         return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET) else None
 

@@ -59,7 +59,7 @@ def configs(
 # The machine's choices travel as byte strings: few hypothesis draws per operation
 # (per-draw overhead was most of the oracle's time), and bytes shrink towards 0 one position
 # at a time -- a fresh prompt, no shared prefix, the whole remainder, token 0.
-ADMISSION_HEADER = 4  # source, cut, chunk, next token; then the prompt's own tokens
+ADMISSION_HEADER = 6  # source, cut, chunk, next token, length (two); then the prompt's tokens
 MAX_TAIL = 96  # prompt tokens one admission draws (the prompt may extend an earlier one)
 admission_bytes = st.binary(min_size=ADMISSION_HEADER, max_size=ADMISSION_HEADER + MAX_TAIL)
 
@@ -73,19 +73,25 @@ def prompt_from(
 ) -> tuple[int, ...]:
     """A prompt from an admission's bytes: usually an earlier prompt cut and extended (so that
     prefixes are shared), cut at a block boundary half of the time (that is where cache hits
-    happen)."""
-    source, cut_code = raw[0], raw[1]
-    tail = as_tokens(raw[ADMISSION_HEADER:])[:max_len]
+    happen).  Its length is drawn apart from its content (the product of two bytes: short
+    prompts are the common case on small pools), so the shrinker can make the prompt fresh
+    and its tokens 0 without losing the length a failure needs."""
+    source, cut_code, _, _, len_a, len_b = raw[:ADMISSION_HEADER]
+    length = 1 + len_a * len_b * max_len // 65536
+    tail = as_tokens(raw[ADMISSION_HEADER:])
     if not earlier or source % 4 == 0:
-        return tail or (0,)
-    # Counted back from the newest prompt: the shrinker can then drop older admissions
-    # without changing which prompt this one extends.
-    base = earlier[-1 - (source // 4) % len(earlier)]
-    if cut_code % 2 == 0:
-        cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
+        prefix: tuple[int, ...] = ()
     else:
-        cut = (cut_code // 2) % (len(base) + 1)
-    return (base[:cut] + tail)[:max_len] or base[:max_len]
+        # Counted back from the newest prompt: the shrinker can drop older admissions
+        # without changing which prompt this one extends.
+        base = earlier[-1 - (source // 4) % len(earlier)]
+        if cut_code % 2 == 0:
+            cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
+        else:
+            cut = (cut_code // 2) % (len(base) + 1)
+        prefix = base[:cut]
+    prompt = (prefix + tail)[:length]
+    return prompt + (0,) * (length - len(prompt))
 
 
 @st.composite

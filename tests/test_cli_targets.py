@@ -27,7 +27,7 @@ pytestmark = [
 
 SEED = ["--impl", "legacy-v2", "--config", "block_size=4", "--config", "num_blocks=4",
         "--config", "sliding_window=8", "--invariant", "admission-soundness",
-        "--profile", "ci", "--examples", "60"]
+        "--profile", "ci"]
 
 
 def kvspec(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
