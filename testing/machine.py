@@ -201,7 +201,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         lambda self: (
             self.driver is not None
             and self.driver.has(Capability.FORK)
-            and any(m.status is Status.RUNNING and m.decoding() for m in self.driver.seqs.values())
+            and bool(self._decoding())
         )
     )
     @rule(pick=pick_code)
