@@ -229,15 +229,10 @@ def print_table(o: Outcome) -> None:
         markup=False,
     )
     na = [i for i, (ex, _) in o.tally.per_invariant.items() if ex == 0 and i not in violated]
-    if na:
-        reasons = {
-            "window-bound": "no sliding window in any configuration run",
-            "prefix-cache-consistency": "prefix caching off in every configuration run",
-        }
-        for i in na:
-            out.print(
-                f"  not applicable: {i}: {reasons.get(i, 'no example exercised it')}", markup=False
-            )
+    for i in na:
+        why = o.tally.inapplicable.get(i)
+        reason = f"{why} in every configuration run" if why else "no example exercised it"
+        out.print(f"  not applicable: {i}: {reason}", markup=False)
 
 
 def report_outcome(

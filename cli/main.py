@@ -9,11 +9,8 @@ provisioning failure, unsupported engine generation, invalid configuration).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 import os
-import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -208,28 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------ explain
 
 
-def _proofs_registry() -> dict | None:
-    """kvspec.proofs' obligation registry, imported lazily: proofs/ is a layer of the same rank
-    as cli/, so the command line reaches it by name, never by a static import."""
-    try:
-        proofs = importlib.import_module("kvspec.proofs")
-    except Exception:  # proofs mid-edit (or z3 missing) must not break explain
-        return None
-    registry = getattr(proofs, "OBLIGATIONS", None)
-    if registry is None:
-        for mod in pkgutil.iter_modules(proofs.__path__):
-            if not mod.name.startswith("_"):
-                try:
-                    importlib.import_module(f"kvspec.proofs.{mod.name}")
-                except Exception:
-                    continue
-        try:
-            registry = importlib.import_module("kvspec.proofs.core").OBLIGATIONS
-        except (ImportError, AttributeError):
-            return None
-    return dict(registry)
-
-
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.id is None:
         table = Table(title="Invariants (kvspec explain ID)", title_justify="left")
@@ -253,19 +228,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
         source, where = "(source not available)", "?"
     out.print(f"\n[bold]Spec source[/] ({escape(where)})")
     out.print(Syntax(source, "python", theme="ansi_dark", line_numbers=False, word_wrap=True))
-    registry = _proofs_registry()
+    # Imported here, not at the top: z3 is loaded only by the commands that need it.
+    from kvspec.proofs import OBLIGATIONS
+
     out.print("[bold]z3 obligations[/]")
-    if registry is None:
-        out.print("  kvspec.proofs has no obligation registry yet")
-        return EXIT_OK
-    backing = [ob for ob in registry.values() if getattr(ob, "serves", "") == inv_id]
+    backing = [ob for ob in OBLIGATIONS.values() if inv_id in ob.serves]
     if not backing:
         out.print("  none: this invariant is checked by the machines only")
     for ob in backing:
-        expected = getattr(ob, "expected", "?")
-        tag = "proof" if expected == "proved" else "expected counterexample"
-        deep = ", deep only" if getattr(ob, "deep_only", False) else ""
-        out.print(f"  [bold]{escape(ob.id)}[/] ({tag}{deep})")
+        tag = "proof" if ob.expected == "proved" else "expected counterexample"
+        deep = ", deep only" if ob.deep_only else ""
+        also = [i for i in ob.serves if i != inv_id]
+        with_ = f"; also serves {', '.join(also)}" if also else ""
+        out.print(f"  [bold]{escape(ob.id)}[/] ({tag}{deep}{with_})")
         out.print(textwrap.indent(textwrap.fill(ob.statement, 92), "    "), markup=False)
     out.print("  run them: kvspec prove", markup=False)
     return EXIT_OK
@@ -275,19 +250,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
-    """Delegate to ``python -m kvspec.proofs`` (its table, its exit code)."""
-    if importlib.util.find_spec("kvspec.proofs.__main__") is None:
-        raise UsageError(
-            "kvspec.proofs has no command-line entry point (proofs/__main__.py)",
-            "the proofs are still being written; see proofs/",
-        )
-    cmd = [sys.executable, "-m", "kvspec.proofs", *args.selection]
-    cmd += ["--deep"] if args.deep else []
-    cmd += ["--list"] if args.list else []
-    try:
-        return subprocess.run(cmd, check=False).returncode
-    except KeyboardInterrupt:
-        return 130
+    """``python -m kvspec.proofs``'s table and exit code."""
+    from kvspec.proofs.__main__ import main as prove
+
+    argv = [*args.selection, *(["--deep"] if args.deep else []), *(["--list"] if args.list else [])]
+    return prove(argv)
 
 
 # ------------------------------------------------------------------------------ targets

@@ -133,12 +133,8 @@ def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrateg
 
 
 def applicable(inv_id: str, config: Config) -> bool:
-    """Whether an invariant can say anything under a configuration."""
-    if inv_id == "window-bound":
-        return config.sliding_window is not None
-    if inv_id == "prefix-cache-consistency":
-        return config.prefix_caching
-    return True
+    """Whether an invariant can say anything under a configuration (its own ``applies``)."""
+    return INVARIANTS[inv_id].applies_to(config)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -154,6 +150,7 @@ class Tally:
     failing_runs: int = 0
     per_invariant: dict[str, list[int]] = attrs.Factory(dict)  # id -> [examples, operations]
     rejected: list[str] = attrs.Factory(list)
+    inapplicable: dict[str, str] = attrs.Factory(dict)  # id -> why it said nothing (last seen)
     last_config: Config | None = None
     last_trace: list[TraceStep] = attrs.Factory(list)
 
@@ -285,9 +282,12 @@ def run_machine(
                 tally.examples += 1
                 tally.operations += len(self.d.trace)
                 for inv in watched:
-                    if applicable(inv, self.d.config):
+                    why = INVARIANTS[inv].inapplicable(self.d.config)
+                    if why is None:
                         tally.per_invariant[inv][0] += 1
                         tally.per_invariant[inv][1] += len(self.d.trace)
+                    else:
+                        tally.inapplicable[inv] = why
             if failed:
                 tally.failing_runs += 1
             found = (

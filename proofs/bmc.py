@@ -1020,7 +1020,10 @@ DEFAULT_DIRECT_DEPTH = 2  # the unrolled cross-check; induction covers every dep
 DEEP_DIRECT_DEPTH = 3
 
 
-@obligation("refcount-exact/reference-bmc")
+@obligation(
+    "refcount-exact/reference-bmc",
+    also_serves=(*STATE_PROPERTIES, *TRANSITION_PROPERTIES),
+)
 def reference_bmc(deep: bool) -> Verdict:
     """For every run of the reference's operations (admit with prefix hits, step with
     copy-on-write, lookahead and window drops, fork, free, reset): refcount-exact,

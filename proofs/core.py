@@ -52,7 +52,7 @@ class Result:
     """One row of the table."""
 
     obligation: str
-    serves: str
+    serves: tuple[str, ...]
     statement: str
     bounds: str
     expected: Outcome
@@ -75,11 +75,8 @@ class Obligation:
     statement: str
     fn: Callable[[bool], Verdict]
     deep_only: bool = False
-
-    @property
-    def serves(self) -> str:
-        """The spec invariant this obligation is about (the ID before the slash)."""
-        return self.id.split("/", 1)[0]
+    serves: tuple[str, ...] = ()
+    """The spec invariants this obligation is about (the first is the ID before the slash)."""
 
     def run(self, deep: bool = False) -> Result:
         start = time.perf_counter()
@@ -105,13 +102,21 @@ class Obligation:
 OBLIGATIONS: dict[str, Obligation] = {}
 
 
-def obligation(id: str, expect: Outcome = "proved", *, deep_only: bool = False):
-    """Register an obligation under ``<invariant-id>/<name>``; its docstring is the statement."""
+def obligation(
+    id: str,
+    expect: Outcome = "proved",
+    *,
+    deep_only: bool = False,
+    also_serves: Iterable[str] = (),
+):
+    """Register an obligation under ``<invariant-id>/<name>``; its docstring is the statement.
+    It serves the invariant before the slash and those in ``also_serves``."""
 
     def register(fn: Callable[[bool], Verdict]) -> Callable[[bool], Verdict]:
         assert id not in OBLIGATIONS, f"obligation {id} registered twice"
         statement = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-        OBLIGATIONS[id] = Obligation(id, expect, statement, fn, deep_only)
+        serves = tuple(dict.fromkeys((id.split("/", 1)[0], *also_serves)))
+        OBLIGATIONS[id] = Obligation(id, expect, statement, fn, deep_only, serves)
         return fn
 
     return register

@@ -16,7 +16,7 @@ from .core import Result
 def table(results: Sequence[Result], title: str) -> Table:
     t = Table(title=title, show_lines=True, expand=True)
     t.add_column("obligation", overflow="fold", min_width=30, max_width=44)
-    t.add_column("serves", no_wrap=True)
+    t.add_column("serves", overflow="fold", max_width=24)
     t.add_column("bounds", overflow="fold", ratio=3)
     t.add_column("result", overflow="fold", ratio=7)
     t.add_column("expected", ratio=2)
@@ -26,7 +26,7 @@ def table(results: Sequence[Result], title: str) -> Table:
         mark = "[green]" if r.ok else "[bold red]"
         result = f"{mark}{r.outcome}[/]" + (f": {r.detail}" if r.detail else "")
         twin = r.twin if r.twin_ok else f"[bold red]{r.twin}[/]"
-        t.add_row(r.obligation, r.serves, r.bounds, result, r.expected, twin, f"{r.seconds:.1f}")
+        t.add_row(r.obligation, ", ".join(r.serves), r.bounds, result, r.expected, twin, f"{r.seconds:.1f}")
     return t
 
 

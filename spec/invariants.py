@@ -2,20 +2,25 @@
 obligation and the report line.
 
 Each invariant is a small function returning the violations it finds, each with a plain
-explanation.  State invariants look at a ``World`` after every operation; transition
-invariants look at one operation's before/after (admission-soundness) or at the worker's
-writes (immutability; see ``kv_memory.plan_step_writes``).
+explanation, and every violation of an ID comes from that ID's function.  An invariant also
+states when it applies: a function of the configuration that gives the reason it says nothing
+(window-bound without a sliding window), read by ``check_world``, the command line's table and
+``kvspec explain``.  State invariants look at a ``World`` after every operation; transition
+invariants look at one operation: a refusal's before/after and an accepted step's writes
+(admission-soundness), the worker's writes (immutability; the write facts come from
+``kv_memory.plan_step_writes``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal
 
 import attrs
 
-from .kv_memory import block_contents, readback_faults
+from .config import Config
+from .kv_memory import UNMAPPED, WriteFault, block_contents, readback_faults
 from .prefix_hash import is_well_formed
 from .state import Device, KVState, PoolView, Status, World
 from .window import blocks_for_tokens, window_cover
@@ -30,6 +35,22 @@ class Violation:
         return f"[{self.invariant}] {self.message}"
 
 
+Applies = Callable[[Config], "str | None"]
+"""When an invariant applies: None when it does, else the reason it says nothing."""
+
+
+def always(_config: Config) -> str | None:
+    return None
+
+
+def needs_window(config: Config) -> str | None:
+    return None if config.sliding_window is not None else "no sliding window"
+
+
+def needs_prefix_caching(config: Config) -> str | None:
+    return None if config.prefix_caching else "prefix caching off"
+
+
 @attrs.frozen
 class Invariant:
     id: str
@@ -38,13 +59,29 @@ class Invariant:
     concerns: str
     kind: Literal["state", "transition"]
     check: Callable[..., list[Violation]]
+    applies: Applies = always
+
+    def inapplicable(self, config: Config) -> str | None:
+        """Why this invariant says nothing under ``config`` (None: it applies)."""
+        return self.applies(config)
+
+    def applies_to(self, config: Config) -> bool:
+        return self.applies(config) is None
 
 
 INVARIANTS: dict[str, Invariant] = {}
 
 
-def invariant(id: str, title: str, concerns: str, kind: Literal["state", "transition"] = "state"):
-    """Register a check under its stable ID; its docstring is the statement."""
+def invariant(
+    id: str,
+    title: str,
+    concerns: str,
+    kind: Literal["state", "transition"] = "state",
+    *,
+    applies: Applies = always,
+):
+    """Register a check under its stable ID; its docstring is the statement.  ``applies``
+    gives the reason the invariant says nothing under a configuration (None: it applies)."""
 
     def register(fn: Callable[..., Iterator[str]]) -> Callable[..., list[Violation]]:
         def check(*args, **kwargs) -> list[Violation]:
@@ -54,10 +91,15 @@ def invariant(id: str, title: str, concerns: str, kind: Literal["state", "transi
         check.__doc__ = fn.__doc__
         check.__wrapped__ = fn  # type: ignore[attr-defined]
         statement = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-        INVARIANTS[id] = Invariant(id, title, statement, concerns, kind, check)
+        INVARIANTS[id] = Invariant(id, title, statement, concerns, kind, check, applies)
         return check
 
     return register
+
+
+def inapplicable(inv_id: str, config: Config) -> str | None:
+    """Why invariant ``inv_id`` says nothing under ``config`` (None: it applies)."""
+    return INVARIANTS[inv_id].inapplicable(config)
 
 
 # ---------------------------------------------------------------- helpers
@@ -175,6 +217,7 @@ def no_leak(world: World) -> Iterator[str]:
     "Sliding-window sequences hold only their window",
     "BlockSpaceManagerV2.can_allocate/max_block_sliding_window and BlockTable.append_token_ids "
     "(legacy), BlockSpaceManagerV1 block_sliding_window, SlidingWindowManager (V1)",
+    applies=needs_window,
 )
 def window_bound(world: World) -> Iterator[str]:
     """A sliding-window sequence holds no more blocks than the most that the window and the
@@ -183,7 +226,7 @@ def window_bound(world: World) -> Iterator[str]:
     tokens fill.
     """
     window = world.config.sliding_window
-    if window is None:
+    if window is None:  # not applicable (needs_window); a direct call says nothing
         return
     block_size = world.config.block_size
     for table in _live_tables(world, Device.GPU):
@@ -206,6 +249,7 @@ def window_bound(world: World) -> Iterator[str]:
     "The prefix cache tells the truth",
     "PrefixCachingBlockAllocator and its computed-block tracking (legacy), "
     "BlockPool.cached_block_hash_to_block / get_cached_block (V1)",
+    applies=needs_prefix_caching,
 )
 def prefix_cache_consistency(world: World) -> Iterator[str]:
     """Every cached key maps to blocks holding exactly that key's tokens, and a block a lookup
@@ -268,20 +312,33 @@ def kv_readback(world: World) -> Iterator[str]:
     kind="transition",
 )
 def admission_soundness(
-    answered_ok: bool | None,
-    error: Exception | None,
-    before: KVState,
-    after: KVState,
+    answered_ok: bool | None = None,
+    error: Exception | None = None,
+    before: KVState | None = None,
+    after: KVState | None = None,
     first_needed: Mapping[int, int] | None = None,
+    unmapped: Iterable[WriteFault] = (),
 ) -> Iterator[str]:
     """An admission check that answers OK is followed by an allocation that succeeds, and a
     refused or failed allocation leaves the state unchanged.
 
-    Freedom: a refusal may still release slots a sliding window no longer needs (those
-    before ``first_needed[seq]``); V1's ``allocate_slots`` frees them "even if we cannot
+    Three observations of it: a refusal by the check itself (``answered_ok`` False, no
+    ``error``) changes nothing at all; a failed allocation (``error``) after an OK answer is
+    unsound, and leaves the state unchanged; an accepted step maps every position it computes
+    to a slot (``unmapped``: the write plan's positions that have none).
+
+    Freedom: a failed allocation may still release slots a sliding window no longer needs
+    (those before ``first_needed[seq]``); V1's ``allocate_slots`` frees them "even if we cannot
     schedule" (vllm/v1/core/kv_cache_manager.py).
     """
+    for fault in unmapped:
+        if fault.kind == UNMAPPED:
+            yield fault.message
+    if before is None or after is None:
+        return
     if error is None:
+        if answered_ok is False and normalized(before) != normalized(after):
+            yield f"an admission check that refused changed the state: {_state_diff(before, after)}"
         return
     if answered_ok:
         yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
@@ -296,13 +353,16 @@ def admission_soundness(
     "copy-on-write in legacy BlockTable/CopyOnWriteTracker",
     kind="transition",
 )
-def immutability(faults: list) -> Iterator[str]:
+def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     """A block that is full, shared or in the prefix cache never has its contents changed: each
     slot is written at most once per block lifetime, and a write into a shared or cached block
     goes through copy-on-write.
+
+    ``faults`` are the write facts of one operation (``kv_memory.plan_step_writes``,
+    ``kv_memory.copy_overwrites``): every kind but an unmapped position breaks this.
     """
     for fault in faults:
-        if fault.invariant == "immutability":
+        if fault.kind != UNMAPPED:
             yield fault.message
 
 
@@ -383,12 +443,15 @@ def _short(chain: tuple[int, ...]) -> str:
     )
 
 
-STATE_INVARIANTS = tuple(i for i in INVARIANTS.values() if i.kind == "state")
+def state_invariants() -> tuple[Invariant, ...]:
+    """Every registered state invariant (read when asked: registration may come later)."""
+    return tuple(i for i in INVARIANTS.values() if i.kind == "state")
 
 
 def check_world(world: World) -> list[Violation]:
-    """Every state invariant on one world."""
+    """Every state invariant that applies to the world's configuration, on one world."""
     out: list[Violation] = []
-    for inv in STATE_INVARIANTS:
-        out.extend(inv.check(world))
+    for inv in INVARIANTS.values():
+        if inv.kind == "state" and inv.applies(world.config) is None:
+            out.extend(inv.check(world))
     return out

@@ -15,6 +15,7 @@ invariants cannot see wrong sharing, a missed copy-on-write or a wrong eviction;
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import attrs
 
@@ -34,11 +35,20 @@ class Write:
     kv: KV
 
 
+UNMAPPED = "unmapped"  # a position the step computes has no slot
+OVERWRITE = "overwrite"  # a slot written twice in one block lifetime
+SHARED_WRITE = "shared-write"  # a write into a block other slots hold (no copy-on-write)
+CACHED_WRITE = "cached-write"  # a write contradicting the prefix-cache key of the block
+COPY_OVERWRITE = "copy-overwrite"  # a block copy overwriting live content
+FaultKind = Literal["unmapped", "overwrite", "shared-write", "cached-write", "copy-overwrite"]
+
+
 @attrs.frozen
 class WriteFault:
-    """A write the spec forbids; ``invariant`` names the rule it breaks."""
+    """A fact about one planned write that some invariant forbids; which one is the invariant
+    functions' business (spec/invariants.py: ``immutability``, ``admission-soundness``)."""
 
-    invariant: str
+    kind: FaultKind
     message: str
 
 
@@ -87,7 +97,7 @@ def plan_step_writes(
     writes: list[Write] = []
     faults: list[WriteFault] = []
     if table is None:
-        faults.append(WriteFault("admission-soundness", f"seq {seq.seq_id} has no block table"))
+        faults.append(WriteFault(UNMAPPED, f"seq {seq.seq_id} has no block table"))
         return writes, faults
     pool = state.pool(table.device)
     cached = registered_through(before or state, state, table.device, dead)
@@ -96,7 +106,7 @@ def plan_step_writes(
         if cell is None:
             faults.append(
                 WriteFault(
-                    "admission-soundness",
+                    UNMAPPED,
                     f"seq {seq.seq_id}: the step was accepted but position {pos} has no slot "
                     f"(table has {len(table.slots)} slots)",
                 )
@@ -111,7 +121,7 @@ def plan_step_writes(
             was_pos, was_token = memory[cell]
             faults.append(
                 WriteFault(
-                    "immutability",
+                    OVERWRITE,
                     f"seq {seq.seq_id}: writing position {pos} into block {block} slot {off} "
                     f"overwrites position {was_pos} (token {was_token}) written there in this "
                     f"block's life",
@@ -121,7 +131,7 @@ def plan_step_writes(
         if refcount > 1:
             faults.append(
                 WriteFault(
-                    "immutability",
+                    SHARED_WRITE,
                     f"seq {seq.seq_id}: writing position {pos} into block {block}, shared by "
                     f"{refcount} slots (missed copy-on-write)",
                 )
@@ -130,7 +140,7 @@ def plan_step_writes(
         if claimed is not None and claimed != kv:
             faults.append(
                 WriteFault(
-                    "immutability",
+                    CACHED_WRITE,
                     f"seq {seq.seq_id}: writing position {pos} (token {kv[1]}) into block "
                     f"{block} slot {off}, which the prefix cache holds as position {claimed[0]} "
                     f"token {claimed[1]}",
@@ -247,6 +257,22 @@ def copy_cells(
         if kv is not None:
             out.append(Write((dst[0], dst[1], off), kv))
     return out
+
+
+def copy_overwrites(
+    memory: Memory, src: tuple[Device, int], dst: tuple[Device, int], writes: Iterable[Write]
+) -> list[WriteFault]:
+    """The faults of a block copy's writes (``copy_cells``): a destination slot holding other
+    live content is overwritten."""
+    return [
+        WriteFault(
+            COPY_OVERWRITE,
+            f"copying {src[0].value} block {src[1]} into {dst[0].value} block {dst[1]} "
+            f"overwrites live content at slot {w.cell[2]}",
+        )
+        for w in writes
+        if w.cell in memory and memory[w.cell] != w.kv
+    ]
 
 
 # ---------------------------------------------------------------- predicates

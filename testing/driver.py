@@ -24,7 +24,13 @@ from kvspec.spec.invariants import (
     immutability,
     normalized,
 )
-from kvspec.spec.kv_memory import WriteFault, copy_cells, ended_lifetimes, plan_step_writes
+from kvspec.spec.kv_memory import (
+    WriteFault,
+    copy_cells,
+    copy_overwrites,
+    ended_lifetimes,
+    plan_step_writes,
+)
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
 from kvspec.spec.window import first_needed_block
 
@@ -297,47 +303,29 @@ class Driver:
         return [(src, a, dst, b, copy_cells(self.memory, (src, a), (dst, b), B)) for a, b in copies]
 
     def _apply_copies(self, planned: list[tuple]) -> None:
-        faults = []
+        faults: list[WriteFault] = []
         for src, a, dst, b, writes in planned:
+            faults += copy_overwrites(self.memory, (src, a), (dst, b), writes)
             for w in writes:
-                if w.cell in self.memory and self.memory[w.cell] != w.kv:
-                    faults.append(
-                        WriteFault(
-                            "immutability",
-                            f"copying {src.value} block {a} into {dst.value} block {b} overwrites "
-                            f"live content at slot {w.cell[2]}",
-                        )
-                    )
                 self.memory[w.cell] = w.kv
                 self.memory_version += 1
         self._faults(faults)
 
     def _faults(self, faults: list[WriteFault]) -> None:
-        self.pending.extend(immutability(faults))
-        self.pending.extend(
-            Violation(f.invariant, f.message) for f in faults if f.invariant != "immutability"
-        )
+        if faults:
+            self.pending.extend(immutability(faults))
+            self.pending.extend(admission_soundness(unmapped=faults))
 
     def _refused(self, before: KVState, *, answer_ok: bool, error: Exception | None) -> None:
         after = self.impl.observe()
-        if error is None:
-            if normalized(before) != normalized(after):
-                self.pending.append(
-                    Violation(
-                        "admission-soundness", "an admission check that refused changed the state"
-                    )
-                )
-        else:
-            first_needed = {
-                sid: first_needed_block(
-                    m.num_computed, self.config.sliding_window, self.config.block_size
-                )
-                for sid, m in self.seqs.items()
-                if m.status is Status.RUNNING
-            }
-            self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
-            if normalized(before) != normalized(after):
-                self.refusal_window_drops += 1
+        first_needed = {
+            sid: first_needed_block(m.num_computed, self.config.sliding_window, self.config.block_size)
+            for sid, m in self.seqs.items()
+            if m.status is Status.RUNNING and error is not None
+        }
+        self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
+        if error is not None and normalized(before) != normalized(after):
+            self.refusal_window_drops += 1
         self._advance(after)
 
     def _observe(self) -> None:

@@ -1,4 +1,4 @@
-"""Imports flow one way: spec <- reference/adapters/targets <- testing <- proofs/cli; only
+"""Imports flow one way: spec <- reference/adapters/targets <- testing <- proofs <- cli; only
 adapters import vllm."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ LAYER = {
     "targets": 1,
     "testing": 2,
     "proofs": 3,
-    "cli": 3,
+    "cli": 4,
 }
 
 

@@ -7,7 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.invariants import INVARIANTS, check_world
+from kvspec.spec.invariants import (
+    INVARIANTS,
+    Violation,
+    admission_soundness,
+    check_world,
+    immutability,
+)
+from kvspec.spec.kv_memory import OVERWRITE, UNMAPPED, WriteFault
 from kvspec.spec.prefix_hash import PrefixKey, block_keys
 from kvspec.spec.state import Device, KVState, PoolView, SeqModel, Status, TableView, World
 from kvspec.spec.window import attends, blocks_touched, needed_blocks, window_cover
@@ -50,8 +57,12 @@ def test_block_keys_chain():
     assert PrefixKey((1, 2), ("lora-a",)) != keys[0]
 
 
-def _world(refcounts, free, tables, seqs, memory=None, cached=(), evictable=(), window=None):
-    config = Config(block_size=2, num_blocks=len(refcounts), sliding_window=window)
+def _world(
+    refcounts, free, tables, seqs, memory=None, cached=(), evictable=(), window=None, caching=False
+):
+    config = Config(
+        block_size=2, num_blocks=len(refcounts), sliding_window=window, prefix_caching=caching
+    )
     pool = PoolView(
         tuple(range(len(refcounts))),
         dict(enumerate(refcounts)),
@@ -86,7 +97,7 @@ def test_a_healthy_world_has_no_violation():
         ("window-bound", dict(window=1)),
         (
             "prefix-cache-consistency",
-            dict(cached=[(PrefixKey((5, 9)), 0)]),
+            dict(cached=[(PrefixKey((5, 9)), 0)], caching=True),
         ),
     ],
 )
@@ -94,6 +105,33 @@ def test_each_state_invariant_reports_its_violation(invariant, change):
     world = _world(**{**_healthy(), **change})
     found = {v.invariant for v in check_world(world)}
     assert invariant in found
+
+
+def test_an_invariant_says_when_it_does_not_apply():
+    plain = Config(block_size=2, num_blocks=4)
+    assert INVARIANTS["window-bound"].inapplicable(plain) == "no sliding window"
+    assert INVARIANTS["prefix-cache-consistency"].inapplicable(plain) == "prefix caching off"
+    assert INVARIANTS["conservation"].applies_to(plain)
+    both = Config(block_size=2, num_blocks=4, sliding_window=3, prefix_caching=True)
+    assert INVARIANTS["window-bound"].applies_to(both)
+    assert INVARIANTS["prefix-cache-consistency"].applies_to(both)
+
+
+def test_transition_invariants_make_their_own_violations():
+    """Write facts carry no invariant ID: the spec functions decide which ID a fact breaks."""
+    unmapped = WriteFault(UNMAPPED, "seq 0: position 4 has no slot")
+    overwrite = WriteFault(OVERWRITE, "seq 0: position 4 overwrites position 2")
+    assert immutability([unmapped, overwrite]) == [Violation("immutability", overwrite.message)]
+    assert admission_soundness(unmapped=[unmapped, overwrite]) == [
+        Violation("admission-soundness", unmapped.message)
+    ]
+    before = _world(**_healthy()).state
+    after = _world(**{**_healthy(), "refcounts": [1, 1, 1], "free": []}).state
+    refused = admission_soundness(False, None, before, after)
+    assert [v.invariant for v in refused] == ["admission-soundness"]
+    assert "refused changed the state" in refused[0].message
+    assert admission_soundness(False, None, before, before) == []
+    assert admission_soundness(True, None, before, after) == []  # accepted: a state change
 
 
 def test_every_invariant_states_itself_and_names_vllm_code():
