@@ -93,11 +93,9 @@ Mapping choices:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -107,39 +105,27 @@ from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import PrefixKey
 from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView
 
+from .harness import legacy as harness
+from .recording import Recorder, real
+
 # vLLM is imported lazily (inside functions) so that importing kvspec.adapters never needs it.
 
-MANAGERS = ("v1", "v2", "self_attn")
-_VERSION_STRINGS = {"v1": "v1", "v2": "v2", "self_attn": "selfattn"}
+MANAGERS = tuple(harness.VERSION_STRINGS)
 
 
 # ---------------------------------------------------------------- release detection
 
 
-def _params(fn: Callable[..., Any]) -> frozenset[str]:
-    # Bound methods are looked up through their function so the cache holds no manager alive.
-    return _function_params(getattr(fn, "__func__", fn))
-
-
-@functools.cache
-def _function_params(fn: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
-def _kw(fn: Callable[..., Any], **candidates: Any) -> dict[str, Any]:
-    """The subset of ``candidates`` that ``fn`` accepts by name."""
-    names = _params(fn)
-    return {k: v for k, v in candidates.items() if k in names}
+_params = harness.params
+_kw = harness.accepted
 
 
 def manager_class(manager: str):
     """The legacy block-manager class the release's scheduler would build for ``manager``."""
     if manager not in MANAGERS:
         raise ValueError(f"manager must be one of {MANAGERS}, got {manager!r}")
-    from vllm.core.interfaces import BlockSpaceManager
-
     try:
-        return BlockSpaceManager.get_block_space_manager_class(_VERSION_STRINGS[manager])
+        return harness.manager_class(manager)
     except (ValueError, ImportError) as err:
         raise Unsupported(
             f"this vLLM release has no {manager!r} legacy block manager: {err}"
@@ -204,96 +190,37 @@ def _release_rejects_caching_with_window(config: Config) -> str | None:
 class _Vllm:
     """The handful of vLLM names the adapter uses, resolved once per release."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder | None = None) -> None:
         from vllm import sequence as vseq
         from vllm.core.interfaces import AllocStatus
         from vllm.utils import Device as VDevice
 
-        self.Sequence = vseq.Sequence
+        self.recorder = recorder
         self.SequenceGroup = vseq.SequenceGroup
         self.SequenceStatus = vseq.SequenceStatus
-        self.Logprob = getattr(vseq, "Logprob", None)
         self.AllocStatus = AllocStatus
         self.Device = VDevice
-        try:
-            from vllm.core.block.interfaces import BlockAllocator
 
-            self.NoFreeBlocksError: type[BaseException] | None = BlockAllocator.NoFreeBlocksError
-        except ImportError:
-            self.NoFreeBlocksError = None
-        try:
-            from vllm.inputs import token_inputs
-
-            self.token_inputs: Callable[..., Any] | None = token_inputs
-        except ImportError:
-            self.token_inputs = None
-        try:
-            from vllm import SamplingParams
-
-            self.SamplingParams: Any = SamplingParams
-        except ImportError:
-            self.SamplingParams = None
+    def construct(self, call: harness.Call, prefix: str) -> Any:
+        cls, kwargs = call
+        if self.recorder is not None:
+            return self.recorder.construct(cls, kwargs, prefix)
+        return cls(**kwargs)
 
     def make_sequence(self, seq_id: int, tokens: Sequence[int], block_size: int):
-        init = self.Sequence.__init__
-        names = _params(init)
-        kwargs: dict[str, Any] = {"seq_id": seq_id, "block_size": block_size}
-        if "inputs" in names:
-            if self.token_inputs is not None:
-                kwargs["inputs"] = self.token_inputs(prompt_token_ids=list(tokens))
-            else:  # LLMInputs (0.5 - 0.6.3) is a TypedDict: a plain dict at runtime
-                kwargs["inputs"] = {
-                    "prompt_token_ids": list(tokens),
-                    "prompt": None,
-                    "multi_modal_data": None,
-                }
-        else:  # 0.4.x: Sequence(seq_id, prompt, prompt_token_ids, block_size, ...)
-            kwargs["prompt"] = None
-            kwargs["prompt_token_ids"] = list(tokens)
-        if "eos_token_id" in names:
-            kwargs["eos_token_id"] = None
-        return self.Sequence(**kwargs)
+        return self.construct(harness.sequence_call(seq_id, tokens, block_size), "s")
 
     def make_group(self, request_id: str, seqs: list, arrival: float):
-        init = self.SequenceGroup.__init__
-        names = _params(init)
-        kwargs: dict[str, Any] = {"request_id": request_id, "seqs": seqs}
-        if "arrival_time" in names:
-            kwargs["arrival_time"] = arrival
-        if "sampling_params" in names and self.SamplingParams is not None:
-            kwargs["sampling_params"] = self.SamplingParams()
-        return self.SequenceGroup(**kwargs)
+        return self.construct(harness.group_call(request_id, seqs, arrival), "g")
 
     def append_token(self, seq, token: int) -> None:
-        if self.Logprob is not None:
-            seq.append_token_id(token, {token: self.Logprob(0.0)})
-        else:  # very old releases took a plain float dict
-            seq.append_token_id(token, {token: 0.0})
+        seq.append_token_id(token, harness.token_logprobs(token))
 
     def is_out_of_blocks(self, err: BaseException) -> bool:
-        if self.NoFreeBlocksError is not None and isinstance(err, self.NoFreeBlocksError):
-            return True
-        # BlockSpaceManagerV1: UncachedBlockAllocator.allocate / LRUEvictor.evict
-        return isinstance(err, ValueError) and (
-            "No free blocks are available" in str(err) or "No usable cache memory left" in str(err)
-        )
+        return harness.is_out_of_blocks(err)
 
 
-def _copies(result: Any) -> list[BlockCopy]:
-    """Normalize a block-copy result (list of pairs, or the older dict src -> [dst])."""
-    if not result:
-        return []
-    if isinstance(result, dict):
-        out: list[BlockCopy] = []
-        for src, dsts in result.items():
-            if isinstance(dsts, int):
-                out.append((int(src), int(dsts)))
-            else:
-                out.extend((int(src), int(d)) for d in dsts)
-        return out
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], int):
-        return [(int(result[0]), int(result[1]))]
-    return [(int(a), int(b)) for a, b in result]
+_copies = harness.block_copies
 
 
 # ---------------------------------------------------------------- the adapter
@@ -311,6 +238,7 @@ class LegacyAdapter:
         manager: str | None = None,
         watermark: float | None = None,
         v1_window_slots: str = "tail",
+        recorder: Recorder | None = None,
     ) -> None:
         manager = manager or self.manager or default_manager()
         if v1_window_slots not in ("tail", "cyclic"):
@@ -318,7 +246,7 @@ class LegacyAdapter:
         self.config = config
         self.manager = manager
         self.v1_window_slots = v1_window_slots
-        self._v = _Vllm()
+        self._v = _Vllm(recorder)
         cls = manager_class(manager)
         self.is_v1 = hasattr(cls, "_allocate_last_physical_block") or manager == "v1"
         rejected = _release_rejects_caching_with_window(config)
@@ -327,17 +255,21 @@ class LegacyAdapter:
         if self.is_v1 and config.prefix_caching and config.sliding_window is not None:
             # block_manager_v1.py:245-247 raises NotImplementedError for this pair.
             raise ConfigError("BlockSpaceManagerV1 rejects prefix caching with a sliding window")
-        kwargs = _kw(
-            cls.__init__,
-            block_size=config.block_size,
-            num_gpu_blocks=config.num_blocks,
-            num_cpu_blocks=config.num_cpu_blocks,
-            sliding_window=config.sliding_window,
-            enable_caching=config.prefix_caching,
+        # ``mgr`` is what the protocol calls (recorded when a recorder is given); ``_raw`` is
+        # what observation reads, never recorded.
+        self.mgr = self._v.construct(
+            harness.manager_call(
+                manager,
+                block_size=config.block_size,
+                num_gpu_blocks=config.num_blocks,
+                num_cpu_blocks=config.num_cpu_blocks,
+                sliding_window=config.sliding_window,
+                enable_caching=config.prefix_caching,
+                watermark=watermark,
+            ),
+            "mgr",
         )
-        if watermark is not None:
-            kwargs["watermark"] = watermark
-        self.mgr = cls(**kwargs)
+        self._raw = real(self.mgr)
         self.name = f"vllm-legacy-{manager}"
         self.watermark = getattr(self.mgr, "watermark", watermark)
 
@@ -507,7 +439,7 @@ class LegacyAdapter:
                 # The scheduler would crash here; vLLM's state stays as allocate left it.
                 self._forget(seq_id)
                 raise NoFreeBlocks(
-                    f"{type(self.mgr).__name__}.allocate: {type(err).__name__}: {err}"
+                    f"{type(self._raw).__name__}.allocate: {type(err).__name__}: {err}"
                 ) from err
             raise
         for s in group.get_seqs(status=self._status("WAITING")):
@@ -564,7 +496,7 @@ class LegacyAdapter:
         except Exception as err:
             if self._v.is_out_of_blocks(err):
                 raise NoFreeBlocks(
-                    f"{type(self.mgr).__name__}.append_slots after "
+                    f"{type(self._raw).__name__}.append_slots after "
                     f"{'swap-in' if skip_check else 'can_append_slots'} said yes: "
                     f"{type(err).__name__}: {err}"
                 ) from err
@@ -749,7 +681,7 @@ class LegacyAdapter:
     # V2 / SelfAttn ---------------------------------------------------------
 
     def _observe_v2(self) -> KVState:
-        alloc = self.mgr.block_allocator
+        alloc = self._raw.block_allocator
         VD = self._v.Device
         gpu = alloc._allocators[VD.GPU]
         cpu = alloc._allocators[VD.CPU]
@@ -762,7 +694,7 @@ class LegacyAdapter:
         cpu_view = self._v2_pool(cpu, exclude=None, offset=cpu_offset)
         gpu_ids = gpu.all_block_ids
         tables: dict[int, TableView] = {}
-        for seq_id, bt in self.mgr.block_tables.items():
+        for seq_id, bt in self._raw.block_tables.items():
             ids = list(bt.physical_block_ids)
             real = [b for b in ids if b is not None and b != null_id]
             on_cpu = bool(real) and all(b not in gpu_ids for b in real)
@@ -782,7 +714,7 @@ class LegacyAdapter:
         """Second source of keys: the hash a live block already computed for itself (the
         memoized ``_cached_content_hash``, read without triggering a computation)."""
         B = self.config.block_size
-        for seq_id, bt in self.mgr.block_tables.items():
+        for seq_id, bt in self._raw.block_tables.items():
             seq = self._seqs.get(seq_id)
             if seq is None:
                 continue
@@ -837,7 +769,7 @@ class LegacyAdapter:
         """
         self._v1_epochs: dict[str, Counter] = {}
         for name in ("gpu_allocator", "cpu_allocator"):
-            allocator = getattr(self.mgr, name)
+            allocator = getattr(self._raw, name)
             epochs: Counter = Counter()
             self._v1_epochs[name] = epochs
             allocate = allocator.allocate
@@ -861,7 +793,7 @@ class LegacyAdapter:
         # while they all sit on the free list (read-only references).
         self._v1_blocks: dict[str, list] = {}
         for name in ("gpu_allocator", "cpu_allocator"):
-            allocator = getattr(self.mgr, name)
+            allocator = getattr(self._raw, name)
             blocks = list(getattr(allocator, "free_blocks", []))
             self._v1_blocks[name] = blocks
 
@@ -869,9 +801,9 @@ class LegacyAdapter:
         gpu_view = self._v1_pool("gpu_allocator", self.config.num_blocks)
         cpu_view = self._v1_pool("cpu_allocator", self.config.num_cpu_blocks)
         VD = self._v.Device
-        bsw = getattr(self.mgr, "block_sliding_window", None)
+        bsw = getattr(self._raw, "block_sliding_window", None)
         tables: dict[int, TableView] = {}
-        for seq_id, bt in self.mgr.block_tables.items():
+        for seq_id, bt in self._raw.block_tables.items():
             blocks = list(bt)
             on_cpu = bool(blocks) and blocks[0].device == VD.CPU
             slots: list[Slot] = [b.block_number for b in blocks]
@@ -888,7 +820,7 @@ class LegacyAdapter:
         return attrs.evolve(view, epochs={b: epochs[b] for b in view.ids})
 
     def _v1_pool_view(self, name: str, num_blocks: int) -> PoolView:
-        allocator = getattr(self.mgr, name)
+        allocator = getattr(self._raw, name)
         ids = tuple(range(num_blocks))
         if hasattr(allocator, "free_blocks"):  # UncachedBlockAllocator
             refcounts = {b.block_number: b.ref_count for b in self._v1_blocks[name]}

@@ -11,6 +11,7 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import NotAdmitted
 from kvspec.spec.interface import Admission, BlockCopy
+from kvspec.spec.prefix_hash import ExtraKeys
 from kvspec.spec.window import blocks_for_tokens, window_cover
 
 from .block_table import BlockTable
@@ -113,6 +114,31 @@ class PublishBeforeCompute(ReferenceManager):
         self._publish(seq)
         seq.num_computed = computed
         return hit
+
+
+class SaltBlindKey(ReferenceManager):
+    """Keys its prefix cache without the cache salt: tenants with the same prompt share KV
+    (the isolation the salt exists for, vLLM 0.33.0 kv_cache_utils.py:659-662)."""
+
+    name = "salt-blind-key"
+
+    def _keyed(self, extra: ExtraKeys) -> ExtraKeys:
+        return attrs.evolve(extra, cache_salt=None)
+
+
+class _SilentEvictionPool(BlockPool):
+    def _evict(self, block: int) -> None:
+        del self.cache[self.key_of.pop(block)]  # no BlockRemoved: routers keep the stale key
+
+
+class SilentEviction(ReferenceManager):
+    """Evicts a cached block without emitting its removal event."""
+
+    name = "silent-eviction"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _SilentEvictionPool(config.num_blocks, config.prefix_caching)
 
 
 class WindowCappedAdmission(ReferenceManager):
@@ -238,4 +264,10 @@ BROKEN: dict[str, BrokenVariant] = {
     ForkWithoutIncref.name: BrokenVariant(ForkWithoutIncref, frozenset({"refcount-exact"})),
     DoubleFree.name: BrokenVariant(DoubleFree, frozenset({"conservation"})),
     CyclicWindow.name: BrokenVariant(CyclicWindow, frozenset({"immutability"}), {"window": True}),
+    SaltBlindKey.name: BrokenVariant(
+        SaltBlindKey, frozenset({"prefix-cache-isolation"}), {"prefix_caching": True}
+    ),
+    SilentEviction.name: BrokenVariant(
+        SilentEviction, frozenset({"event-consistency"}), {"prefix_caching": True}
+    ),
 }

@@ -10,7 +10,10 @@ It satisfies every invariant of ``kvspec.spec`` by construction:
   blocks plus those of the step, and never writes into a full block;
 * a write into a shared block goes to a copy first (copy-on-write);
 * full blocks are published to the prefix cache only once their KV is written (commit),
-  so a hit is always computed.
+  so a hit is always computed;
+* a key names the sequence's domain too (cache salt, LoRA adapter, multimodal features
+  placed before the block's end: ``ExtraKeys.for_chain``), so no hit crosses domains;
+* the pool logs a KV-cache event for every change of its cache map (``spec.events``).
 
 Policy choices (free under the spec): FIFO free list, LRU eviction of unreferenced cached
 blocks, the first block to publish a key keeps it, no watermark.
@@ -25,7 +28,7 @@ from kvspec.spec.admission import fits, new_blocks_for_step
 from kvspec.spec.config import Config
 from kvspec.spec.errors import NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
-from kvspec.spec.prefix_hash import PrefixKey, block_keys
+from kvspec.spec.prefix_hash import ExtraKeys, as_extra, block_keys, key_of
 from kvspec.spec.state import DROPPED, Device, KVState, TableView
 from kvspec.spec.window import first_needed_block
 
@@ -36,7 +39,7 @@ from .pool import BlockPool
 @attrs.define
 class _Seq:
     tokens: list[int]
-    extra: tuple
+    extra: ExtraKeys
     table: BlockTable
     num_computed: int
     device: Device = Device.GPU
@@ -71,9 +74,12 @@ class ReferenceManager:
             Capability.LOOKAHEAD,
             Capability.FORK,
             Capability.RESET_PREFIX_CACHE,
+            Capability.CACHE_SALT,
+            Capability.LORA,
+            Capability.MULTIMODAL,
         }
         if config.prefix_caching:
-            caps.add(Capability.PREFIX_CACHING)
+            caps |= {Capability.PREFIX_CACHING, Capability.KV_EVENTS}
         if config.sliding_window is not None:
             caps.add(Capability.SLIDING_WINDOW)
         if self.cpu is not None:
@@ -82,11 +88,13 @@ class ReferenceManager:
 
     # ------------------------------------------------------------ admission
 
-    def _plan(self, tokens: Sequence[int], num_new_tokens: int, extra: tuple) -> _AdmissionPlan:
+    def _plan(
+        self, tokens: Sequence[int], num_new_tokens: int, extra: ExtraKeys
+    ) -> _AdmissionPlan:
         B, W = self.config.block_size, self.config.sliding_window
         hits: list[int] = []
         # The last token is always computed, so at most (len-1)//B blocks can hit.
-        for key in block_keys(tokens[: len(tokens) - 1], B, extra):
+        for key in block_keys(tokens[: len(tokens) - 1], B, self._keyed(extra)):
             block = self.gpu.lookup(key)
             if block is None:
                 break
@@ -108,7 +116,7 @@ class ReferenceManager:
     def can_admit(
         self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
     ) -> Admission:
-        plan = self._plan(tokens, num_new_tokens, extra)
+        plan = self._plan(tokens, num_new_tokens, as_extra(extra))
         if plan.new_blocks + len(plan.kept_hits) > self.config.num_blocks:
             return Admission.NEVER
         if fits(plan.new_blocks, plan.evictable_hits, len(self.gpu.free), len(self.gpu.evictable)):
@@ -119,6 +127,7 @@ class ReferenceManager:
         self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
     ) -> int:
         assert seq_id not in self.seqs, f"seq {seq_id} is already live"
+        extra = as_extra(extra)
         plan = self._plan(tokens, num_new_tokens, extra)
         if not fits(
             plan.new_blocks, plan.evictable_hits, len(self.gpu.free), len(self.gpu.evictable)
@@ -185,8 +194,12 @@ class ReferenceManager:
         for i in range(seq.published, full):
             block = seq.table.slots[i]
             if block is not DROPPED:
-                self.gpu.register(PrefixKey(tuple(seq.tokens[: (i + 1) * B]), seq.extra), block)
+                self.gpu.register(key_of(seq.tokens, (i + 1) * B, self._keyed(seq.extra)), block)
         seq.published = max(seq.published, full)
+
+    def _keyed(self, extra: ExtraKeys) -> ExtraKeys:
+        """The domain the prefix cache keys a sequence's blocks by: all of it."""
+        return extra
 
     def append_token(self, seq_id: int, token: int) -> None:
         self.seqs[seq_id].tokens.append(token)

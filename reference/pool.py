@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvspec.spec.errors import NoFreeBlocks
+from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.prefix_hash import PrefixKey
 from kvspec.spec.state import PoolView
 
@@ -24,6 +25,7 @@ class BlockPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cache: dict[PrefixKey, int] = {}
         self.key_of: dict[int, PrefixKey] = {}
+        self.events: list[CacheEvent] = []  # every change of the cache map, in order
 
     def available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -34,12 +36,17 @@ class BlockPool:
             block = self.free.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
-            del self.cache[self.key_of.pop(block)]
+            self._evict(block)
         else:
             raise NoFreeBlocks("no free or evictable block")
         self.refcount[block] = 1
         self.epoch[block] += 1
         return block
+
+    def _evict(self, block: int) -> None:
+        key = self.key_of.pop(block)
+        del self.cache[key]
+        self.events.append(CacheEvent(EventKind.REMOVED, (key,)))
 
     def incref(self, block: int) -> None:
         if self.refcount[block] == 0:
@@ -63,6 +70,7 @@ class BlockPool:
         if self.prefix_caching and key not in self.cache and block not in self.key_of:
             self.cache[key] = block
             self.key_of[block] = key
+            self.events.append(CacheEvent(EventKind.STORED, (key,)))
 
     def reset_cache(self) -> None:
         self.cache.clear()
@@ -70,6 +78,8 @@ class BlockPool:
         while self.evictable:
             block, _ = self.evictable.popitem(last=False)
             self.free.append(block)
+        if self.prefix_caching:
+            self.events.append(CacheEvent(EventKind.CLEARED))
 
     def view(self) -> PoolView:
         cached = tuple((key, block) for key, block in self.cache.items())
@@ -81,4 +91,5 @@ class BlockPool:
             cached=cached,
             computed=frozenset(self.key_of),
             epochs=dict(enumerate(self.epoch)),
+            events=tuple(self.events) if self.prefix_caching else None,
         )

@@ -5,7 +5,9 @@ The operations are the scheduler's, in the order vLLM's schedulers call them:
 * ``can_admit`` then ``admit``: admission of a sequence whose first step computes
   ``num_new_tokens`` tokens (legacy ``can_allocate``/``allocate``; V1 ``get_computed_blocks``
   then ``allocate_slots``).  ``admit`` returns the number of leading tokens the prefix cache
-  already holds (they count as computed).
+  already holds (they count as computed).  ``extra`` is the sequence's domain
+  (``spec.prefix_hash.ExtraKeys``: cache salt, LoRA adapter, multimodal features; ``()`` is
+  the plain domain).
 * ``reserve``: slots for the next ``num_new_tokens`` tokens plus ``lookahead`` speculative
   slots (legacy ``can_append_slots``/``append_slots``, V1 ``allocate_slots``).  It returns the
   block copies the worker must perform first (copy-on-write).
@@ -42,6 +44,12 @@ class Capability(StrEnum):
     SWAP = "swap"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     ADMISSION_CHECK = "admission_check"  # a separate can_admit answer (legacy); V1 has none
+    # Extra keys the implementation keys its prefix cache by (``spec.prefix_hash.ExtraKeys``);
+    # the machines draw only the kinds an implementation declares.
+    CACHE_SALT = "cache_salt"
+    LORA = "lora"
+    MULTIMODAL = "multimodal"
+    KV_EVENTS = "kv_events"  # the pool reports its KV-cache event stream (PoolView.events)
 
 
 BlockCopy = tuple[int, int]

@@ -455,3 +455,8 @@ def check_world(world: World) -> list[Violation]:
         if inv.kind == "state" and inv.applies(world.config) is None:
             out.extend(inv.check(world))
     return out
+
+
+# The prefix cache as tenants and routers see it (isolation, events) has its own module; it
+# registers its invariants here, so that importing this module registers every invariant.
+from . import tenancy  # noqa: E402, F401

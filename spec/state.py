@@ -15,7 +15,8 @@ from enum import StrEnum
 import attrs
 
 from .config import Config
-from .prefix_hash import PrefixKey
+from .events import CacheEvent
+from .prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey
 
 
 class Device(StrEnum):
@@ -59,6 +60,8 @@ class PoolView:
     epochs       block id -> how many times the allocator has handed the block out, when the
                  implementation can tell (a block's content lives for one epoch); None
                  makes the driver infer lifetimes from the free list and the cache map.
+    events       every KV-cache event the pool emitted since it was built, in emission
+                 order (``kvspec.spec.events``); None when the implementation emits none.
     computed     cached blocks a lookup may hand out as hits (their KV is written); legacy
                  vLLM registers a full block's hash before computing it and tracks
                  computed-ness separately, V1 hands out every cached block.
@@ -71,6 +74,7 @@ class PoolView:
     cached: tuple[tuple[PrefixKey, int], ...] = ()
     computed: frozenset[int] = frozenset()
     epochs: Mapping[int, int] | None = None
+    events: tuple[CacheEvent, ...] | None = None
 
     def cached_key_of(self) -> dict[int, PrefixKey]:
         return {block: key for key, block in self.cached}
@@ -108,7 +112,7 @@ class SeqModel:
     num_computed: int = 0
     status: Status = Status.RUNNING
     step: tuple[int, int] = (0, 0)
-    extra: tuple[object, ...] = ()
+    extra: ExtraKeys = NO_EXTRA  # cache salt, LoRA adapter, multimodal features
     prompt_len: int = 0  # tokens at its latest (re)admission: all of them are prefill
 
     def decoding(self) -> bool:

@@ -31,8 +31,16 @@ from kvspec.spec.kv_memory import (
     ended_lifetimes,
     plan_step_writes,
 )
+from kvspec.spec.prefix_hash import ExtraKeys, as_extra
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
 from kvspec.spec.window import first_needed_block
+
+
+_EXTRA_CAPS = {
+    "cache_salt": Capability.CACHE_SALT,
+    "lora": Capability.LORA,
+    "mm": Capability.MULTIMODAL,
+}
 
 
 @attrs.frozen
@@ -100,6 +108,15 @@ class Driver:
     def has(self, capability: Capability) -> bool:
         return capability in self.impl.capabilities
 
+    def extra_kinds(self) -> frozenset[str]:
+        """The kinds of extra key (``strategies.EXTRA_KINDS``) the implementation keys by."""
+        return frozenset(k for k, cap in _EXTRA_CAPS.items() if self.has(cap))
+
+    @property
+    def events_seen(self) -> int:
+        """KV-cache events the implementation has reported so far (0 if it reports none)."""
+        return sum(len(p.events or ()) for p in (self.state.gpu, self.state.cpu) if p is not None)
+
     def running(self) -> list[int]:
         return [s for s, m in self.seqs.items() if m.status is Status.RUNNING]
 
@@ -114,19 +131,22 @@ class Driver:
         tokens: Sequence[int],
         num_new_tokens: int,
         next_token: int = 0,
-        extra: tuple = (),
+        extra: ExtraKeys | tuple = (),
     ) -> bool:
-        """Admission of a new (or preempted) sequence and its first step."""
+        """Admission of a new (or preempted) sequence, in domain ``extra``, and its first step."""
         tokens = tuple(tokens)
+        extra = as_extra(extra)
         old = self.seqs.get(seq_id)
         if old is not None and old.status is not Status.WAITING:
             raise AssertionError(f"driver bug: seq {seq_id} admitted while live")
-        args = {
+        args: dict[str, Any] = {
             "seq": seq_id,
             "tokens": list(tokens),
             "num_new_tokens": num_new_tokens,
             "next_token": next_token,
         }
+        if extra:
+            args["extra"] = extra.to_json()
         before = self.before_op = self.state
         answer: Admission | None = None
         if self.has(Capability.ADMISSION_CHECK):
@@ -370,7 +390,8 @@ def apply_step(driver: Driver, step: TraceStep | dict[str, Any]) -> None:
         raise ValueError(f"unknown operation in trace: {op!r}")
     a = dict(args)
     if op == "admit":
-        driver.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0))
+        extra = ExtraKeys.from_json(a.get("extra"))
+        driver.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0), extra)
     elif op == "step":
         driver.step(a["seq"], a["num_new_tokens"], a.get("next_token", 0))
     elif op == "fork":

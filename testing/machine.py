@@ -33,7 +33,7 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
-from .strategies import ALPHABET, admission_bytes, configs, prompt_from
+from .strategies import ALPHABET, admission_bytes, configs, extra_from, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
 
@@ -45,12 +45,19 @@ class RunStats:
     examples: int = 0
     operations: int = 0
     by_op: dict[str, int] = attrs.Factory(dict)
+    # Admissions per kind of extra key ("cache_salt", "lora", "mm"), and KV-cache events seen.
+    extras: dict[str, int] = attrs.Factory(dict)
+    events: int = 0
 
     def add(self, driver: Driver) -> None:
         self.examples += 1
         self.operations += len(driver.trace)
         for s in driver.trace:
             self.by_op[s.op] = self.by_op.get(s.op, 0) + 1
+            for kind in s.args.get("extra", {}) if s.op == "admit" else ():
+                if s.args["extra"][kind]:
+                    self.extras[kind] = self.extras.get(kind, 0) + 1
+        self.events += driver.events_seen
 
 
 STATS = RunStats()
@@ -150,7 +157,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         chunk, token = raw[2:4]
         k = self._chunk(chunk, len(prompt))
-        return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET) else None
+        extra = extra_from(raw, len(prompt), B, self.d.extra_kinds())
+        return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET, extra) else None
 
     def _pick(self, status: Status, code: int) -> int:
         candidates = sorted(self.d.with_status(status))

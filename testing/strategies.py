@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature
 
 ALPHABET = 4  # few distinct tokens: shared prefixes and equal blocks happen often
 
@@ -59,7 +60,9 @@ def configs(
 # The machine's choices travel as byte strings: few hypothesis draws per operation
 # (per-draw overhead was most of the oracle's time), and bytes shrink towards 0 one position
 # at a time -- a fresh prompt, no shared prefix, the whole remainder, token 0.
-ADMISSION_HEADER = 6  # source, cut, chunk, next token, length (two); then the prompt's tokens
+# source, cut, chunk, next token, length (two), domain, multimodal (kind, position, length);
+# then the prompt's tokens
+ADMISSION_HEADER = 10
 MAX_TAIL = 96  # prompt tokens one admission draws (the prompt may extend an earlier one)
 admission_bytes = st.binary(min_size=ADMISSION_HEADER, max_size=ADMISSION_HEADER + MAX_TAIL)
 
@@ -76,7 +79,7 @@ def prompt_from(
     happen).  Its length is drawn apart from its content (the product of two bytes: short
     prompts are the common case on small pools), so the shrinker can make the prompt fresh
     and its tokens 0 without losing the length a failure needs."""
-    source, cut_code, _, _, len_a, len_b = raw[:ADMISSION_HEADER]
+    source, cut_code, _, _, len_a, len_b = raw[:6]
     length = 1 + len_a * len_b * max_len // 65536
     tail = as_tokens(raw[ADMISSION_HEADER:])
     if not earlier or source % 4 == 0:
@@ -92,6 +95,36 @@ def prompt_from(
         prefix = base[:cut]
     prompt = (prefix + tail)[:length]
     return prompt + (0,) * (length - len(prompt))
+
+
+# A few tenants, adapters and images: identical prompts in different domains happen often.
+SALTS = (None, "tenant-a", "tenant-b")
+LORAS = (None, "adapter-1", "adapter-2")
+IMAGES = ("image-x", "image-y")
+EXTRA_KINDS = frozenset({"cache_salt", "lora", "mm"})
+
+
+def extra_from(raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS) -> ExtraKeys:
+    """A request's domain from an admission's bytes 6-9 (0 everywhere: the plain domain): a
+    cache salt, a LoRA adapter, and up to two multimodal features placed inside the prompt
+    (the second after the first), each only if ``kinds`` allows it."""
+    domain, mm_code, pos, size = raw[6:ADMISSION_HEADER]
+    salt = SALTS[domain % len(SALTS)] if "cache_salt" in kinds else None
+    lora = LORAS[(domain // len(SALTS)) % len(LORAS)] if "lora" in kinds else None
+    features: list[MMFeature] = []
+    if "mm" in kinds and prompt_len:
+        count = mm_code % 3
+        offset = pos % prompt_len
+        for n in range(count):
+            if offset >= prompt_len:
+                break
+            length = 1 + (size >> (4 * n) & 15) % min(2 * block_size, prompt_len - offset)
+            image = IMAGES[(mm_code // 3 >> n) % len(IMAGES)]
+            features.append(MMFeature(image, offset, length))
+            offset += length + (pos >> 4) % 3
+    if not (salt or lora or features):
+        return NO_EXTRA
+    return ExtraKeys(salt, lora, tuple(features))
 
 
 @st.composite

@@ -274,8 +274,9 @@ def _imports(text: str) -> set[str]:
 STDLIB = {"inspect", "itertools", "dataclasses", "importlib"}
 
 
-@pytest.mark.parametrize("impl", ["legacy-v2", "legacy-v1", "legacy-self-attn", "v1"])
+@pytest.mark.parametrize("impl", ["v1"])
 def test_reproducer_imports_only_vllm_and_pytest(impl):
+    """The V1 template (legacy straight-line files are checked in tests/targets)."""
     config = Config(block_size=4, num_blocks=4, sliding_window=8)
     trace = [TraceStep("admit", {"seq": 0, "tokens": list(range(20)), "num_new_tokens": 20,
                                  "next_token": 0}, "can_admit=ok, refused: NoFreeBlocks")]
@@ -291,10 +292,12 @@ def test_reproducer_imports_only_vllm_and_pytest(impl):
 def test_no_reproducer_for_shadow_memory_invariants_or_kvspec_impls():
     config = Config(block_size=4, num_blocks=4)
     trace = [TraceStep("admit", {"seq": 0, "tokens": [1], "num_new_tokens": 1}, "ok")]
-    memory_only = generate("legacy-v2", config, trace, [Violation("kv-readback", "x")], {})
+    memory_only = generate("v1", config, trace, [Violation("kv-readback", "x")], {})
     assert isinstance(memory_only, NotReproducible) and "shadow KV memory" in memory_only.reason
     own = generate("reference", config, trace, [Violation("no-leak", "x")], {})
     assert isinstance(own, NotReproducible)
+    no_vllm = generate("legacy-v2", config, trace, [Violation("no-leak", "x")], {})
+    assert isinstance(no_vllm, NotReproducible) and "does not import here" in no_vllm.reason
 
 
 def test_a_crashing_target_is_reported_not_passed(monkeypatch, capsys, tmp_path):

@@ -1,0 +1,126 @@
+"""The prefix cache as tenants and routers see it: isolation between domains, and the event
+stream that describes the cache map.  Registered with the other invariants
+(``spec.invariants.INVARIANTS``); the statement is each function's docstring.
+
+Prefix-cache reset and retention (what the spec allows and forbids):
+
+* ``reset_prefix_cache`` may refuse, and V1 refuses whenever any block is in use
+  (block_pool.py:871-884 of 0.33.0: ``num_used_blocks != 1`` -> False; legacy
+  ``PrefixCachingBlockAllocator.reset_prefix_cache`` likewise while blocks are referenced).
+  A refused reset changes nothing.  A reset that succeeds empties the cache map, so no later
+  lookup hits content cached before it, moves every evictable block to the free list, and
+  leaves live sequences' tables and refcounts alone (``conservation``,
+  ``prefix-cache-consistency``).  It emits ``AllBlocksCleared`` (block_pool.py:907-908), after
+  which the event stream replays to the empty map (``event-consistency``).
+* Retention: an unreferenced cached block may be kept (evictable) or evicted at any time
+  eviction needs a block; the spec fixes no eviction order (LRU in vLLM's
+  ``FreeKVCacheBlockQueue``, a policy).  0.33.0's ``retention_interval``
+  (``SingleTypeKVCacheManager.cache_blocks``, single_type_kv_cache_manager.py) only thins
+  which blocks of a sparse-retention group get published, a freedom of *which* blocks are
+  cached; it never allows a key to name other content (``prefix-cache-consistency``), a
+  hit across domains (``prefix-cache-isolation``) or an unannounced change of the map
+  (``event-consistency``).  Retention is no freedom to serve a reset's or an eviction's
+  stale entries.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+
+from .events import replay
+from .invariants import _live_tables, _pools, invariant, needs_prefix_caching
+from .prefix_hash import PrefixKey
+from .state import World
+
+
+def _extra_text(extra: tuple[object, ...]) -> str:
+    return ",".join("=".join(map(str, part)) for part in extra) or "plain"
+
+
+@invariant(
+    "prefix-cache-isolation",
+    "Prefix hits stay inside their domain",
+    "generate_block_hash_extra_keys / hash_block_tokens / get_request_block_hasher "
+    "(vllm/v1/core/kv_cache_utils.py: cache_salt, LoRA, multimodal features), "
+    "Request.cache_salt/lora_request/mm_features (vllm/v1/request.py)",
+    applies=needs_prefix_caching,
+)
+def prefix_cache_isolation(world: World) -> Iterator[str]:
+    """No prefix-cache hit crosses a cache-salt, LoRA-adapter or multimodal-content domain: a
+    block a live sequence holds is cached, if at all, under a key of that sequence's own domain
+    (``ExtraKeys.for_chain``), and two live sequences share a block only when their domains
+    agree up to that block's end -- identical prompts in different domains never share a block.
+
+    A salt or an adapter separates every block of a request; a multimodal feature separates the
+    blocks from the one it starts in (a feature placed after a block leaves that block
+    shareable).  Checked on the blocks sequences hold, which is where crossed KV is read.
+    """
+    B = world.config.block_size
+    for device, pool in _pools(world.state):
+        keys_of: dict[int, list[PrefixKey]] = defaultdict(list)
+        for key, block in pool.cached:
+            keys_of[block].append(key)
+        domains: dict[int, dict[tuple[object, ...], list[int]]] = defaultdict(dict)
+        for table in _live_tables(world, device):
+            seq = world.seqs[table.seq_id]
+            for i, block in enumerate(table.slots):
+                if block is None:
+                    continue
+                domain = seq.extra.for_chain((i + 1) * B)
+                domains[block].setdefault(domain, []).append(seq.seq_id)
+                for key in keys_of.get(block, ()):
+                    n = len(key.chain)
+                    if key.block_index(B) != i or key.chain != tuple(seq.tokens[:n]):
+                        continue  # another chain: prefix-cache-consistency's business
+                    own = seq.extra.for_chain(n)
+                    if key.extra != own:
+                        yield (
+                            f"seq {seq.seq_id} ({seq.extra.describe()}) holds {device.value} "
+                            f"block {block} at slot {i}, cached under the same tokens in another "
+                            f"domain ({_extra_text(key.extra)}; its own: {_extra_text(own)})"
+                        )
+        for block, by_domain in sorted(domains.items()):
+            if len(by_domain) > 1:
+                shown = "; ".join(f"seqs {sids} in {_extra_text(d)}" for d, sids in sorted(by_domain.items(), key=str))
+                yield f"{device.value} block {block} is shared across domains: {shown}"
+
+
+@invariant(
+    "event-consistency",
+    "KV-cache events describe the cache map",
+    "BlockPool.kv_event_queue / take_events, BlockStored/BlockRemoved/AllBlocksCleared "
+    "(vllm/v1/core/block_pool.py, vllm/distributed/kv_events.py)",
+    applies=needs_prefix_caching,
+)
+def event_consistency(world: World) -> Iterator[str]:
+    """Replaying the pool's KV-cache event stream from empty yields exactly its prefix-cache map
+    after every operation: each key as many times as blocks are cached under it; no event
+    removes a key that is not stored, and none announces a key the map does not hold.
+
+    Events carry hashes, not block ids (``spec.events``), so the map is compared as a multiset
+    of keys.  An implementation that emits no events (``PoolView.events`` None) says nothing.
+    """
+    for device, pool in _pools(world.state):
+        if pool.events is None:
+            continue
+        live, faults = replay(pool.events)
+        for fault in faults:
+            yield f"{device.value}: {fault}"
+        cached = Counter(key for key, _ in pool.cached)
+        for key in sorted(set(live) | set(cached), key=lambda k: (len(k.chain), k.chain, str(k.extra))):
+            said, held = live[key], cached[key]
+            if said != held:
+                blocks = sorted(b for k, b in pool.cached if k == key)
+                yield (
+                    f"{device.value}: the event stream says {said} block(s) cached under the "
+                    f"{len(key.chain)}-token chain {_short(key.chain)} ({_extra_text(key.extra)}), "
+                    f"the cache map holds {held} {blocks} ({len(pool.events)} events so far)"
+                )
+
+
+def _short(chain: tuple[int, ...]) -> str:
+    return str(list(chain)) if len(chain) <= 12 else f"[... {list(chain[-4:])}]"
+
+
+__all__ = ["event_consistency", "prefix_cache_isolation"]

@@ -1,0 +1,257 @@
+"""Straight-line reproducers: a violation as a short pytest file in the style of vLLM's own
+block-manager tests.
+
+The trace is replayed once more through the adapter with a ``Recorder``
+(``kvspec.adapters.recording``), so every line of the file is a call the adapter really made
+into vLLM, with the arguments it made it with: build the manager with the release's
+constructor, one plain call per line, ``assert`` on each answer the scheduler branched on,
+and at the operation where kvspec saw the violation, a check that names the invariant and
+prints expected versus observed.  The file imports only vllm, pytest and the standard
+library.  What a check needs to read from the manager comes from
+``kvspec.adapters.harness`` and is copied in with ``inspect.getsource``: the same function
+the adapter uses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from kvspec.adapters.harness import legacy as legacy_harness
+from kvspec.adapters.recording import Line, Recorder
+from kvspec.spec.config import Config
+from kvspec.spec.errors import KVSpecError, NoFreeBlocks
+from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.spec.state import Device, Status, TableView
+
+from .driver import Driver, TraceStep, apply_step
+
+CRASH = "crash"
+
+# Invariants a straight-line file can check without kvspec's shadow KV memory.
+COUNT_CHECKS = frozenset({"refcount-exact", "no-leak", "window-bound"})
+
+
+@attrs.frozen
+class Recording:
+    """What replaying a trace under a recorder produced."""
+
+    recorder: Recorder
+    violations: tuple[Violation, ...]
+    crash: BaseException | None
+    failed_at: int  # 1-based operation index; len(trace) + 1 for the final free-all
+    driver: Driver
+
+
+class NotStraightLine(KVSpecError):
+    """The trace cannot be written as a straight-line file (the reason says why)."""
+
+
+def record(
+    build: Callable[[Recorder], Any], trace: Sequence[TraceStep], focus: Sequence[str] | None = None
+) -> Recording:
+    """Replay ``trace`` through the adapter ``build(recorder)`` makes, recording every call."""
+    recorder = Recorder()
+    driver = Driver(build(recorder), focus=focus)
+    for index, step in enumerate(trace, 1):
+        recorder.op_index = index
+        try:
+            apply_step(driver, step)
+        except Exception as err:  # the target crashed under the protocol
+            return Recording(recorder, (), err, index, driver)
+        found = driver.check()
+        if found:
+            return Recording(recorder, tuple(found), None, index, driver)
+    recorder.op_index = len(trace) + 1
+    try:
+        found = driver.free_all()
+    except Exception as err:
+        return Recording(recorder, (), err, len(trace) + 1, driver)
+    return Recording(recorder, tuple(found), None, len(trace) + 1, driver)
+
+
+# ---------------------------------------------------------------- writing the file
+
+
+def write(
+    recording: Recording,
+    trace: Sequence[TraceStep],
+    *,
+    title: str,
+    config: Config,
+) -> tuple[str, tuple[str, ...]]:
+    """The file's text and the IDs its failure names."""
+    rec = recording.recorder
+    body: list[str] = []
+    helpers: list[Callable[..., Any]] = []
+    checks: list[str] = []
+    last_answer: Line | None = None
+    for line in rec.lines:
+        if line.op_index > recording.failed_at:
+            break
+        if line.op_index and (not body or _op_of(body) != line.op_index):
+            body.append(f"# {_op_comment(line.op_index, trace)}")
+        if line.raised is not None:
+            invariant, message = _failure(line, last_answer, recording)
+            checks.append(invariant)
+            body.extend(_expect_no_raise(line, invariant, message))
+            break
+        if line.answer in ("True", "False"):
+            body.append(f"assert {'' if line.answer == 'True' else 'not '}{line.target}")
+            last_answer = line
+        elif line.answer is not None:
+            body.append(f"assert {line.target} == {line.answer}")
+            last_answer = line
+        else:
+            body.append(line.code)
+    else:
+        state_checks, needed = _state_checks(recording)
+        body.extend(state_checks)
+        helpers.extend(needed)
+        checks.extend(_ids(recording.violations, COUNT_CHECKS))
+    if not checks:
+        raise NotStraightLine(_why_not(recording))
+    name = "test_" + re.sub(r"\W", "_", checks[0])
+    doc = _docstring(title, config, recording, checks)
+    # Annotations in the copied helpers stay unevaluated: the file needs no typing import.
+    future = ["from __future__ import annotations", ""] if helpers else []
+    imports = [*future, "import pytest", *_import_lines(rec)]
+    source = [f'"""{doc}"""', "", *imports, ""]
+    for fn in dict.fromkeys(helpers):
+        source.extend(["", inspect.getsource(fn).rstrip(), ""])
+    source.extend(["", f"def {name}():"])
+    source.extend(textwrap.indent("\n".join(body), "    ").splitlines())
+    return "\n".join(source) + "\n", tuple(dict.fromkeys(checks))
+
+
+def _op_of(body: list[str]) -> int:
+    for line in reversed(body):
+        m = re.match(r"# (\d+)\. ", line)
+        if m:
+            return int(m.group(1))
+        if line.startswith("# free every sequence"):
+            return -1
+    return 0
+
+
+def _op_comment(index: int, trace: Sequence[TraceStep]) -> str:
+    if index > len(trace):
+        return "free every sequence (the scheduler's end of run)"
+    step = trace[index - 1]
+    return f"{index}. {step.describe()}"
+
+
+def _failure(line: Line, last_answer: Line | None, recording: Recording) -> tuple[str, str]:
+    err = line.raised
+    assert err is not None
+    if legacy_harness.is_out_of_blocks(err) or isinstance(err, NoFreeBlocks):
+        if last_answer is not None and last_answer.op_index == line.op_index:
+            asked = last_answer.target.split("(")[0].rsplit(".", 1)[-1]
+            said = f"{asked} answered {last_answer.answer}"
+        else:
+            said = "the scheduler was told the slots fit"
+        return "admission-soundness", f"{said}, then {line.call} raised"
+    return CRASH, f"the block manager raised in {line.call}"
+
+
+def _expect_no_raise(line: Line, invariant: str, message: str) -> list[str]:
+    return [
+        "try:",
+        f"    {line.code}",
+        "except Exception as err:",
+        f'    pytest.fail(f"[{invariant}] {message}: {{type(err).__name__}}: {{err}}")',
+    ]
+
+
+def _ids(violations: Sequence[Violation], allowed: frozenset[str]) -> list[str]:
+    return [i for i in dict.fromkeys(v.invariant for v in violations) if i in allowed]
+
+
+def _live_gpu_tables(recording: Recording) -> list[TableView]:
+    d = recording.driver
+    return [
+        t
+        for sid, t in d.state.tables.items()
+        if t.device is Device.GPU and d.seqs.get(sid) is not None and d.seqs[sid].status is Status.RUNNING
+    ]
+
+
+def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., Any]]]:
+    """Checks of the manager's own counts at the failing operation, with kvspec's expectation
+    written in as literals (computed by the spec, not restated here)."""
+    ids = _ids(recording.violations, COUNT_CHECKS)
+    lines: list[str] = []
+    helpers: list[Callable[..., Any]] = []
+    d = recording.driver
+    if "refcount-exact" in ids:
+        holders: Counter[int] = Counter()
+        for table in _live_gpu_tables(recording):
+            holders.update(table.held())
+        wrong = {b: holders.get(b, 0) for b, rc in d.state.gpu.refcounts.items() if rc != holders.get(b, 0)}
+        helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts]
+        lines += [
+            f"expected = {wrong!r}  # live block-table slots holding each block",
+            "observed = {b: gpu_refcounts(mgr)[b] for b in expected}",
+            "if observed != expected:",
+            '    pytest.fail(f"[refcount-exact] refcounts: expected {expected}, observed {observed}")',
+        ]
+    if "window-bound" in ids:
+        message = next(v.message for v in recording.violations if v.invariant == "window-bound")
+        m = re.match(r"seq (\d+) holds (\d+) blocks .* needs at most (\d+)", message)
+        if m:
+            seq, bound = int(m.group(1)), int(m.group(3))
+            helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids]
+            lines += [
+                f"held = gpu_block_ids(mgr, {seq})",
+                f"if len(held) > {bound}:  # the blocks the window and this step can touch",
+                f'    pytest.fail(f"[window-bound] seq {seq}: expected at most {bound} blocks, '
+                f'observed {{len(held)}} ({{held}})")',
+            ]
+    if "no-leak" in ids:
+        helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts]
+        lines += [
+            "in_use = {b: rc for b, rc in gpu_refcounts(mgr).items() if rc}",
+            "if in_use:  # every sequence is freed",
+            '    pytest.fail(f"[no-leak] expected no block in use, observed refcounts {in_use}")',
+        ]
+    return lines, helpers
+
+
+def _why_not(recording: Recording) -> str:
+    found = sorted({v.invariant for v in recording.violations})
+    if not found:
+        return "replaying the trace under the recorder found no violation (the target behaved otherwise)"
+    return (
+        f"{', '.join(found)} needs kvspec's shadow KV memory model (what the worker wrote into "
+        "each slot), which a straight-line file does not carry; the JSON report and "
+        "`kvspec replay` reproduce it"
+    )
+
+
+def _import_lines(rec: Recorder) -> list[str]:
+    return [f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(rec.imports.items())]
+
+
+def _docstring(title: str, config: Config, recording: Recording, checks: Sequence[str]) -> str:
+    lines = [title, "", f"Configuration: {config.describe()}."]
+    for v in recording.violations:
+        if v.invariant in checks:
+            lines.extend(textwrap.wrap(str(v), 92))
+    if recording.crash is not None:
+        lines.extend(textwrap.wrap(f"The target raised {type(recording.crash).__name__}: {recording.crash}", 92))
+    for inv_id in dict.fromkeys(checks):
+        inv = INVARIANTS.get(inv_id)
+        if inv is not None:
+            lines.extend(["", *textwrap.wrap(f"{inv.id}: {inv.statement}", 92)])
+    lines.extend(["", "Generated by kvspec from its shrunk trace; run with plain pytest."])
+    text = "\n".join(lines)
+    return text.replace('"""', "'''").replace("\\", "\\\\") + "\n"
+
+
+def describe_target(meta: Mapping[str, Any], impl: str) -> str:
+    return f"vLLM {meta.get('vllm_version') or '?'} ({impl})"

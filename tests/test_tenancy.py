@@ -1,0 +1,122 @@
+"""The prefix cache as tenants and routers see it: extra keys (domains), isolation, KV-cache
+events.  The broken variants that break these are in tests/test_stateful_broken.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+from kvspec.reference import ReferenceManager
+from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError
+from kvspec.spec.events import CacheEvent, EventKind, replay
+from kvspec.spec.invariants import INVARIANTS
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature, block_keys, key_of
+from kvspec.spec.state import Device, KVState, PoolView, SeqModel, TableView, World
+from kvspec.testing import KVCacheMachine, RunStats
+from kvspec.testing.strategies import configs, extra_from
+
+IMG = MMFeature("image-x", 3, 2)
+
+
+def test_extra_keys_for_chain_follows_vllm_dependencies():
+    extra = ExtraKeys("tenant-a", "adapter-1", (IMG,))
+    # Salt and adapter reach every block; a feature only the chains it starts inside.
+    assert extra.for_chain(3) == (("cache_salt", "tenant-a"), ("lora", "adapter-1"))
+    assert extra.for_chain(4)[-1] == ("mm", "image-x", 3)
+    assert not NO_EXTRA and extra and NO_EXTRA.for_chain(8) == ()
+    assert ExtraKeys("") == NO_EXTRA or not ExtraKeys("")  # an empty salt is no salt
+    keys = block_keys([1, 2, 3, 4, 5, 6], 2, ExtraKeys(mm=(IMG,)))
+    assert keys[0].extra == () and keys[1].extra == keys[2].extra == (("mm", "image-x", 3),)
+    assert keys[2].parent(2) == keys[1] and keys[1].parent(2) == keys[0]
+    assert ExtraKeys.from_json(extra.to_json()) == extra
+
+
+def test_overlapping_features_are_rejected():
+    with pytest.raises(ConfigError):
+        ExtraKeys(mm=(MMFeature("a", 0, 3), MMFeature("b", 2, 1)))
+
+
+def test_extra_from_draws_only_allowed_kinds():
+    raw = bytes([0] * 6 + [4, 4, 1, 0x21])
+    both = extra_from(raw, 8, 2)
+    assert both.cache_salt and both.lora and both.mm
+    assert extra_from(raw, 8, 2, frozenset({"mm"})) == ExtraKeys(mm=both.mm)
+    assert extra_from(bytes(10), 8, 2) is NO_EXTRA
+
+
+def _world(tables, seqs, cached, events=None):
+    config = Config(block_size=2, num_blocks=4, prefix_caching=True)
+    refcounts = {b: sum(t.slots.count(b) for t in tables) for b in range(4)}
+    gpu = PoolView(
+        ids=(0, 1, 2, 3),
+        refcounts=refcounts,
+        free=tuple(b for b in range(4) if not refcounts[b]),
+        cached=tuple(cached),
+        events=events,
+    )
+    state = KVState(gpu=gpu, tables={t.seq_id: t for t in tables})
+    return World(config, state, {s.seq_id: s for s in seqs}, {})
+
+
+def test_isolation_flags_a_hit_across_salts():
+    tokens = (1, 2, 3)
+    a, b = ExtraKeys("tenant-a"), ExtraKeys("tenant-b")
+    seqs = [SeqModel(0, tokens, extra=a), SeqModel(1, tokens, extra=b)]
+    tables = [TableView(0, Device.GPU, (0, 1)), TableView(1, Device.GPU, (0, 2))]
+    check = INVARIANTS["prefix-cache-isolation"].check
+    found = check(_world(tables, seqs, [(key_of(tokens, 2, a), 0)]))
+    assert any("another domain" in v.message for v in found), found
+    assert any("shared across domains" in v.message for v in found), found
+    # The same two sequences in one domain share block 0 legitimately.
+    same = [SeqModel(0, tokens, extra=a), SeqModel(1, tokens, extra=a)]
+    assert check(_world(tables, same, [(key_of(tokens, 2, a), 0)])) == []
+
+
+def test_isolation_lets_a_feature_after_the_block_share_it():
+    tokens = (1, 2, 3, 4)
+    with_image = ExtraKeys(mm=(MMFeature("image-x", 2, 2),))
+    seqs = [SeqModel(0, tokens), SeqModel(1, tokens, extra=with_image)]
+    tables = [TableView(0, Device.GPU, (0, 1)), TableView(1, Device.GPU, (0, 2))]
+    check = INVARIANTS["prefix-cache-isolation"].check
+    assert check(_world(tables, seqs, [(key_of(tokens, 2), 0)])) == []
+    shared_second = [TableView(0, Device.GPU, (0, 1)), TableView(1, Device.GPU, (0, 1))]
+    assert check(_world(shared_second, seqs, [(key_of(tokens, 2), 0)]))
+
+
+def test_event_replay_counts_duplicates_and_flags_unstored_removals():
+    k = key_of((1, 2), 2)
+    live, faults = replay(
+        [
+            CacheEvent(EventKind.STORED, (k,)),
+            CacheEvent(EventKind.STORED, (k,)),
+            CacheEvent(EventKind.REMOVED, (k,)),
+        ]
+    )
+    assert live[k] == 1 and not faults
+    live, faults = replay([CacheEvent(EventKind.CLEARED), CacheEvent(EventKind.REMOVED, (k,))])
+    assert not live and len(faults) == 1
+
+
+def test_event_consistency_compares_the_replayed_multiset():
+    k = key_of((1, 2), 2)
+    check = INVARIANTS["event-consistency"].check
+    stored = (CacheEvent(EventKind.STORED, (k,)),)
+    assert check(_world([], [], [(k, 0)], stored)) == []
+    assert check(_world([], [], [(k, 0), (k, 1)], stored))  # a duplicate never announced
+    assert check(_world([], [], [], stored))  # a removal never announced
+    assert check(_world([], [], [(k, 0)], None)) == []  # no events reported: nothing to say
+
+
+def test_reference_machine_draws_domains_and_events():
+    """The machine's default run on the reference exercises every kind of extra key and the
+    event stream, and the reference passes."""
+    stats = RunStats()
+    run_state_machine_as_test(
+        lambda: KVCacheMachine(ReferenceManager, configs(prefix_caching=st.just(True), max_blocks=12), stats=stats),
+        settings=settings(settings(), max_examples=max(settings().max_examples // 2, 50)),
+    )
+    assert stats.events >= 50, stats
+    for kind in ("cache_salt", "lora", "mm"):
+        assert stats.extras.get(kind, 0) >= 20, stats
