@@ -9,7 +9,6 @@ in the calling interpreter, which only needs kvspec.
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import json
 import os
 import platform
@@ -74,9 +73,9 @@ def python_for(target: str) -> str:
     if version is None:
         return sys.executable
     from kvspec.targets.registry import target as registry_target
+    from kvspec.testing.implementations import lookup
 
-    engine = "v1" if split_target(target)[0] == "v1" else "legacy"
-    t = registry_target(version, engine)
+    t = registry_target(version, lookup(split_target(target)[0]).engine)
     if not t.is_provisioned():
         raise SystemExit(
             f"vLLM {version} is not provisioned: run `python -m kvspec.targets provision {version}`"
@@ -86,23 +85,12 @@ def python_for(target: str) -> str:
 
 def factory(impl: str) -> Callable[[Any], Any]:
     """The implementation factory (Config -> Implementation) for an implementation name."""
-    if impl == "reference":
-        from kvspec.reference import ReferenceManager
+    from kvspec.testing.implementations import UnknownImplementation, lookup
 
-        return ReferenceManager
-    if impl.startswith("broken:"):
-        from kvspec.reference.broken import BROKEN
-
-        return BROKEN[impl.split(":", 1)[1]].cls
-    if impl == "v1":
-        from kvspec.adapters.v1 import make_v1
-
-        return make_v1
-    if impl.startswith("legacy-"):
-        from kvspec.adapters.legacy import make_legacy
-
-        return functools.partial(make_legacy, manager=impl.split("-", 1)[1])
-    raise SystemExit(f"unknown implementation {impl!r}")
+    try:
+        return lookup(impl).factory
+    except UnknownImplementation as error:
+        raise SystemExit(str(error)) from None
 
 
 def machine_options(workload: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import kvspec
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .run import FIELDS, PROFILES
-from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets
+from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
 
 EPILOG = """\
 The stateful machine behind `check` is a library class: kvspec.testing.KVCacheMachine takes
@@ -48,7 +48,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--impl",
         metavar="NAME",
-        help="reference, legacy-v1, legacy-v2, legacy-self-attn, v1 or broken:<name> "
+        help=f"{', '.join(vllm_names())}, reference or broken:<name> "
         "(default: the engine the target runs by default)",
     )
     g.add_argument(

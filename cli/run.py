@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import initialize
-from kvspec.reference.broken import BROKEN
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing import KVCacheMachine, RunStats, SpecViolation, TraceStep
 from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
+from kvspec.testing.implementations import BROKEN_PREFIX, lookup
 from kvspec.testing.strategies import configs
 from rich.progress import (
     BarColumn,
@@ -105,9 +105,9 @@ def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrateg
     """The library's configuration strategy, with the overridden fields pinned."""
     kw: dict[str, Any] = {}
     needs: dict = {}
-    if impl.startswith("broken:"):
+    if impl.startswith(BROKEN_PREFIX):
         # Small pools and blocks: a deliberately broken variant shows within a few blocks.
-        needs = BROKEN[impl.split(":", 1)[1]].needs
+        needs = dict(lookup(impl).needs)
         kw.update(block_sizes=st.sampled_from([1, 2, 3, 4]), max_blocks=8)
     if "block_size" in overrides:
         kw["block_sizes"] = st.just(overrides["block_size"])

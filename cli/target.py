@@ -19,7 +19,6 @@ does not execute the package) and every import goes through ``kvspec.adapters``.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -27,72 +26,45 @@ import re
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
-from kvspec.reference import ReferenceManager
-from kvspec.reference.broken import BROKEN
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
-from kvspec.spec.interface import Implementation
 from kvspec.targets.registry import Target, TargetError, home, target
+from kvspec.testing import implementations
+from kvspec.testing.implementations import Factory, by_manager
 
 from .common import UsageError, captured_fds, err, first_lines
 
-# kvspec implementation names over vLLM -> (engine generation, legacy manager name)
-VLLM_IMPLS: dict[str, tuple[str, str | None]] = {
-    "legacy-v1": ("legacy", "v1"),
-    "legacy-v2": ("legacy", "v2"),
-    "legacy-self-attn": ("legacy", "self_attn"),
-    "v1": ("v1", None),
-}
-LEGACY_NAME = {m: name for name, (_, m) in VLLM_IMPLS.items() if m is not None}
 IN_TARGET_FLAG = "--_in-target"
-
-Factory = Callable[[Config], Implementation]
 
 
 def impl_names() -> list[str]:
-    return ["reference", *VLLM_IMPLS, *(f"broken:{n}" for n in sorted(BROKEN))]
+    return implementations.names()
 
 
 def check_impl_name(name: str | None) -> None:
-    if name is None or name == "reference" or name in VLLM_IMPLS:
+    if name is None:
         return
-    if name.startswith("broken:"):
-        variant = name.split(":", 1)[1]
-        if variant in BROKEN:
-            return
-        raise UsageError(
-            f"unknown broken variant {variant!r}",
-            f"one of: {', '.join(sorted(BROKEN))}",
-        )
-    raise UsageError(
-        f"unknown implementation {name!r}",
-        "--impl takes reference, legacy-v1, legacy-v2, legacy-self-attn, v1 or broken:<name>",
-    )
+    try:
+        implementations.lookup(name)
+    except implementations.UnknownImplementation as error:
+        raise UsageError(str(error), "kvspec targets lists what each release ships") from None
+
+
+def vllm_names() -> tuple[str, ...]:
+    return implementations.vllm_names()
 
 
 def needs_vllm(impl: str | None) -> bool:
-    return impl is None or impl in VLLM_IMPLS
+    return impl is None or implementations.lookup(impl).is_vllm
 
 
 def factory_for(impl: str) -> Factory:
     """The implementation factory the machine calls with each drawn configuration."""
-    if impl == "reference":
-        return ReferenceManager
-    if impl.startswith("broken:"):
-        return BROKEN[impl.split(":", 1)[1]].cls
-    engine, manager = VLLM_IMPLS[impl]
-    if engine == "legacy":
-        from kvspec.adapters.legacy import make_legacy
-
-        return functools.partial(make_legacy, manager=manager)
-    from kvspec.adapters.v1 import make_v1
-
-    return make_v1
+    return implementations.factory(impl)
 
 
 # ------------------------------------------------------------------------------ locating vLLM
@@ -405,12 +377,13 @@ def choose_impl(here: VllmHere, impl: str | None) -> str:
         if gens["v1"]:
             return "v1"  # the engine such releases run by default
         manager = _legacy_call(here, "default_manager")
-        return LEGACY_NAME[manager]
-    engine, manager = VLLM_IMPLS[impl]
+        return by_manager(manager).name
+    chosen = implementations.lookup(impl)
+    engine, manager = chosen.engine, chosen.manager
     if not gens[engine]:
         label = "legacy (vllm/core)" if engine == "legacy" else "V1 (vllm/v1/core)"
         if gens["legacy"]:
-            available = [LEGACY_NAME[m] for m in _legacy_call(here, "available_managers")]
+            available = [by_manager(m).name for m in _legacy_call(here, "available_managers")]
         else:
             available = ["v1"]
         raise UsageError(
@@ -420,7 +393,7 @@ def choose_impl(here: VllmHere, impl: str | None) -> str:
     if engine == "legacy":
         present = _legacy_call(here, "available_managers")
         if manager not in present:
-            names = [LEGACY_NAME[m] for m in present] + (["v1"] if gens["v1"] else [])
+            names = [by_manager(m).name for m in present] + (["v1"] if gens["v1"] else [])
             raise UsageError(
                 f"{where} has no {manager!r} legacy block manager, so --impl {impl} is "
                 "unsupported here",
@@ -477,6 +450,5 @@ def import_failure(here: VllmHere, error: BaseException, noise: list[str]) -> Us
 
 
 def current_engine(impl: str) -> str | None:
-    if impl in VLLM_IMPLS:
-        return VLLM_IMPLS[impl][0]
-    return None
+    chosen = implementations.lookup(impl)
+    return chosen.engine if chosen.is_vllm else None

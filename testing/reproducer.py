@@ -86,8 +86,8 @@ def generate(
 ) -> Reproducer | NotReproducible:
     """A standalone reproducer for a violation found on ``impl`` (a kvspec impl name)."""
     if impl in LEGACY_MANAGERS:
-        return _straight_line_legacy(impl, config, trace, meta)
-    if impl == "v1":
+        family, template = "legacy", _LEGACY
+    elif impl == "v1":
         family, template = "v1", _V1
     else:
         return NotReproducible(
@@ -123,29 +123,6 @@ def generate(
         text = text.replace(key, value)
     name = f"test_kvspec_{re.sub(r'[^a-z0-9]+', '_', impl)}_{first.replace('-', '_')}.py"
     return Reproducer(name, text, tuple(checks))
-
-
-def _straight_line_legacy(
-    impl: str, config: Config, trace: Sequence[TraceStep], meta: Mapping[str, Any]
-) -> Reproducer | NotReproducible:
-    """The legacy managers' reproducer: the adapter's own calls, recorded (``straight_line``)."""
-    from kvspec.adapters.legacy import LegacyAdapter
-
-    from . import straight_line
-
-    def build(recorder):
-        return LegacyAdapter(config, manager=LEGACY_MANAGERS[impl], recorder=recorder)
-
-    try:
-        recording = straight_line.record(build, trace)
-        title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}."
-        text, checks = straight_line.write(recording, trace, title=title, config=config)
-    except straight_line.NotStraightLine as why:
-        return NotReproducible(str(why))
-    except ModuleNotFoundError as err:
-        return NotReproducible(f"writing it replays the trace on vLLM, which does not import here ({err})")
-    name = f"test_kvspec_{re.sub(r'[^a-z0-9]+', '_', impl)}_{checks[0].replace('-', '_')}.py"
-    return Reproducer(name, text, checks)
 
 
 def _format_trace(trace_json: list[dict[str, Any]]) -> str:
@@ -205,6 +182,556 @@ def _header(
         lines.extend(wrap(f"{i}. {s.describe()}", "    "))
     text = "\n".join(lines)
     return text.replace('"""', "'''").replace("\\", "\\\\")
+
+
+# ---------------------------------------------------------------------------------------------
+# The legacy harness (BlockSpaceManagerV1 / V2 / SelfAttnBlockSpaceManager), mirroring
+# adapters/legacy.py and the driver's scheduler model.  Placeholders: %%NAME%%.
+
+_LEGACY = r'''"""%%HEADER%%
+"""
+
+import inspect
+import itertools
+
+import pytest
+
+MANAGER = %%MANAGER%%
+CONFIG = %%CONFIG%%
+CHECKS = %%CHECKS%%
+TRACE = %%TRACE%%
+
+# -------------------------------------------------------------------------- vLLM handles
+
+vllm = pytest.importorskip("vllm")
+from vllm import sequence as vseq  # noqa: E402
+from vllm.core.interfaces import AllocStatus, BlockSpaceManager  # noqa: E402
+from vllm.utils import Device as VDevice  # noqa: E402
+
+try:
+    from vllm.core.block.interfaces import BlockAllocator
+
+    NO_FREE_BLOCKS = BlockAllocator.NoFreeBlocksError
+except ImportError:  # releases without the V2 block allocator
+    NO_FREE_BLOCKS = None
+try:
+    from vllm.inputs import token_inputs
+except ImportError:
+    token_inputs = None
+try:
+    from vllm import SamplingParams
+except ImportError:
+    SamplingParams = None
+
+# The manager names the release's scheduler asks for; SelfAttnBlockSpaceManager is
+# BlockSpaceManagerV2 renamed (vllm 0.6.3.post1 on), so a V2 reproducer runs on it too.
+_NAMES = {"v1": ("v1",), "v2": ("v2", "selfattn"), "self_attn": ("selfattn", "v2")}
+
+
+def _params(fn):
+    return set(inspect.signature(fn).parameters)
+
+
+def _kw(fn, **candidates):
+    names = _params(fn)
+    return {k: v for k, v in candidates.items() if k in names}
+
+
+def manager_class():
+    errors = []
+    for name in _NAMES[MANAGER]:
+        try:
+            return BlockSpaceManager.get_block_space_manager_class(name)
+        except (ValueError, ImportError) as err:
+            errors.append(f"{name}: {err}")
+    pytest.skip(f"this vLLM has no {MANAGER} legacy block manager ({'; '.join(errors)})")
+
+
+def out_of_blocks(err):
+    if NO_FREE_BLOCKS is not None and isinstance(err, NO_FREE_BLOCKS):
+        return True
+    return isinstance(err, ValueError) and (
+        "No free blocks are available" in str(err) or "No usable cache memory left" in str(err)
+    )
+
+
+def fail(invariant, message):
+    pytest.fail(f"[{invariant}] {message}", pytrace=False)
+
+
+def make_sequence(seq_id, tokens, block_size):
+    names = _params(vseq.Sequence.__init__)
+    kwargs = {"seq_id": seq_id, "block_size": block_size}
+    if "inputs" in names:
+        if token_inputs is not None:
+            kwargs["inputs"] = token_inputs(prompt_token_ids=list(tokens))
+        else:
+            kwargs["inputs"] = {"prompt_token_ids": list(tokens), "prompt": None,
+                                "multi_modal_data": None}
+    else:
+        kwargs["prompt"] = None
+        kwargs["prompt_token_ids"] = list(tokens)
+    if "eos_token_id" in names:
+        kwargs["eos_token_id"] = None
+    return vseq.Sequence(**kwargs)
+
+
+def make_group(request_id, seqs, arrival):
+    names = _params(vseq.SequenceGroup.__init__)
+    kwargs = {"request_id": request_id, "seqs": seqs}
+    if "arrival_time" in names:
+        kwargs["arrival_time"] = arrival
+    if "sampling_params" in names and SamplingParams is not None:
+        kwargs["sampling_params"] = SamplingParams()
+    return vseq.SequenceGroup(**kwargs)
+
+
+def append_token(seq, token):
+    logprob = getattr(vseq, "Logprob", None)
+    seq.append_token_id(token, {token: logprob(0.0) if logprob is not None else 0.0})
+
+
+def copies_of(result):
+    if not result:
+        return []
+    if isinstance(result, dict):
+        out = []
+        for src, dsts in result.items():
+            out.extend([(src, dsts)] if isinstance(dsts, int) else [(src, d) for d in dsts])
+        return out
+    return [(int(a), int(b)) for a, b in result]
+
+
+def status(name):
+    return getattr(vseq.SequenceStatus, name)
+
+
+# -------------------------------------------------------------------------- the replay
+
+
+class Replay:
+    """The scheduler, as kvspec's driver models it, over one legacy block manager."""
+
+    def __init__(self):
+        c = CONFIG
+        self.B = c["block_size"]
+        self.window = c["sliding_window"]
+        cls = manager_class()
+        self.is_v1 = hasattr(cls, "_allocate_last_physical_block") or MANAGER == "v1"
+        self.mgr = cls(**_kw(cls.__init__, block_size=self.B, num_gpu_blocks=c["num_blocks"],
+                             num_cpu_blocks=c["num_cpu_blocks"], sliding_window=self.window,
+                             enable_caching=c["prefix_caching"]))
+        # Lookahead slots exist only for V2 (V1 asserts num_lookahead_slots == 0).
+        self.lookahead = 0 if self.is_v1 else c["max_lookahead"]
+        self.seqs, self.groups = {}, {}
+        # What the scheduler knows: tokens, computed count, status, reserved step [start, end).
+        self.model = {}
+        self.pending_hit, self.just_swapped = {}, set()
+        self.clock = 0.0
+        self.request_ids = itertools.count()
+        # What the worker wrote where: (device, block, offset) -> (position, token).  Kept
+        # only to tell a recompute (the same KV written again, harmless) from a real write.
+        self.memory = {}
+        if self.is_v1:
+            # UncachedBlockAllocator lists only free blocks: remember them all now.
+            self.v1_blocks = {n: list(getattr(getattr(self.mgr, n), "free_blocks", []))
+                              for n in ("gpu_allocator", "cpu_allocator")}
+
+    # ---------------------------------------------------------------- helpers
+
+    def now(self):
+        self.clock += 1.0
+        return self.clock
+
+    def live_siblings(self, sid):
+        return [s for s in self.groups[sid].get_seqs() if s.seq_id != sid and not s.is_finished()]
+
+    def prepare(self, sid, tokens):
+        seq = self.seqs.get(sid)
+        if (seq is not None and seq.status == status("WAITING")
+                and list(seq.get_token_ids()) == list(tokens) and not self.live_siblings(sid)):
+            return self.groups[sid]  # preempted by recompute: the same Sequence comes back
+        seq = make_sequence(sid, tokens, self.B)
+        group = make_group(f"kvspec-{next(self.request_ids)}", [seq], self.clock)
+        self.seqs[sid], self.groups[sid] = seq, group
+        return group
+
+    def schedule_metadata(self, sid):
+        group = self.groups[sid]
+        now = self.now()
+        running = group.get_seqs(status=status("RUNNING"))
+        for seq in running:
+            self.mgr.get_block_table(seq)
+            self.mgr.access_all_blocks_in_seq(seq, now)
+        if CONFIG["prefix_caching"]:
+            return list(self.mgr.get_common_computed_block_ids(running))
+        return []
+
+    def failed_allocation(self, what, before, err):
+        """An allocation raised vLLM's out-of-blocks error after its check said yes."""
+        after = self.snapshot()
+        if "admission-soundness" in CHECKS:
+            fail("admission-soundness",
+                 f"{what}: expected the allocation to succeed, observed "
+                 f"{type(err).__name__}" + (f": {err}" if str(err) else "")
+                 + ("" if after == before else
+                    f"; and the failed allocation changed the state (free GPU blocks "
+                    f"{before[0]} -> {after[0]})"))
+
+    def snapshot(self):
+        gpu = self.observe()["gpu"]
+        return (len(gpu["free"]) + len(gpu["evictable"]),
+                sorted(gpu["refcounts"].items()), sorted(self.mgr.block_tables))
+
+    # ---------------------------------------------------------------- operations
+
+    def admit(self, sid, tokens, k, next_token):
+        group = self.prepare(sid, tokens)
+        answer = self.mgr.can_allocate(group, **_kw(self.mgr.can_allocate, num_lookahead_slots=0))
+        if answer != AllocStatus.OK:
+            return False  # LATER / NEVER: the request stays waiting
+        before = self.snapshot()
+        failure = None
+        try:
+            self.mgr.allocate(group)
+        except Exception as err:
+            if not out_of_blocks(err):
+                raise
+            failure = err
+        if failure is not None:  # (outside the except block: a clean failure report)
+            self.seqs.pop(sid, None)
+            self.groups.pop(sid, None)
+            self.failed_allocation(
+                f"seq {sid} ({len(tokens)} prompt tokens): can_allocate answered "
+                f"{answer.name}, then allocate failed", before, failure)
+            return False
+        for s in group.get_seqs(status=status("WAITING")):
+            s.status = status("RUNNING")
+        computed = self.schedule_metadata(sid)
+        seq = self.seqs[sid]
+        hit = 0
+        if computed and self.window is None:
+            # The model runner skips cached blocks, never the whole prompt.
+            hit = min(len(computed) * self.B, (seq.get_len() - 1) // self.B * self.B)
+        self.pending_hit[sid] = hit
+        self.just_swapped.discard(sid)
+        end = min(hit + max(1, k), len(tokens))
+        self.model[sid] = {"tokens": list(tokens), "computed": hit, "status": "running",
+                           "step": (hit, end + self.lookahead)}
+        self.compute(sid, hit, end, [], next_token)
+        return True
+
+    def step(self, sid, k, next_token):
+        m = self.model[sid]
+        start = m["computed"]
+        k = max(1, min(k, len(m["tokens"]) - start))
+        seq, group = self.seqs[sid], self.groups[sid]
+        if seq.status != status("RUNNING"):
+            return False
+        # Right after a swap-in the scheduler appends slots without asking.
+        if sid not in self.just_swapped:
+            fn = self.mgr.can_append_slots
+            if not fn(group, **_kw(fn, num_lookahead_slots=self.lookahead)):
+                return False  # the scheduler preempts instead
+        self.just_swapped.discard(sid)
+        before = self.snapshot()
+        fn = self.mgr.append_slots
+        result, failure = None, None
+        try:
+            result = fn(seq, **_kw(fn, num_lookahead_slots=self.lookahead))
+        except Exception as err:
+            if not out_of_blocks(err):
+                raise
+            failure = err
+        if failure is not None:
+            if self.snapshot() != before:
+                self.failed_allocation(
+                    f"seq {sid}: append_slots for {k} token(s) + {self.lookahead} lookahead",
+                    before, failure)
+            return False
+        self.schedule_metadata(sid)
+        m["step"] = (start, max(start + k + self.lookahead, m["step"][1]))
+        self.compute(sid, start, start + k, copies_of(result), next_token)
+        return True
+
+    def copy(self, pairs, src, dst):
+        for a, b in pairs:
+            for off in range(self.B):
+                if (src, a, off) in self.memory:
+                    self.memory[(dst, b, off)] = self.memory[(src, a, off)]
+
+    def compute(self, sid, start, end, copies, next_token):
+        """The worker's step: copy-on-write copies, KV writes, then the scheduler's updates."""
+        self.copy(copies, "gpu", "gpu")
+        m = self.model[sid]
+        view = self.observe()
+        table = view["tables"].get(sid)
+        refcounts = view["gpu"]["refcounts"]
+        for pos in range(start, end):
+            i = pos // self.B
+            block = table[1][i] if table is not None and i < len(table[1]) else None
+            if block is None:
+                continue
+            cell, kv = ("gpu", block, pos % self.B), (pos, m["tokens"][pos])
+            if self.memory.get(cell) == kv:
+                continue  # a recompute writes the very KV the slot holds
+            self.memory[cell] = kv
+            if "immutability" in CHECKS and refcounts.get(block, 0) > 1:
+                fail("immutability",
+                     f"seq {sid} writes position {pos} into block {block}: expected a "
+                     f"private block (copy-on-write first), observed it shared by "
+                     f"{refcounts[block]} block-table slots")
+        seq, group = self.seqs[sid], self.groups[sid]
+        if end > start:
+            chunk = self.pending_hit.pop(sid, 0) + (end - start)
+            per_seq = getattr(self.mgr, "compute_full_blocks_in_seq", None)
+            if self.is_v1 and per_seq is not None and len(group.get_seqs()) > 1:
+                per_seq(seq, **_kw(per_seq, token_chunk_size=chunk))
+            else:
+                mark = self.mgr.mark_blocks_as_computed
+                mark(group, **_kw(mark, token_chunk_size=chunk))
+            seq.data.update_num_computed_tokens(chunk)
+        m["computed"] = end
+        if end == len(m["tokens"]):
+            append_token(seq, next_token)
+            m["tokens"].append(next_token)
+
+    def fork(self, parent, child):
+        pseq, group = self.seqs[parent], self.groups[parent]
+        cseq = pseq.fork(child)
+        group.add(cseq)
+        self.seqs[child], self.groups[child] = cseq, group
+        self.mgr.fork(pseq, cseq)
+        m = self.model[parent]
+        self.model[child] = {**m, "tokens": list(m["tokens"])}
+
+    def release(self, sid):
+        seq = self.seqs[sid]
+        self.pending_hit.pop(sid, None)
+        self.just_swapped.discard(sid)
+        if self.live_siblings(sid):
+            seq.status = status("FINISHED_STOPPED")  # one member of a group finishes
+            self.mgr.free(seq)
+            return
+        seq.status = status("WAITING")  # preemption by recompute (or the last member ends)
+        self.mgr.free(seq)
+        seq.reset_state_for_recompute()
+
+    def free(self, sid):
+        if self.model[sid]["status"] != "waiting":
+            self.release(sid)
+        del self.model[sid]
+
+    def preempt(self, sid):
+        self.release(sid)
+        self.model[sid].update(status="waiting", computed=0, step=(0, 0))
+
+    def swap_out(self, sid):
+        seq, group = self.seqs[sid], self.groups[sid]
+        if (seq.status != status("RUNNING") or self.live_siblings(sid)
+                or not self.mgr.can_swap_out(group)):
+            return False
+        self.copy(copies_of(self.mgr.swap_out(group)), "gpu", "cpu")
+        seq.status = status("SWAPPED")
+        self.just_swapped.discard(sid)
+        self.model[sid]["status"] = "swapped"
+        return True
+
+    def swap_in(self, sid):
+        seq, group = self.seqs[sid], self.groups[sid]
+        if seq.status != status("SWAPPED"):
+            return False
+        la = 0 if (self.is_v1 or seq.is_prefill()) else CONFIG["max_lookahead"]
+        fn = self.mgr.can_swap_in
+        if fn(group, **_kw(fn, num_lookahead_slots=la)) != AllocStatus.OK:
+            return False
+        before = self.snapshot()
+        failure, mapping = None, None
+        try:
+            mapping = self.mgr.swap_in(group)
+        except Exception as err:
+            if not out_of_blocks(err):
+                raise
+            failure = err
+        if failure is not None:
+            if self.snapshot() != before:
+                self.failed_allocation(f"seq {sid}: can_swap_in answered OK, swap_in",
+                                       before, failure)
+            return False
+        self.copy(copies_of(mapping), "cpu", "gpu")
+        seq.status = status("RUNNING")
+        self.just_swapped.add(sid)
+        self.model[sid]["status"] = "running"
+        return True
+
+    def apply(self, step):
+        op, a = step["op"], step["args"]
+        if op == "admit":
+            self.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0))
+        elif op == "readmit":
+            m = self.model[a["seq"]]
+            self.admit(a["seq"], m["tokens"], a["num_new_tokens"], a.get("next_token", 0))
+        elif op == "step":
+            self.step(a["seq"], a["num_new_tokens"], a.get("next_token", 0))
+        elif op == "fork":
+            self.fork(a["parent"], a["child"])
+        elif op == "reset_prefix_cache":
+            self.mgr.reset_prefix_cache()
+        else:
+            getattr(self, op)(a["seq"])
+
+    def free_all(self):
+        for sid in sorted(self.model):
+            self.free(sid)
+
+    # ---------------------------------------------------------------- observation
+
+    def observe(self):
+        return self.observe_v1() if self.is_v1 else self.observe_v2()
+
+    def observe_v2(self):
+        alloc = self.mgr.block_allocator
+        gpu, cpu = alloc._allocators[VDevice.GPU], alloc._allocators[VDevice.CPU]
+        null = getattr(alloc, "_null_block", None)
+        null_id = null.block_id if null is not None else None
+        offset = min(cpu.all_block_ids) if cpu.all_block_ids else 0
+        tables = {}
+        for sid, bt in self.mgr.block_tables.items():
+            ids = list(bt.physical_block_ids)
+            real = [b for b in ids if b is not None and b != null_id]
+            on_cpu = bool(real) and all(b not in gpu.all_block_ids for b in real)
+            slots = [None if (b is None or b == null_id) else (b - offset if on_cpu else b)
+                     for b in ids]
+            tables[sid] = ("cpu" if on_cpu else "gpu", slots)
+        return {"gpu": self.pool_v2(gpu, null_id, 0), "cpu": self.pool_v2(cpu, None, offset),
+                "tables": tables}
+
+    @staticmethod
+    def pool_v2(allocator, exclude, offset):
+        ids = sorted(b for b in allocator.all_block_ids if b != exclude)
+        hashless = getattr(allocator, "_hashless_allocator", None)
+        naive = hashless if hashless is not None else allocator
+        counts = naive.refcounter._refcounts
+        pool = {"ids": [b - offset for b in ids],
+                "refcounts": {b - offset: counts[b] for b in ids},
+                "free": [b - offset for b in naive._free_block_indices if b != exclude],
+                "evictable": [], "cached": set()}
+        if hashless is not None:
+            pool["evictable"] = [b - offset for b in allocator.evictor.free_table]
+            pool["cached"] = {b - offset for b in allocator._cached_blocks.values()}
+        return pool
+
+    def observe_v1(self):
+        bsw = getattr(self.mgr, "block_sliding_window", None)
+        tables = {}
+        for sid, bt in self.mgr.block_tables.items():
+            blocks = list(bt)
+            on_cpu = bool(blocks) and blocks[0].device == VDevice.CPU
+            slots = [b.block_number for b in blocks]
+            if bsw is not None and len(slots) > bsw:
+                slots = [None] * (len(slots) - bsw) + slots[-bsw:]  # the window's tail
+            tables[sid] = ("cpu" if on_cpu else "gpu", slots)
+        return {"gpu": self.pool_v1("gpu_allocator", CONFIG["num_blocks"]),
+                "cpu": self.pool_v1("cpu_allocator", CONFIG["num_cpu_blocks"]),
+                "tables": tables}
+
+    def pool_v1(self, name, num_blocks):
+        allocator = getattr(self.mgr, name)
+        ids = list(range(num_blocks))
+        if hasattr(allocator, "free_blocks"):
+            return {"ids": ids,
+                    "refcounts": {b.block_number: b.ref_count for b in self.v1_blocks[name]},
+                    "free": [b.block_number for b in allocator.free_blocks],
+                    "evictable": [], "cached": set()}
+        refcounts = dict.fromkeys(ids, 0)
+        free = list(range(allocator.current_num_blocks, num_blocks))
+        evictable, cached = [], set()
+        for block in [*allocator.cached_blocks.values(), *allocator.evictor.free_table.values()]:
+            refcounts[block.block_number] = block.ref_count
+            cached.add(block.block_number)
+            if block.ref_count == 0:
+                evictable.append(block.block_number)
+        return {"ids": ids, "refcounts": refcounts, "free": free, "evictable": evictable,
+                "cached": cached}
+
+    # ---------------------------------------------------------------- the checks
+
+    def live(self, device):
+        want = "running" if device == "gpu" else "swapped"
+        return [sid for sid, m in self.model.items() if m["status"] == want]
+
+    def check(self, where):
+        view = self.observe()
+        pools = [("gpu", view["gpu"])]
+        if CONFIG["num_cpu_blocks"] > 0:
+            pools.append(("cpu", view["cpu"]))
+        held = {sid: [b for b in slots if b is not None]
+                for sid, (_, slots) in view["tables"].items()}
+        if "refcount-exact" in CHECKS:
+            for device, pool in pools:
+                holders = {}
+                for sid in self.live(device):
+                    table = view["tables"].get(sid)
+                    if table is not None and table[0] == device:
+                        for b in held[sid]:
+                            holders[b] = holders.get(b, 0) + 1
+                for b in sorted(set(holders) | set(pool["refcounts"])):
+                    want, got = holders.get(b, 0), pool["refcounts"].get(b)
+                    if got != want:
+                        fail("refcount-exact",
+                             f"{where}: {device} block {b}: expected refcount {want} (the live "
+                             f"block-table slots holding it), observed {got}")
+        if "conservation" in CHECKS:
+            for device, pool in pools:
+                free, evictable = pool["free"], set(pool["evictable"])
+                in_use = {b for b, rc in pool["refcounts"].items() if rc > 0}
+                dup = sorted({b for b in free if free.count(b) > 1})
+                lost = sorted(set(pool["ids"]) - set(free) - evictable - in_use)
+                both = sorted((set(free) | evictable) & in_use)
+                if dup or lost or both:
+                    fail("conservation",
+                         f"{where}: {device} pool: expected free + evictable + in-use to be "
+                         f"the pool exactly once, observed double-freed {dup}, lost {lost}, "
+                         f"free-and-in-use {both}")
+        if "no-leak" in CHECKS:
+            for sid, blocks in held.items():
+                if blocks and self.model.get(sid, {}).get("status", "waiting") == "waiting":
+                    fail("no-leak",
+                         f"{where}: seq {sid} was freed: expected it to hold no blocks, "
+                         f"observed blocks {blocks}")
+            if not any(m["status"] != "waiting" for m in self.model.values()):
+                for device, pool in pools:
+                    in_use = sorted(b for b, rc in pool["refcounts"].items() if rc > 0)
+                    if in_use:
+                        fail("no-leak",
+                             f"{where}: no sequence is live: expected every {device} block "
+                             f"free, observed blocks {in_use} still in use (refcounts "
+                             f"{[pool['refcounts'][b] for b in in_use]})")
+        if "window-bound" in CHECKS and self.window is not None:
+            W, B = self.window, self.B
+            for sid in self.live("gpu"):
+                table = view["tables"].get(sid)
+                if table is None or table[0] != "gpu":
+                    continue
+                start, end = self.model[sid]["step"]
+                k = max(1, end - start)
+                bound = min((W + k - 2 + B - 1) // B + 1, -(-end // B))
+                if len(held[sid]) > bound:
+                    fail("window-bound",
+                         f"{where}: seq {sid} (step over positions {start}..{end - 1}, "
+                         f"window {W}, block size {B}): expected at most {bound} blocks, "
+                         f"observed {len(held[sid])} ({held[sid]})")
+
+
+def %%TEST%%():
+    """%%INVARIANT%%: replay the trace kvspec recorded; fail where the invariant breaks."""
+    replay = Replay()
+    for i, step in enumerate(TRACE, 1):
+        replay.apply(step)
+        replay.check(f"after step {i} ({step['op']})")
+    replay.free_all()
+    replay.check("after freeing every sequence")
+'''
 
 
 # ---------------------------------------------------------------------------------------------

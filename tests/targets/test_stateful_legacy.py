@@ -4,8 +4,6 @@ that blinds the oracle fails here."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -13,6 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.config import Config
 from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
 from kvspec.testing.driver import replay
+from kvspec.testing.implementations import by_manager
 from kvspec.testing.strategies import configs
 
 from .conftest import requires_vllm
@@ -21,9 +20,7 @@ pytestmark = requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
 
 
 def _factory(manager):
-    from kvspec.adapters.legacy import make_legacy
-
-    return functools.partial(make_legacy, manager=manager)
+    return by_manager(manager).factory
 
 
 def _windowed(caching=False):

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.testing import KVCacheMachine, RunStats
+from kvspec.testing.implementations import factory
 from kvspec.testing.strategies import configs
 
 from .conftest import requires_vllm
@@ -15,10 +16,7 @@ from .conftest import requires_vllm
 pytestmark = requires_vllm("0.11.0", pin="0.33.0")
 
 
-def _factory(config):
-    from kvspec.adapters.v1 import make_v1
-
-    return make_v1(config)
+_factory = factory("v1")
 
 
 WINDOWS = {

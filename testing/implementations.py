@@ -1,0 +1,129 @@
+"""Every implementation kvspec drives, by the name ``--impl`` takes: the one table the command
+line, the benchmarks, the reproducer and the target tests read.
+
+* ``reference``: kvspec's reference block manager;
+* ``broken:<variant>``: a deliberately broken reference (``kvspec.reference.broken.BROKEN``);
+* ``legacy-v1``, ``legacy-v2``, ``legacy-self-attn``: vLLM's legacy (V0) block managers through
+  ``kvspec.adapters.legacy`` (``manager`` is the adapter's name for each);
+* ``v1``: vLLM's V1-engine ``KVCacheManager`` through ``kvspec.adapters.v1``.
+
+Which releases ship which vLLM manager is ``kvspec.targets.registry``'s business (release facts);
+this table says how to build each one and what can reproduce its findings standalone.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import attrs
+from kvspec.adapters.legacy import make_legacy
+from kvspec.adapters.v1 import make_v1
+from kvspec.reference import ReferenceManager
+from kvspec.reference.broken import BROKEN
+from kvspec.spec.config import Config
+from kvspec.spec.errors import KVSpecError
+from kvspec.spec.interface import Implementation
+
+Factory = Callable[[Config], Implementation]
+Engine = Literal["kvspec", "legacy", "v1"]
+BROKEN_PREFIX = "broken:"
+
+
+class UnknownImplementation(KVSpecError, KeyError):
+    """A name that is not in the table (the message lists the names)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@attrs.frozen
+class Impl:
+    name: str
+    engine: Engine  # "kvspec" (reference, broken variants), "legacy" (vllm/core), "v1" (vllm/v1/core)
+    factory: Factory  # Config -> Implementation, what the machine calls per drawn configuration
+    manager: str | None = None  # adapters.legacy's name of a legacy manager
+    harness: Literal["legacy", "v1"] | None = None  # standalone reproducer family (None: none)
+    needs: Mapping[str, object] = attrs.field(factory=dict)  # config a broken variant's bug needs
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.engine != "kvspec"
+
+
+def _legacy(name: str, manager: str) -> Impl:
+    return Impl(name, "legacy", functools.partial(make_legacy, manager=manager), manager, "legacy")
+
+
+VLLM: tuple[Impl, ...] = (
+    _legacy("legacy-v1", "v1"),
+    _legacy("legacy-v2", "v2"),
+    _legacy("legacy-self-attn", "self_attn"),
+    Impl("v1", "v1", make_v1, harness="v1"),
+)
+REFERENCE = Impl("reference", "kvspec", ReferenceManager)
+
+
+def _table() -> dict[str, Impl]:
+    out = {REFERENCE.name: REFERENCE}
+    out.update((i.name, i) for i in VLLM)
+    for variant, v in sorted(BROKEN.items()):
+        out[BROKEN_PREFIX + variant] = Impl(BROKEN_PREFIX + variant, "kvspec", v.cls, needs=v.needs)
+    return out
+
+
+IMPLEMENTATIONS: dict[str, Impl] = _table()
+
+
+def names() -> list[str]:
+    """Every name, in the order the command line lists them."""
+    return list(IMPLEMENTATIONS)
+
+
+def vllm_names() -> tuple[str, ...]:
+    return tuple(i.name for i in VLLM)
+
+
+def lookup(name: str) -> Impl:
+    try:
+        return IMPLEMENTATIONS[name]
+    except KeyError:
+        if name.startswith(BROKEN_PREFIX):
+            variant = BROKEN.get(name[len(BROKEN_PREFIX) :])
+            if variant is not None:  # registered after this module was imported
+                return Impl(name, "kvspec", variant.cls, needs=variant.needs)
+            raise UnknownImplementation(
+                f"unknown broken variant {name[len(BROKEN_PREFIX) :]!r}; one of: {', '.join(sorted(BROKEN))}"
+            ) from None
+        listed = ", ".join([REFERENCE.name, *vllm_names()])
+        raise UnknownImplementation(
+            f"unknown implementation {name!r}; one of: {listed} or {BROKEN_PREFIX}<variant>"
+        ) from None
+
+
+def factory(name: str) -> Factory:
+    return lookup(name).factory
+
+
+def by_manager(manager: str) -> Impl:
+    """The vLLM legacy implementation adapters.legacy calls ``manager``."""
+    for impl in VLLM:
+        if impl.manager == manager:
+            return impl
+    raise UnknownImplementation(f"no implementation drives the legacy manager {manager!r}")
+
+
+__all__ = [
+    "BROKEN_PREFIX",
+    "IMPLEMENTATIONS",
+    "VLLM",
+    "Factory",
+    "Impl",
+    "UnknownImplementation",
+    "by_manager",
+    "factory",
+    "lookup",
+    "names",
+    "vllm_names",
+]
