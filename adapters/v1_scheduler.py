@@ -1,0 +1,399 @@
+"""Adapter: vLLM's own V1 ``Scheduler`` / ``AsyncScheduler``, in the shapes production runs.
+
+``adapters/v1.py`` drives the ``KVCacheManager`` directly, one operation at a time, with the
+scheduler's protocol written out by hand (unit level).  This adapter builds the release's real
+scheduler instead and lets it decide: requests are added, ``schedule()`` plans a step,
+kvspec's worker model executes it (testing/scheduler_driver.py), and ``update_from_output``
+receives a fabricated ``ModelRunnerOutput`` (sampled tokens, accepted and rejected drafts).
+Nothing of the scheduler's protocol is re-modelled here; what it does to the block pool is
+observed after every call.
+
+Shapes (``Shape``), each read off the installed release (0.33.0 file:line):
+
+hybrid groups   a full-attention group and a sliding-window group in one ``KVCacheConfig``:
+                ``get_kv_cache_coordinator`` builds ``HybridKVCacheCoordinator``
+                (vllm/v1/core/kv_cache_coordinator.py:617).  Different block sizes per group
+                need ``hash_block_size`` (``Scheduler.__init__`` scheduler.py:92-93, the
+                coordinator's divisibility asserts kv_cache_coordinator.py:113-116, 679-686):
+                0.11+.  The hybrid coordinator itself: 0.10+.
+async           ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py; 0.10.2+):
+                ``schedule()`` for step t+1 before ``update_from_output`` of step t, output
+                placeholders (async_scheduler.py:25-56).  The engine keeps two batches in
+                flight (``step_with_batch_queue``, vllm/v1/engine/core.py:708).
+spec decode     ``SpeculativeConfig(method="ngram")``: ``num_spec_tokens`` draft slots per
+                decode step (scheduler.py:297, 1312-1361, 1579); drafts arrive through
+                ``update_draft_token_ids`` (sync, engine/core.py:700-706) or as placeholders the
+                worker fills (async); rejections roll ``num_computed_tokens`` back
+                (scheduler.py:2364-2376).  0.8.3+ (the ``update_draft_token_ids`` path: 0.10+).
+budget          ``SchedulerConfig.max_num_batched_tokens`` below ``max_model_len``: the
+                scheduler chunks long prompts by the token budget (scheduler.py:719);
+                ``scheduler_reserve_full_isl`` (0.33: scheduler.py:426, 1449) on and off.
+sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
+                ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
+                groups plus the null block (``check_enough_kv_cache_memory`` and
+                ``_max_memory_usage_bytes_from_groups``, vllm/v1/core/kv_cache_planning.py:151,
+                1253).
+
+Releases: built and run on 0.33.0.  Older V1 releases need other constructor arguments
+(``Scheduler(block_size=...)`` is 0.11+; before, the block size came from the cache config)
+and are refused with ``ConfigError`` naming what is missing (``_build``), not guessed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError
+from kvspec.spec.groups import GroupState, HybridState, Plan, Scheduled, Shape
+from kvspec.spec.prefix_hash import PrefixKey
+from kvspec.spec.state import Device, PoolView, TableView
+
+from .v1 import _build, _config_default, _load_vllm, _params
+
+# The tiny model whose config.json the scheduler's ModelConfig reads (no weights, no
+# tokenizer): two layers, so one per KV-cache group.
+TINY_MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 65536,
+    "torch_dtype": "float16",
+}
+HEAD_SIZE = 64
+LAYER_FULL = "model.layers.0.self_attn.attn"
+LAYER_SWA = "model.layers.1.self_attn.attn"
+NGRAM_LOOKUP = 2  # prompt_lookup_max of the ngram proposer (required by SpeculativeConfig)
+
+
+def _tiny_model_dir() -> Path:
+    root = Path(tempfile.gettempdir()) / "kvspec-tiny-llama"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "config.json"
+    text = json.dumps(TINY_MODEL, indent=1)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return root
+
+
+class VLLMV1SchedulerAdapter:
+    """vLLM's V1 scheduler over one shared block pool, one KV-cache group per attention kind."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self._v = v = _load_vllm()
+        self.vllm_version: str = v.version
+        self.name = f"vllm-v1-scheduler-{v.version}"
+        sched_mod = importlib.import_module("vllm.v1.core.sched.scheduler")
+        async_mod = importlib.import_module("vllm.v1.core.sched.async_scheduler")
+        self._outputs = importlib.import_module("vllm.v1.outputs")
+        so_mod = importlib.import_module("vllm.v1.structured_output")
+        if "block_size" not in _params(sched_mod.Scheduler.__init__):
+            raise ConfigError(f"vLLM {v.version}: Scheduler takes no block_size; adapter unaware")
+
+        groups = shape.groups()
+        B = shape.block_size
+        if any(B % g.block_size for g in groups):
+            raise ConfigError(f"group block sizes must divide the scheduler's block size {B}")
+        self.hash_block_size = math.gcd(*(g.block_size for g in groups))
+        vllm_config = self._vllm_config(shape)
+        specs = self._specs(shape)
+        kcg = [
+            _build(v.kci.KVCacheGroupSpec, layer_names=[name], kv_cache_spec=spec)
+            for name, spec in specs
+        ]
+        # vLLM's startup check at its edge: one request of max_model_len fits exactly.
+        plan = importlib.import_module("vllm.v1.core.kv_cache_planning")
+        if not hasattr(plan, "max_memory_usage_bytes"):
+            raise ConfigError(f"vLLM {v.version}: no kv_cache_planning.max_memory_usage_bytes")
+        self.minimum_blocks = sum(
+            -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes) for _, spec in specs
+        )
+        pool_blocks = self.minimum_blocks + shape.extra_blocks
+        self.num_blocks = pool_blocks
+        kv_cache_config = _build(
+            v.kci.KVCacheConfig,
+            num_blocks=pool_blocks + 1,  # + vLLM's null block
+            kv_cache_tensors=[],
+            kv_cache_groups=kcg,
+        )
+        vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
+        cls = async_mod.AsyncScheduler if shape.async_scheduling else sched_mod.Scheduler
+        self.scheduler = _build(
+            cls,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=so_mod.StructuredOutputManager(vllm_config),
+            block_size=B,
+            hash_block_size=self.hash_block_size,
+            log_stats=False,
+        )
+        self.manager = self.scheduler.kv_cache_manager
+        self.group_specs = groups
+        self.config = Config(
+            block_size=B,
+            num_blocks=pool_blocks,
+            sliding_window=None,
+            prefix_caching=shape.prefix_caching,
+            max_lookahead=shape.num_spec_tokens,
+        )
+        self.num_lookahead_tokens: int = self.scheduler.num_lookahead_tokens
+        self._hasher = None
+        if shape.prefix_caching:
+            hashing = importlib.import_module("vllm.utils.hashing")
+            algo = _config_default(v.config.CacheConfig, "prefix_caching_hash_algo", "sha256")
+            hash_fn = hashing.get_hash_fn_by_name(algo)
+            from . import v1 as _v1
+
+            if not _v1._NONE_HASH_SEEDED:
+                v.kcu.init_none_hash(hash_fn)
+                _v1._NONE_HASH_SEEDED = True
+            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+        self._epochs: dict[int, int] = {}
+        self._count_allocations()
+        self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
+        self._seq_of: dict[str, int] = {}
+        self._keys: dict[Any, PrefixKey] = {}
+        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
+
+    # ------------------------------------------------------------------ construction
+
+    def _vllm_config(self, shape: Shape) -> Any:
+        c = self._v.config
+        model_config = _build(
+            c.ModelConfig,
+            model=str(_tiny_model_dir()),
+            skip_tokenizer_init=True,
+            max_model_len=shape.max_model_len,
+            dtype="float16",
+            seed=0,
+        )
+        scheduler_config = _build(
+            c.SchedulerConfig,
+            max_num_seqs=16,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_model_len=shape.max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            async_scheduling=shape.async_scheduling,
+            scheduler_reserve_full_isl=shape.full_sequence_must_fit,
+        )
+        cache_config = _build(
+            c.CacheConfig,
+            block_size=shape.block_size,
+            enable_prefix_caching=shape.prefix_caching,
+        )
+        speculative_config = None
+        if shape.num_spec_tokens:
+            speculative_config = _build(
+                c.SpeculativeConfig,
+                method="ngram",
+                num_speculative_tokens=shape.num_spec_tokens,
+                prompt_lookup_max=NGRAM_LOOKUP,
+                prompt_lookup_min=1,
+            )
+        return _build(
+            c.VllmConfig,
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device_config=_build(c.DeviceConfig, device="cpu"),
+            speculative_config=speculative_config,
+        )
+
+    def _specs(self, shape: Shape) -> list[tuple[str, Any]]:
+        kci, torch = self._v.kci, self._v.torch
+        common = dict(num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float16)
+        # One page size for every group (the hybrid allocator's precondition): a group with
+        # smaller blocks takes more heads per block.
+        out = [(LAYER_FULL, _build(kci.FullAttentionSpec, block_size=shape.block_size, **common))]
+        if shape.sliding_window is not None:
+            scale = shape.block_size // shape.swa_block_size
+            swa = _build(
+                kci.SlidingWindowSpec,
+                block_size=shape.swa_block_size,
+                sliding_window=shape.sliding_window,
+                **{**common, "num_kv_heads": scale},
+            )
+            out.append((LAYER_SWA, swa))
+        return out
+
+    def _count_allocations(self) -> None:
+        """Count how often the pool hands each block out (observation only, as in v1.py)."""
+        pool = self.manager.block_pool
+        allocate = pool.get_new_blocks
+        epochs = self._epochs
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            blocks = allocate(*args, **kwargs)
+            for block in blocks:
+                epochs[block.block_id] = epochs.get(block.block_id, 0) + 1
+            return blocks
+
+        pool.get_new_blocks = counted
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
+        v = self._v
+        sampling = v.sampling.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = _build(
+            v.request.Request,
+            request_id=f"seq{seq_id}",
+            prompt_token_ids=list(tokens),
+            sampling_params=sampling,
+            pooling_params=None,
+            eos_token_id=None,
+            arrival_time=0.0,
+            mm_features=None,
+            lora_request=None,
+            cache_salt=None,
+            block_hasher=self._hasher,
+        )
+        self._req[seq_id] = request
+        self._seq_of[request.request_id] = seq_id
+        self._learn(request)
+        self.scheduler.add_request(request)
+
+    def abort(self, seq_id: int) -> None:
+        request = self._req[seq_id]
+        status = self._v.request.RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish_requests([request.request_id], status)
+
+    def live(self, seq_id: int) -> bool:
+        request = self._req.get(seq_id)
+        return request is not None and not request.is_finished()
+
+    def tokens(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._req[seq_id].all_token_ids)
+
+    # ------------------------------------------------------------------ a step
+
+    def schedule(self) -> Plan:
+        so = self.scheduler.schedule()
+        scheduled = []
+        starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, n in so.num_scheduled_tokens.items():
+            drafts = tuple(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            scheduled.append(
+                Scheduled(self._seq_of[req_id], starts[req_id], n, len(drafts), drafts)
+            )
+        preempted = tuple(self._seq_of[r] for r in (so.preempted_req_ids or ()))
+        finished = tuple(self._seq_of[r] for r in so.finished_req_ids if r in self._seq_of)
+        for r in self._req.values():
+            self._learn(r)
+        return Plan(tuple(scheduled), preempted, finished, so)
+
+    def update(
+        self,
+        plan: Plan,
+        sampled: Mapping[int, Sequence[int]],
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        """``update_from_output`` with the worker's sampled tokens (accepted drafts + one
+        token) per request; then, synchronously, the next drafts (``update_draft_token_ids``)."""
+        so = plan.handle
+        req_ids = list(so.num_scheduled_tokens)
+        out = _build(
+            self._outputs.ModelRunnerOutput,
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[list(sampled.get(self._seq_of[r], ())) for r in req_ids],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        self.scheduler.update_from_output(so, out)
+        if drafts and not self.shape.async_scheduling:
+            ids = [self._req[s].request_id for s in drafts if self.live(s)]
+            lists = [list(drafts[s]) for s in drafts if self.live(s)]
+            if ids:
+                self.scheduler.update_draft_token_ids(
+                    _build(self._outputs.DraftTokenIds, req_ids=ids, draft_token_ids=lists)
+                )
+        for r in self._req.values():
+            self._learn(r)
+
+    # ------------------------------------------------------------------ observation
+
+    def _learn(self, request: Any) -> None:
+        """Map the release's hash of every hash block to its PrefixKey (the token chain up
+        to the block's end).  Hashes chain over the whole prefix, so a group whose blocks are
+        a multiple of the hash block uses the hash at its block's end (``BlockHashListWith
+        BlockSize``, vllm/v1/core/kv_cache_utils.py:1157)."""
+        hashes = getattr(request, "block_hashes", None)
+        if not hashes:
+            return
+        tokens = tuple(request.all_token_ids)
+        H = self.hash_block_size
+        for i, h in enumerate(hashes):
+            end = (i + 1) * H
+            if end > len(tokens):
+                break
+            key = PrefixKey(tokens[:end], ())
+            old = self._keys.setdefault(h, key)
+            if old != key:
+                self.hash_collisions.append((h, old, key))
+
+    def observe(self) -> HybridState:
+        kcu = self._v.kcu
+        pool = self.manager.block_pool
+        null = pool.null_block
+        blocks = [b for b in pool.blocks if b is not null]
+        ids = tuple(b.block_id for b in blocks)
+        queue = list(pool.free_block_queue.get_all_free_blocks())
+        free = tuple(b.block_id for b in queue if b.block_hash is None)
+        evictable = tuple(b.block_id for b in queue if b.block_hash is not None)
+        per_group: list[list[tuple[PrefixKey, int]]] = [[] for _ in self.group_specs]
+        raw = pool.cached_block_hash_to_block
+        raw = getattr(raw, "_cache", raw)
+        for vkey, entry in raw.items():
+            group = kcu.get_group_id(vkey)
+            h = kcu.get_block_hash(vkey)
+            key = self._keys.get(h)
+            if key is None:
+                raise RuntimeError(f"a block is cached under a hash no request produced ({h!r})")
+            entries = entry.values() if isinstance(entry, dict) else (entry,)
+            per_group[group].extend((key, b.block_id) for b in entries)
+        cached_all = tuple(e for g in per_group for e in g)
+        gpu = PoolView(
+            ids=ids,
+            refcounts={b.block_id: b.ref_cnt for b in blocks},
+            free=free,
+            evictable=evictable,
+            cached=cached_all,
+            computed=frozenset(b for _, b in cached_all),
+            epochs={b: self._epochs.get(b, 0) for b in ids},
+        )
+        coordinator = self.manager.coordinator
+        groups = []
+        for gi, spec in enumerate(self.group_specs):
+            manager = coordinator.single_type_managers[gi]
+            tables = {}
+            for seq_id, request in self._req.items():
+                held = manager.req_to_blocks.get(request.request_id)
+                if held is None:
+                    continue
+                slots = tuple(
+                    None if (b is null or getattr(b, "is_null", False)) else b.block_id
+                    for b in held
+                )
+                tables[seq_id] = TableView(seq_id, Device.GPU, slots)
+            groups.append(GroupState(spec, tables, tuple(per_group[gi])))
+        return HybridState(gpu, tuple(groups))
+
+
+__all__ = ["VLLMV1SchedulerAdapter"]

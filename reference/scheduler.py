@@ -1,0 +1,278 @@
+"""The reference scheduler: the smallest scheduler over KV-cache groups sharing one pool.
+
+It answers the same calls as vLLM's V1 scheduler under kvspec (adapters/v1_scheduler.py:
+``add``, ``schedule``, ``update``, ``abort``, ``observe``), so the scheduler machine runs on
+it without vLLM, and its deliberately broken variants (reference/broken.py) show that each
+production shape's checks can fail.  Kept small on purpose: first come first served, a token
+budget per step, preemption by recompute of the newest running request, draft tokens on
+every decode step, output placeholders under async scheduling, one table per (request,
+group), sliding-window groups dropping the blocks before the window of the worker's
+processed position.  No prefix caching (a hit is the manager's business, and
+reference/manager.py models it): ``Shape.prefix_caching`` is ignored here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.spec.groups import GroupSpec, GroupState, HybridState, Plan, Scheduled, Shape
+from kvspec.spec.state import Device, PoolView, TableView
+from kvspec.spec.window import blocks_for_tokens, first_needed_position
+
+
+@attrs.define
+class _Req:
+    seq_id: int
+    tokens: list[int]
+    max_tokens: int
+    computed: int = 0  # optimistic: every scheduled token counts at once (as in vLLM)
+    in_flight: int = 0  # scheduled tokens whose output has not come back
+    placeholders: int = 0  # sampled/draft tokens of steps in flight (async)
+    outputs: int = 0
+    drafts: list[int] = attrs.Factory(list)
+    tables: list[list[int | None]] = attrs.Factory(list)
+    running: bool = False
+    preemptions: int = 0  # output of a step planned before a preemption is stale: dropped
+
+    def known(self) -> int:
+        return len(self.tokens) + self.placeholders
+
+
+class NoRoom(Exception):
+    """The pool cannot hold a step's blocks."""
+
+
+class ReferenceScheduler:
+    name = "reference-scheduler"
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.group_specs: tuple[GroupSpec, ...] = shape.groups()
+        self.minimum_blocks = self._minimum(shape)
+        self.num_blocks = self.minimum_blocks + shape.extra_blocks
+        self.config = Config(
+            block_size=shape.block_size,
+            num_blocks=self.num_blocks,
+            max_lookahead=shape.num_spec_tokens,
+        )
+        self.num_lookahead_tokens = 0
+        self.free: list[int] = list(range(self.num_blocks))
+        self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
+        self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
+        self.reqs: dict[int, _Req] = {}
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self._step = 0
+
+    # ------------------------------------------------------------ sizing
+
+    def _minimum(self, shape: Shape) -> int:
+        """One request of max_model_len in every group (no window savings: kept simple)."""
+        return sum(blocks_for_tokens(shape.max_model_len, g.block_size) for g in self.group_specs)
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
+        self.reqs[seq_id] = _Req(seq_id, list(tokens), max_tokens)
+        self.waiting.append(seq_id)
+
+    def abort(self, seq_id: int) -> None:
+        self._finish(seq_id)
+
+    def live(self, seq_id: int) -> bool:
+        return seq_id in self.reqs
+
+    def tokens(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self.reqs[seq_id].tokens)
+
+    def _finish(self, seq_id: int) -> None:
+        req = self.reqs.pop(seq_id, None)
+        if req is None:
+            return
+        self._release(req)
+        for queue in (self.waiting, self.running):
+            if seq_id in queue:
+                queue.remove(seq_id)
+
+    # ------------------------------------------------------------ blocks
+
+    def _allocate(self) -> int:
+        if not self.free:
+            raise NoRoom
+        block = self.free.pop(0)
+        self.refcounts[block] = 1
+        self.epochs[block] += 1
+        return block
+
+    def _decref(self, block: int) -> None:
+        self.refcounts[block] -= 1
+        if self.refcounts[block] == 0:
+            self.free.append(block)
+
+    def _release(self, req: _Req) -> None:
+        for table in req.tables:
+            for block in reversed(table):
+                if block is not None:
+                    self._decref(block)
+        req.tables = []
+
+    def _first_needed(self, req: _Req, group: GroupSpec) -> int:
+        """The first position the worker still reads: the window of its processed count."""
+        return first_needed_position(req.computed - req.in_flight, group.sliding_window)
+
+    def _slots_for(self, req: _Req, end: int, group: GroupSpec) -> int:
+        return blocks_for_tokens(end, group.block_size)
+
+    def _grow(self, req: _Req, end: int) -> None:
+        """Tables cover positions < end in every group; all or nothing."""
+        if not req.tables:
+            req.tables = [[] for _ in self.group_specs]
+        for table, group in zip(req.tables, self.group_specs, strict=True):
+            if group.sliding_window is not None:
+                first = self._first_needed(req, group) // group.block_size
+                for i in range(min(first, len(table))):
+                    if table[i] is not None:
+                        self._decref(table[i])
+                        table[i] = None
+        need = sum(
+            max(0, self._slots_for(req, end, g) - len(t))
+            for t, g in zip(req.tables, self.group_specs, strict=True)
+        )
+        if need > len(self.free):
+            raise NoRoom
+        for table, group in zip(req.tables, self.group_specs, strict=True):
+            while len(table) < self._slots_for(req, end, group):
+                table.append(self._allocate())
+
+    # ------------------------------------------------------------ a step
+
+    def _tokens_for(self, req: _Req, budget: int) -> tuple[int, tuple[int, ...]]:
+        """Tokens the next step of a request computes, and its draft ids."""
+        remaining = req.known() - req.computed
+        if remaining > 1 or (req.outputs == 0 and req.placeholders == 0):
+            return min(remaining, budget), ()
+        k = self.shape.num_spec_tokens
+        if self.shape.async_scheduling:
+            drafts: tuple[int, ...] = (-1,) * k
+        else:
+            drafts = tuple(req.drafts[:k])
+        n = min(1 + len(drafts), budget)
+        return n, drafts[: n - 1]
+
+    def _schedule_one(self, req: _Req, budget: int) -> Scheduled | None:
+        n, drafts = self._tokens_for(req, budget)
+        if n < 1:
+            return None
+        self._grow(req, req.computed + n)
+        start = req.computed
+        req.computed += n
+        req.in_flight += n
+        if req.computed >= req.known():
+            req.placeholders += 1 + len(drafts) if self.shape.async_scheduling else 0
+        req.drafts = []
+        return Scheduled(req.seq_id, start, n, len(drafts), drafts)
+
+    def _preempt(self, seq_id: int) -> None:
+        req = self.reqs[seq_id]
+        self._release(req)
+        req.computed = req.in_flight = req.placeholders = 0
+        req.drafts = []
+        req.preemptions += 1
+        req.running = False
+        self.running.remove(seq_id)
+        self.waiting.insert(0, seq_id)
+
+    def schedule(self) -> Plan:
+        budget = self.shape.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        preempted: list[int] = []
+        for seq_id in list(self.running):
+            if seq_id not in self.running or budget == 0:
+                continue
+            req = self.reqs[seq_id]
+            while True:
+                try:
+                    s = self._schedule_one(req, budget)
+                    break
+                except NoRoom:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim == seq_id:
+                        s = None
+                        break
+            if s is not None:
+                scheduled.append(s)
+                budget -= s.num_tokens
+        while self.waiting and budget > 0 and not preempted:
+            req = self.reqs[self.waiting[0]]
+            try:
+                s = self._schedule_one(req, budget)
+            except NoRoom:
+                break
+            self.waiting.pop(0)
+            req.running = True
+            self.running.append(req.seq_id)
+            if s is not None:
+                scheduled.append(s)
+                budget -= s.num_tokens
+        self._step += 1
+        lives = {s.seq_id: self.reqs[s.seq_id].preemptions for s in scheduled}
+        return Plan(tuple(scheduled), tuple(preempted), (), handle=(self._step, lives))
+
+    def update(
+        self,
+        plan: Plan,
+        sampled: Mapping[int, Sequence[int]],
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        _, lives = plan.handle
+        for s in plan.scheduled:
+            req = self.reqs.get(s.seq_id)
+            if req is None or req.preemptions != lives[s.seq_id]:
+                continue  # finished, or stale: planned before a preemption
+            req.in_flight -= s.num_tokens
+            new = list(sampled.get(s.seq_id, ()))
+            if not new:
+                continue
+            rejected = s.drafts - (len(new) - 1)
+            self._roll_back(req, rejected)
+            if self.shape.async_scheduling:
+                req.placeholders -= 1 + s.drafts
+            req.tokens.extend(new)
+            req.outputs += len(new)
+            if req.outputs >= req.max_tokens:
+                self._finish(s.seq_id)
+        if drafts and not self.shape.async_scheduling:
+            for seq_id, ids in drafts.items():
+                if seq_id in self.reqs:
+                    self.reqs[seq_id].drafts = list(ids)
+
+    def _roll_back(self, req: _Req, rejected: int) -> None:
+        if req.running and req.computed > 0:
+            req.computed -= rejected
+
+    # ------------------------------------------------------------ observation
+
+    def observe(self) -> HybridState:
+        ids = tuple(range(self.num_blocks))
+        pool = PoolView(
+            ids=ids,
+            refcounts=dict(self.refcounts),
+            free=tuple(self.free),
+            epochs=dict(self.epochs),
+        )
+        groups = []
+        for gi, spec in enumerate(self.group_specs):
+            tables = {
+                r.seq_id: TableView(r.seq_id, Device.GPU, tuple(r.tables[gi]))
+                for r in self.reqs.values()
+                if r.tables
+            }
+            groups.append(GroupState(spec, tables))
+        return HybridState(pool, tuple(groups))
+
+
+__all__ = ["ReferenceScheduler"]

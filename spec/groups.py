@@ -1,0 +1,261 @@
+"""Hybrid models: several KV-cache groups sharing one block pool.
+
+A hybrid model (Gemma-2/3, Llama-4, gpt-oss style) mixes full-attention layers with
+sliding-window layers.  vLLM's V1 engine gives each kind of layer a KV-cache *group* with its
+own block table per request (``KVCacheGroupSpec``, vllm/v1/kv_cache_interface.py), all groups
+allocating from one ``BlockPool`` through ``HybridKVCacheCoordinator``
+(vllm/v1/core/kv_cache_coordinator.py).  The abstract state is then one table per
+(sequence, group) over one pool:
+
+* per group, every state invariant holds on the group's *view* (``group_world``): its own
+  tables, its block size and window, and the part of the pool it owns (the blocks its tables
+  hold and the blocks cached under its keys).  A block two groups both claim shows in both
+  views with the refcount of the whole pool, so ``refcount-exact`` reports it.
+* over the one shared pool (``pool_world``), the pool invariants (``POOL_INVARIANTS``) hold
+  with every group's tables counted together: conservation of the one pool, exact refcounts
+  across groups, no leak once every sequence is gone.
+* a prefix hit is one token count for the request, so it is a hit in every group: each
+  group's ``kv-readback`` reads the hit positions its next token attends through that group's
+  table (full attention: all of them; sliding window: the window).
+
+No new invariant ID: the groups change the world the invariants look at, not the properties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from .config import Config
+from .invariants import INVARIANTS, Violation, check_world
+from .prefix_hash import PrefixKey
+from .state import KVState, PoolView, SeqModel, TableView, World
+
+POOL_INVARIANTS = ("refcount-exact", "conservation", "no-leak")
+"""The invariants about the one shared pool, checked with all groups' tables together."""
+
+
+@attrs.frozen
+class GroupSpec:
+    """One KV-cache group: the layers of one attention kind.
+
+    name            a label for reports ("full", "swa").
+    block_size      tokens per block of this group (a divisor of the scheduler's block size).
+    sliding_window  W of the group's sliding-window layers; None for full attention.
+    """
+
+    name: str
+    block_size: int
+    sliding_window: int | None = None
+
+
+SHAPE_TAGS = (
+    "hybrid",
+    "hybrid-block-sizes",
+    "async",
+    "spec-decode",
+    "budget-chunked",
+    "full-isl-on",
+    "full-isl-off",
+    "startup-min",
+)
+"""The production shapes a scheduler-driven run counts operations in (``Shape.tags``)."""
+
+
+@attrs.frozen
+class Shape:
+    """A production configuration of vLLM's V1 scheduler (adapters/v1_scheduler.py builds it).
+
+    block_size        the full-attention group's block size (and the scheduler's).
+    swa_block_size    the sliding-window group's block size (a divisor of block_size).
+    sliding_window    W of the sliding-window group; None: one full-attention group only.
+    extra_blocks      pool blocks beyond vLLM's startup minimum for the shape (0: exactly it;
+                      a pool below it is one vLLM refuses to start with).
+    prefix_caching    ``enable_prefix_caching``.
+    num_spec_tokens   ngram draft tokens per decode step (0: no speculative decoding).
+    async_scheduling  ``AsyncScheduler`` with two batches in flight.
+    max_num_batched_tokens  the token budget per step.
+    max_model_len     the context length.
+    full_sequence_must_fit  ``scheduler_reserve_full_isl``.
+    max_tokens        sampled tokens after which a request finishes.
+    """
+
+    block_size: int
+    swa_block_size: int
+    sliding_window: int | None
+    extra_blocks: int
+    prefix_caching: bool
+    num_spec_tokens: int
+    async_scheduling: bool
+    max_num_batched_tokens: int
+    max_model_len: int
+    full_sequence_must_fit: bool
+    max_tokens: int = 4
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def budget_bound(self) -> bool:
+        return self.max_num_batched_tokens < self.max_model_len
+
+    @property
+    def at_minimum(self) -> bool:
+        return self.extra_blocks == 0
+
+    def groups(self) -> tuple[GroupSpec, ...]:
+        full = GroupSpec("full", self.block_size)
+        if self.sliding_window is None:
+            return (full,)
+        return (full, GroupSpec("swa", self.swa_block_size, self.sliding_window))
+
+    def tags(self) -> tuple[str, ...]:
+        out = []
+        if self.sliding_window is not None:
+            out.append("hybrid")
+            if self.swa_block_size != self.block_size:
+                out.append("hybrid-block-sizes")
+        if self.async_scheduling:
+            out.append("async")
+        if self.num_spec_tokens:
+            out.append("spec-decode")
+        if self.max_num_batched_tokens < self.max_model_len:
+            out.append("budget-chunked")
+        out.append("full-isl-on" if self.full_sequence_must_fit else "full-isl-off")
+        if self.extra_blocks == 0:
+            out.append("startup-min")
+        return tuple(out)
+
+    def describe(self) -> str:
+        parts = [f"B={self.block_size}"]
+        if self.hybrid:
+            parts.append(f"hybrid(swa W={self.sliding_window} B={self.swa_block_size})")
+        parts.append(f"N=startup-min+{self.extra_blocks}")
+        parts.append("prefix caching" if self.prefix_caching else "no prefix caching")
+        if self.num_spec_tokens:
+            parts.append(f"spec={self.num_spec_tokens}")
+        if self.async_scheduling:
+            parts.append("async")
+        parts.append(f"budget={self.max_num_batched_tokens}/len={self.max_model_len}")
+        parts.append(f"full_isl={'on' if self.full_sequence_must_fit else 'off'}")
+        return " ".join(parts)
+
+
+@attrs.frozen
+class Scheduled:
+    """One request's part of a planned step, as the model runner receives it from a scheduler.
+
+    start      the first position the step computes (vLLM's ``num_computed_tokens``).
+    num_tokens positions start .. start+num_tokens-1 (drafts included).
+    drafts     how many of them are draft tokens (the last ones).
+    draft_ids  the draft token ids the scheduler sent (-1: a placeholder the worker fills).
+    """
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    drafts: int
+    draft_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Plan:
+    """What one ``schedule()`` call planned."""
+
+    scheduled: tuple[Scheduled, ...]
+    preempted: tuple[int, ...]
+    finished: tuple[int, ...]
+    handle: Any = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
+class GroupState:
+    """One group's part of the observed state: its tables and its prefix-cache entries."""
+
+    spec: GroupSpec
+    tables: Mapping[int, TableView]
+    cached: tuple[tuple[PrefixKey, int], ...] = ()
+
+
+@attrs.frozen
+class HybridState:
+    """The whole observed state of a hybrid manager: the one pool and every group's part.
+
+    ``pool.cached`` lists every group's entries; ``groups[i].cached`` the entries of group i.
+    """
+
+    pool: PoolView
+    groups: tuple[GroupState, ...]
+
+
+def group_config(config: Config, group: GroupSpec) -> Config:
+    return attrs.evolve(config, block_size=group.block_size, sliding_window=group.sliding_window)
+
+
+def group_state(state: HybridState, index: int) -> KVState:
+    """Group ``index``'s view: its tables over the blocks it owns (held or cached by it)."""
+    g = state.groups[index]
+    pool = state.pool
+    owned = {b for t in g.tables.values() for b in t.held()} | {b for _, b in g.cached}
+    owned &= set(pool.ids)
+    view = PoolView(
+        ids=tuple(b for b in pool.ids if b in owned),
+        refcounts={b: pool.refcounts[b] for b in pool.ids if b in owned},
+        free=(),
+        evictable=tuple(b for b in pool.evictable if b in owned),
+        cached=g.cached,
+        computed=frozenset(b for b in pool.computed if b in owned),
+        epochs=None if pool.epochs is None else {b: pool.epochs[b] for b in owned},
+    )
+    return KVState(gpu=view, tables=g.tables, cpu=None)
+
+
+def pool_state(state: HybridState) -> KVState:
+    """The one shared pool with every group's tables counted together.
+
+    A sequence's tables are laid end to end: the pool invariants count holders, not positions.
+    """
+    seqs = {sid for g in state.groups for sid in g.tables}
+    tables = {}
+    for sid in seqs:
+        parts = [g.tables[sid] for g in state.groups if sid in g.tables]
+        slots = tuple(s for t in parts for s in t.slots)
+        tables[sid] = TableView(sid, parts[0].device, slots)
+    return KVState(gpu=state.pool, tables=tables, cpu=None)
+
+
+def group_world(
+    config: Config,
+    state: HybridState,
+    index: int,
+    seqs: Mapping[int, SeqModel],
+    memory: Mapping,
+) -> World:
+    spec = state.groups[index].spec
+    return World(group_config(config, spec), group_state(state, index), seqs, memory)
+
+
+def check_hybrid(
+    config: Config,
+    state: HybridState,
+    seqs: Mapping[int, SeqModel],
+    memory: Mapping,
+) -> list[Violation]:
+    """Every state invariant per group view, and the pool invariants over the shared pool.
+
+    One memory serves every group: a block belongs to one group at a time, and its cells are
+    (device, block, offset).  Each violation names the group it was found in.
+    """
+    out: list[Violation] = []
+    whole = World(config, pool_state(state), seqs, memory)
+    for inv_id in POOL_INVARIANTS:
+        out.extend(
+            Violation(v.invariant, f"shared pool: {v.message}") for v in INVARIANTS[inv_id].check(whole)
+        )
+    for i, g in enumerate(state.groups):
+        for v in check_world(group_world(config, state, i, seqs, memory)):
+            out.append(Violation(v.invariant, f"group {g.spec.name}: {v.message}"))
+    return out

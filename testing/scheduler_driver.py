@@ -1,0 +1,305 @@
+"""The worker model for scheduler-driven runs: vLLM's own scheduler plans, kvspec executes.
+
+``Driver`` (driver.py) plays the scheduler and calls a block manager one operation at a time.
+Here the target *is* the scheduler (adapters/v1_scheduler.py): it decides what runs, and this
+driver plays the model runner.  For every planned step it writes the KV of each scheduled
+position into the shadow memory through the request's block table in every KV-cache group,
+samples tokens (accepting a drawn number of the step's draft tokens and rejecting the rest),
+discards the KV writes of rejected drafts, and returns the output to the scheduler.  Every
+state invariant is checked per group and over the shared pool (spec/groups.py) after every
+call, and every write is checked for immutability in the group that owns the block.
+
+The sequence model (``SeqModel``) is the worker's: ``tokens`` are the tokens it has sampled,
+``num_computed`` the positions whose KV it has written or a prefix hit supplied.  Under async
+scheduling the worker runs step t+1 before the scheduler has seen step t's output: a running
+request's step starts where the worker's own count stands (what vLLM's GPU model runner does
+with its on-device count), not at the scheduler's optimistic ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.spec.groups import GroupSpec, HybridState, check_hybrid, group_state, pool_state
+from kvspec.spec.invariants import Violation, immutability
+from kvspec.spec.kv_memory import ended_lifetimes, plan_step_writes
+from kvspec.spec.state import Device, SeqModel, Status
+
+from .driver import TraceStep
+
+DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
+
+
+class SchedulerTarget(Protocol):
+    """What a scheduler-driven target offers (adapters/v1_scheduler.py)."""
+
+    name: str
+    config: Config
+    group_specs: tuple[GroupSpec, ...]
+    num_lookahead_tokens: int
+
+    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None: ...
+    def abort(self, seq_id: int) -> None: ...
+    def live(self, seq_id: int) -> bool: ...
+    def tokens(self, seq_id: int) -> tuple[int, ...]: ...
+    def schedule(self) -> Any: ...
+    def update(self, plan: Any, sampled: dict, drafts: dict | None = None) -> None: ...
+    def observe(self) -> HybridState: ...
+
+
+@attrs.define
+class ShapeCounts:
+    """Operations run per production shape (a run that ran none of a shape says so)."""
+
+    examples: Counter = attrs.Factory(Counter)
+    operations: Counter = attrs.Factory(Counter)
+
+    def add(self, shapes: Sequence[str], operations: int) -> None:
+        for s in shapes:
+            self.examples[s] += 1
+            self.operations[s] += operations
+
+
+class SchedulerDriver:
+    def __init__(
+        self,
+        target: SchedulerTarget,
+        *,
+        async_depth: int = 0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.target = target
+        self.config = target.config
+        self.async_depth = async_depth  # steps whose output is still in flight after a step
+        self.log = log or (lambda _m: None)
+        self.seqs: dict[int, SeqModel] = {}
+        self.memory: dict = {}
+        self.trace: list[TraceStep] = []
+        self.pending: list[Violation] = []
+        self.in_flight: deque = deque()
+        self.recent_starts: dict[int, list[int]] = {}
+        self.proposed: dict[int, tuple[int, ...]] = {}  # drafts the worker proposed last
+        self.state: HybridState = target.observe()
+        self.operations = 0
+        self.counts: Counter = Counter()  # drafts, rejected, preempted, chunked, ...
+
+    # ------------------------------------------------------------ operations
+
+    def arrive(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
+        tokens = tuple(tokens)
+        self.target.add(seq_id, tokens, max_tokens)
+        self.seqs[seq_id] = SeqModel(
+            seq_id, tokens, status=Status.WAITING, prompt_len=len(tokens)
+        )
+        self._record("arrive", {"seq": seq_id, "tokens": list(tokens), "max_tokens": max_tokens})
+        self._observe()
+
+    def abort(self, seq_id: int) -> None:
+        self.target.abort(seq_id)
+        self.seqs.pop(seq_id, None)
+        self._record("abort", {"seq": seq_id})
+        self._observe()
+
+    def step(self, accept: bytes, tokens: bytes) -> None:
+        """One engine iteration: schedule, execute, and hand back the output that is due."""
+        plan = self.target.schedule()
+        for seq_id in plan.preempted:
+            if seq_id in self.seqs:
+                self.counts["preempted"] += 1
+                self.seqs[seq_id] = attrs.evolve(
+                    self.seqs[seq_id], status=Status.WAITING, num_computed=0, step=(0, 0)
+                )
+                self.recent_starts.pop(seq_id, None)
+        self._observe()
+        sampled, drafts = self._execute(plan, accept, tokens)
+        self.in_flight.append((plan, sampled, drafts))
+        shown = {
+            s.seq_id: f"{s.start}+{s.num_tokens}" + (f"(d{s.drafts})" if s.drafts else "")
+            for s in plan.scheduled
+        }
+        self._record(
+            "step",
+            {"accept": accept.hex(), "tokens": tokens.hex()},
+            f"scheduled {shown}, preempted {list(plan.preempted)}, sampled "
+            f"{ {k: v for k, v in sampled.items() if v} }",
+        )
+        while len(self.in_flight) > self.async_depth:
+            self._update(*self.in_flight.popleft())
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._update(*self.in_flight.popleft())
+
+    # ------------------------------------------------------------ the worker
+
+    def _execute(self, plan: Any, accept: bytes, tokens: bytes) -> tuple[dict, dict]:
+        before = self.state
+        sampled: dict[int, list[int]] = {}
+        drafts_out: dict[int, list[int]] = {}
+        for i, s in enumerate(plan.scheduled):
+            seq = self.seqs.get(s.seq_id)
+            if seq is None:
+                continue  # aborted while its step was planned
+            code = accept[i % len(accept)] if accept else 0
+            token = (tokens[i % len(tokens)] if tokens else 0) % DRAFT_ALPHABET
+            fresh = seq.status is not Status.RUNNING
+            start = s.start
+            if fresh:
+                # A (re)admission: the prefix hit counts as computed; the tokens are those the
+                # scheduler holds for the request (a preempted one keeps what it sampled, less
+                # any stale output of a step in flight at the preemption).
+                seq = attrs.evolve(
+                    seq,
+                    status=Status.RUNNING,
+                    num_computed=start,
+                    tokens=self.target.tokens(s.seq_id),
+                )
+            elif self.async_depth:
+                start = seq.num_computed
+            elif start != seq.num_computed:
+                self.pending.append(
+                    Violation(
+                        "kv-readback",
+                        f"seq {s.seq_id}: the scheduler starts its step at position {s.start} "
+                        f"but the worker has computed {seq.num_computed} positions",
+                    )
+                )
+            plain = s.num_tokens - s.drafts
+            draft_ids = tuple(
+                d if d >= 0 else (self.proposed.get(s.seq_id, ()) + (0,) * s.drafts)[j]
+                for j, d in enumerate(s.draft_ids)
+            )
+            end = start + s.num_tokens
+            with_drafts = attrs.evolve(seq, tokens=(*seq.tokens[: start + plain], *draft_ids))
+            if start + plain < len(seq.tokens) and s.drafts:
+                self.pending.append(
+                    Violation(
+                        "kv-readback",
+                        f"seq {s.seq_id}: draft tokens scheduled before the prompt is computed",
+                    )
+                )
+                continue
+            starts = self.recent_starts.setdefault(s.seq_id, [])
+            starts.append(start)
+            del starts[:-2]
+            lo = starts[0] if self.async_depth else start
+            # Under async scheduling the scheduler reserves up to its optimistic end (drafts
+            # of the step in flight counted as accepted): the step spans both.
+            reserved = max(end, s.start + s.num_tokens) + self.target.num_lookahead_tokens
+            seq = attrs.evolve(seq, step=(lo, reserved))
+            self.seqs[s.seq_id] = seq
+            self._write(with_drafts, start, end, before)
+            if s.drafts:
+                self.counts["draft_steps"] += 1
+            if s.num_tokens < len(seq.tokens) - start and not s.drafts:
+                self.counts["chunks"] += 1
+            if start + plain < len(seq.tokens):
+                self.seqs[s.seq_id] = attrs.evolve(seq, num_computed=start + plain)
+                sampled[s.seq_id] = []
+                continue
+            accepted = min(code % (s.drafts + 1), s.drafts) if s.drafts else 0
+            rejected = range(start + plain + accepted, end)
+            self.counts["rejected"] += len(rejected)
+            self.counts["accepted"] += accepted
+            self._discard(with_drafts, rejected)
+            new = [*draft_ids[:accepted], token]
+            sampled[s.seq_id] = new
+            self.seqs[s.seq_id] = attrs.evolve(
+                seq,
+                tokens=(*seq.tokens[: start + plain], *new),
+                num_computed=start + plain + accepted,
+            )
+            if self.config.max_lookahead:
+                self.proposed[s.seq_id] = tuple(
+                    (token + j) % DRAFT_ALPHABET for j in range(self.config.max_lookahead)
+                )
+                drafts_out[s.seq_id] = list(self.proposed[s.seq_id])
+        return sampled, drafts_out
+
+    def _write(self, seq: SeqModel, start: int, end: int, before: HybridState) -> None:
+        """The KV of positions start .. end-1 into the request's table in every group."""
+        state = self.state
+        faults = []
+        for gi, g in enumerate(state.groups):
+            view = group_state(state, gi)
+            if seq.seq_id not in view.tables:
+                self.pending.append(
+                    Violation(
+                        "kv-readback",
+                        f"group {g.spec.name}: seq {seq.seq_id} is scheduled but has no block table",
+                    )
+                )
+                continue
+            writes, fs = plan_step_writes(
+                view, seq, start, end, g.spec.block_size, self.memory, before=group_state(before, gi)
+            )
+            faults.extend(fs)
+            for w in writes:
+                self.memory[w.cell] = w.kv
+        self.pending.extend(immutability(faults))
+        self.pending.extend(
+            Violation(f.invariant, f.message) for f in faults if f.invariant != "immutability"
+        )
+
+    def _discard(self, seq: SeqModel, positions: range) -> None:
+        """A rejected draft's KV is garbage: its cells count as unwritten from now on."""
+        for g in self.state.groups:
+            table = g.tables.get(seq.seq_id)
+            if table is None:
+                continue
+            B = g.spec.block_size
+            for pos in positions:
+                index = pos // B
+                if index < len(table.slots) and table.slots[index] is not None:
+                    cell = (Device.GPU, table.slots[index], pos % B)
+                    if self.memory.get(cell) == (pos, seq.tokens[pos]):
+                        del self.memory[cell]
+
+    def _update(self, plan: Any, sampled: dict, drafts: dict) -> None:
+        self.target.update(plan, sampled, drafts)
+        for seq_id in list(self.seqs):
+            if self.seqs[seq_id].status is Status.RUNNING and not self.target.live(seq_id):
+                del self.seqs[seq_id]  # finished (max_tokens): the scheduler freed it
+        self._observe()
+
+    # ------------------------------------------------------------ checking
+
+    def check(self) -> list[Violation]:
+        found, self.pending = self.pending, []
+        found += check_hybrid(self.config, self.state, self.seqs, self.memory)
+        collisions = getattr(self.target, "hash_collisions", ())
+        for h, a, b in collisions:
+            found.append(
+                Violation(
+                    "prefix-cache-consistency",
+                    f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}",
+                )
+            )
+        return found
+
+    def finish(self) -> list[Violation]:
+        """Abort every request and drain the in-flight outputs; then ``no-leak`` bites."""
+        for seq_id in sorted(self.seqs):
+            self.abort(seq_id)
+        self.drain()
+        # Requests finished inside update_from_output are gone from seqs already.
+        return self.check()
+
+    def _observe(self) -> None:
+        after = self.target.observe()
+        dead = ended_lifetimes(pool_state(self.state), pool_state(after))
+        B = max(g.spec.block_size for g in after.groups)
+        for device, block in dead:
+            for off in range(B):
+                self.memory.pop((device, block, off), None)
+        self.state = after
+        self.operations += 1
+
+    def _record(self, op: str, args: dict[str, Any], outcome: str = "ok") -> None:
+        step = TraceStep(op, args, outcome)
+        self.trace.append(step)
+        self.log(step.describe())
