@@ -229,8 +229,6 @@ _copies = harness.block_copies
 class LegacyAdapter:
     """kvspec ``Implementation`` over one legacy block manager (see the module docstring)."""
 
-    manager: str = ""
-
     def __init__(
         self,
         config: Config,
@@ -240,7 +238,7 @@ class LegacyAdapter:
         v1_window_slots: str = "tail",
         recorder: Recorder | None = None,
     ) -> None:
-        manager = manager or self.manager or default_manager()
+        manager = manager or default_manager()
         if v1_window_slots not in ("tail", "cyclic"):
             raise ValueError("v1_window_slots must be 'tail' or 'cyclic'")
         self.config = config
@@ -870,24 +868,6 @@ def _evictor_ids(evictor) -> Iterable[int]:
     return list(table.keys())
 
 
-class LegacyV1Adapter(LegacyAdapter):
-    """BlockSpaceManagerV1 (releases up to 0.6.3)."""
-
-    manager = "v1"
-
-
-class LegacyV2Adapter(LegacyAdapter):
-    """BlockSpaceManagerV2 (releases up to 0.6.3, the default there)."""
-
-    manager = "v2"
-
-
-class LegacySelfAttnAdapter(LegacyAdapter):
-    """SelfAttnBlockSpaceManager (vllm/core/block_manager.py, 0.6.3.post1 on)."""
-
-    manager = "self_attn"
-
-
 def make_legacy(config: Config, manager: str | None = None, **kwargs: Any) -> LegacyAdapter:
     """An adapter over the named legacy manager (``None``: the release's engine default)."""
     return LegacyAdapter(config, manager=manager or default_manager(), **kwargs)
@@ -896,9 +876,6 @@ def make_legacy(config: Config, manager: str | None = None, **kwargs: Any) -> Le
 __all__ = [
     "MANAGERS",
     "LegacyAdapter",
-    "LegacySelfAttnAdapter",
-    "LegacyV1Adapter",
-    "LegacyV2Adapter",
     "available_managers",
     "default_manager",
     "make_legacy",

@@ -1,4 +1,4 @@
-"""Measurements of the kvspec oracle (issue 6): throughput, time to first counterexample,
+"""Measurements of the kvspec oracle: throughput, time to first counterexample,
 proof cost, scale and mutation score.  Run from the repository root::
 
     python -m bench --help

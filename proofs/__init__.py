@@ -5,8 +5,12 @@ result it is expected to have: *proved*, or a *counterexample* where the obligat
 known-buggy vLLM formula.  ``run_all`` runs them; ``python -m kvspec.proofs`` (and
 ``kvspec prove``) prints the table and exits non-zero on any unexpected result.
 
-Modules: ``window`` (obligations 1, 2), ``admission`` (3), ``bmc`` (4), ``encode`` and
-``vllm_formulas`` (the encodings obligation 5 tests), ``coverage`` (6).
+Modules: ``window`` (blocks a window touches; vLLM's window formulas), ``admission`` (admission
+soundness of the reference and of vLLM 0.6.3's managers), ``bmc`` (bounded model checking and
+k-induction of the reference's transition system), ``encode`` and ``vllm_formulas`` (the z3
+encodings, each conformance-tested against the Python it restates), ``coverage`` (z3-made
+configurations for every branch of the window and admission arithmetic).  An obligation serves
+the invariant before the slash in its ID and any it names in ``also_serves``.
 """
 
 from __future__ import annotations

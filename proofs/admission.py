@@ -1,4 +1,4 @@
-"""Obligation 3: admission soundness -- an admission check that answers OK is followed by an
+"""The admission obligations: admission soundness -- an admission check that answers OK is followed by an
 allocation that fits.
 
 The reference (reference/manager.py ``can_admit``/``admit``): z3 reads its admission arithmetic
@@ -171,7 +171,7 @@ V2_SHOW = {
 }
 V2_CLAIM = z3.Implies(V2_STATUS == OK, V2_ALLOC <= vF)
 
-# The seed scenario (issue 2): block size 4, a 4-block pool, window 8, an empty pool.
+# The seed scenario (vLLM issue #7470, README): block size 4, a 4-block pool, window 8, an empty pool.
 SEED = {"B": 4, "N": 4, "W": 8}
 
 

@@ -1,4 +1,4 @@
-"""Obligation 4: bounded model checking of the reference's transition system, and k-induction.
+"""Bounded model checking of the reference's transition system, and k-induction.
 
 The reference (reference/manager.py, pool.py, block_table.py) is encoded as a symbolic
 transition system over ``num_blocks`` blocks and ``num_seqs`` sequence slots, each with a block

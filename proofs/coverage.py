@@ -1,4 +1,4 @@
-"""Obligation 6: z3-generated configurations that make each branch of the window and admission
+"""Coverage: z3-generated configurations that make each branch of the window and admission
 arithmetic true and false, as concrete cases a stateful machine replays.
 
 Each case is a dict (``coverage_cases()``) describing one admission on the reference's

@@ -1,4 +1,4 @@
-"""Obligations 1 and 2: how many blocks a window touches, and vLLM's formulas for it.
+"""The window obligations: how many blocks a window touches, and vLLM's formulas for it.
 
 The spec (``spec.window``): the token at p attends ``max(0, p-W+1) .. p``; any W consecutive
 positions touch at most ``window_cover(W, B) = ceil((W-1)/B) + 1`` blocks, and some touch
