@@ -47,12 +47,12 @@ from .target import (
     here_local,
     installed_version,
     locate_vllm,
-    nearest_venv,
     needs_vllm,
     probe,
     read_source_version,
     reexec,
     validate_checkout,
+    venv_for_source,
 )
 
 # ------------------------------------------------------------------------------ shared
@@ -88,6 +88,11 @@ def resolve(
             "--vllm and --vllm-source exclude each other",
             "a checkout runs in the venv of the nearest provisioned release",
         )
+    if getattr(args, "venv", None) and not args.vllm_source:
+        raise UsageError(
+            "--venv names the venv a --vllm-source checkout runs in",
+            "add --vllm-source PATH, or use --vllm VERSION for a release in its own venv",
+        )
     if args.in_target:
         if args.vllm_source:
             here = here_for_source(args.vllm_source, args.source_version)
@@ -117,7 +122,7 @@ def resolve(
             )
         from .target import generations
 
-        t = nearest_venv(version, generations(root / "vllm"))
+        t = venv_for_source(version, generations(root / "vllm"), getattr(args, "venv", None))
         err.print(
             f"running the checkout {root} (vLLM {version}) in the venv of vLLM "
             f"{t.version}: {t.venv}",

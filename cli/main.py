@@ -17,7 +17,8 @@ import textwrap
 from pathlib import Path
 
 from kvspec.spec.invariants import INVARIANTS
-from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, TargetError, target
+from kvspec.targets.lock import read_record, record_path
+from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, Target, TargetError, shipped, target
 from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
@@ -65,6 +66,12 @@ def _target_args(p: argparse.ArgumentParser) -> None:
         "--source-version",
         metavar="VERSION",
         help="the release a --vllm-source checkout is (when it cannot be read)",
+    )
+    g.add_argument(
+        "--venv",
+        metavar="VERSION|PATH",
+        help="the venv a --vllm-source checkout runs in: a provisioned release or a venv folder "
+        "(default: the nearest provisioned release)",
     )
     p.add_argument(
         "-v",
@@ -280,10 +287,11 @@ def cmd_targets() -> int:
             if version in provisioned
             else "[dim]not provisioned[/]"
         )
-        table.add_row(
-            version, t.engine, ", ".join(t.managers), "yes" if version in PINNED else "", venv
-        )
+        impls = [*shipped(version, "legacy"), *shipped(version, "v1")] or list(t.managers)
+        table.add_row(version, t.engine, ", ".join(impls), "yes" if version in PINNED else "", venv)
     out.print(table)
+    for t in provisioned.values():
+        print_installed(t)
     lo, hi = (".".join(map(str, v)) for v in LEGACY_RANGE)
     out.print(
         f"known: legacy block managers {lo} .. {hi}; the V1 KVCacheManager from "
@@ -309,9 +317,37 @@ def cmd_targets() -> int:
     return EXIT_OK
 
 
+def print_installed(t: Target) -> None:
+    """A provisioned venv's locked versions (kvspec-lock.json), summarised, with its flags."""
+    record = read_record(t.venv)
+    if record is None:
+        out.print(
+            f"vLLM {t.version}: no record of its installed versions yet "
+            f"(kvspec provision {t.version} writes it without reinstalling)",
+            markup=False,
+        )
+        return
+    from kvspec.targets.provision import newer_than_release, unexpected_for_release
+
+    how = record.method + (f", dependencies as of {record.cutoff}" if record.method.startswith("uv") else "")
+    out.print(f"vLLM {t.version} ({how}): {record.summary()}", markup=False)
+    out.print(f"  installed versions and hashes: {record_path(t.venv)}", markup=False)
+    if record.lockfile:
+        out.print(f"  dated resolution with hashes: {record.lockfile}", markup=False)
+    for f in record.flags():
+        out.print(f"  [red]FLAGGED[/] {escape(str(f))}")
+    unexpected = unexpected_for_release(record, t.venv)
+    if unexpected:
+        names = ", ".join(f"{f.name} {f.version}" for f in unexpected)
+        out.print(f"  [red]FLAGGED[/] not in the release's dated resolution: {escape(names)}")
+    newer = newer_than_release(record)
+    if newer:
+        out.print(f"  {len(newer)} installed versions differ from the dated resolution", markup=False)
+
+
 def cmd_provision(args: argparse.Namespace) -> int:
     for version in args.versions:
-        t = ensure_provisioned(version)
+        t = ensure_provisioned(version, recheck=True)
         out.print(f"vLLM {version}: ready at {t.venv}", markup=False)
     return EXIT_OK
 

@@ -258,18 +258,45 @@ def nearest_venv(version: str, gens: dict[str, bool]) -> Target:
     return min(candidates, key=distance)
 
 
+def venv_for_source(version: str, gens: dict[str, bool], choice: str | None) -> Target:
+    """The venv a checkout runs in: ``choice`` (``--venv``: a provisioned release, or the
+    folder of any venv that has vLLM's dependencies), else the nearest provisioned release."""
+    if choice is None:
+        return nearest_venv(version, gens)
+    engine = "v1" if gens.get("v1") else "legacy"
+    folder = Path(choice).expanduser()
+    if folder.is_dir():
+        if not (folder / "bin" / "python").exists():
+            raise UsageError(
+                f"--venv {choice}: no bin/python in that folder",
+                "name a virtualenv folder or a provisioned release (kvspec targets)",
+            )
+        dists = sorted(folder.glob("lib/python*/site-packages/vllm-*.dist-info"))
+        release = dists[0].name.removeprefix("vllm-").removesuffix(".dist-info") if dists else "no vllm"
+        return Target(release, engine, (), path=folder.resolve())
+    for t in provisioned_targets():
+        if t.version == choice:
+            return t
+    raise UsageError(
+        f"--venv {choice}: neither a folder nor a provisioned vLLM release",
+        f"kvspec provision {choice}, or name a venv folder",
+    )
+
+
 # ------------------------------------------------------------------------------ the target
 
 
-def ensure_provisioned(version: str) -> Target:
-    """The release's venv, provisioned (or reused) with this checkout of kvspec in it."""
+def ensure_provisioned(version: str, *, recheck: bool = False) -> Target:
+    """The release's venv, provisioned (or reused) with this checkout of kvspec in it.
+    ``recheck`` goes through provisioning on reuse too (which records and reports what the
+    venv holds) rather than returning as soon as kvspec imports there."""
     try:
         t = target(version)
     except TargetError as error:
         raise UsageError(
             str(error), "kvspec targets lists the known and provisioned releases"
         ) from None
-    if t.is_provisioned() and _kvspec_in(t):
+    if t.is_provisioned() and _kvspec_in(t) and not recheck:
         return t
     from kvspec.targets.provision import provision
 

@@ -1,35 +1,130 @@
 """Create or reuse the virtualenv of a vLLM release, and install kvspec into it.
 
-Plain ``pip install vllm==X`` into a fresh venv: the release's real, unmodified code, with
-its own pinned torch.  Measured here: 0.6.3 takes ~2.5 min and 6.8 GB, 0.33.0 ~3 min and
-9.4 GB.  Nothing is written into the checkout; a failed install removes the half-made venv.
+A new venv gets the release's real, unmodified code with the dependencies PyPI offered on the
+day of the release, not today's: ``uv pip compile --exclude-newer <cut-off> --generate-hashes``
+resolves ``vllm==X`` (the cut-off is the upload time of the release's newest file plus
+``CUTOFF_SLACK``, from PyPI's JSON), the hashed resolution is kept under
+``$KVSPEC_HOME/locks`` and installed with ``uv pip sync``.  A release's own pins (0.6.3 ->
+torch 2.4.0) come from PyPI as the release asks; this machine's pip constraints do not apply
+to uv.  Names PyPI no longer serves as the release knew them (``KNOWN_PLACEHOLDERS``) are
+left out of the resolution and said so.
+
+"ready" is said only after the block-manager modules of every manager the release ships
+(``registry.SHIPPED``) import in the new venv; otherwise the half-made venv is removed and
+the import error shown.  Every venv gets a record of its installed distributions
+(``lock.py``); a venv made earlier by plain pip is reused as it is and gets its record on
+reuse, with placeholders flagged.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from .registry import Target, TargetError, home, target
+from .lock import (
+    KNOWN_PLACEHOLDERS,
+    Flag,
+    LockRecord,
+    flag,
+    parse_requirements_lock,
+    read_record,
+    record_path,
+    required_by,
+    requirements,
+    scan,
+    write_record,
+    write_stand_in,
+)
+from .registry import SHIPPED, Target, TargetError, home, target
 
 NEEDED_GB = {"legacy": 8, "v1": 11}
 REPO = Path(__file__).resolve().parent.parent
+PYPI_JSON = "https://pypi.org/pypi/vllm/json"
+# Dependencies published up to a day after the release's last file still count as the
+# release's own (companion packages such as vllm-flash-attn are uploaded alongside).
+CUTOFF_SLACK = timedelta(days=1)
+IMPORT_TIMEOUT_S = 600
+# What a fresh venv holds before anything is installed into it.
+BOOTSTRAP = frozenset({"pip", "setuptools", "wheel"})
+RESOLVE_TIMEOUT_S = 900
+INSTALL_TIMEOUT_S = 3600
 
 Progress = Callable[[str], None]
 
 
-def released_versions(timeout: float = 20) -> set[str]:
+# ------------------------------------------------------------------------------ PyPI
+
+
+@functools.cache
+def _pypi(timeout: float = 20) -> dict[str, Any]:
     try:
-        with urllib.request.urlopen("https://pypi.org/pypi/vllm/json", timeout=timeout) as resp:
-            return set(json.load(resp)["releases"])
-    except (urllib.error.URLError, TimeoutError, OSError) as err:
+        with urllib.request.urlopen(PYPI_JSON, timeout=timeout) as resp:
+            return json.load(resp)
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as err:
         raise TargetError(f"cannot reach PyPI to look up vLLM releases: {err}") from err
+
+
+def released_versions() -> set[str]:
+    return set(_pypi()["releases"])
+
+
+def release_cutoff(files: list[dict[str, Any]]) -> datetime:
+    """The dependency date cut-off of a release, from its files' PyPI JSON entries: the
+    newest file's upload time plus ``CUTOFF_SLACK``."""
+    stamps = []
+    for f in files:
+        raw = f.get("upload_time_iso_8601") or f.get("upload_time")
+        if not raw:
+            continue
+        stamp = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        stamps.append(stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC))
+    if not stamps:
+        raise TargetError("PyPI lists no uploaded file for this release, so it has no date")
+    return max(stamps) + CUTOFF_SLACK
+
+
+def cutoff_for(version: str) -> datetime:
+    releases = _pypi()["releases"]
+    if version not in releases:
+        raise TargetError(f"vLLM {version} is not a release on PyPI")
+    return release_cutoff(releases[version])
+
+
+def _stamp(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ------------------------------------------------------------------------------ tools
+
+
+def uv_binary() -> str:
+    """The uv of this interpreter's environment (a kvspec dependency), else one on PATH."""
+    beside = Path(sys.executable).parent / "uv"
+    found = str(beside) if beside.is_file() else shutil.which("uv")
+    if found is None:
+        raise TargetError(
+            "uv is not installed (kvspec depends on it to resolve a release's dependencies "
+            "as of its date): pip install uv"
+        )
+    return found
+
+
+def _uv(*args: str) -> list[str]:
+    return [uv_binary(), *args, "--cache-dir", str(home() / "uv-cache")]
+
+
+def lock_path(version: str) -> Path:
+    return home() / "locks" / f"vllm-{version}.txt"
 
 
 def check_disk(t: Target) -> None:
@@ -44,17 +139,28 @@ def check_disk(t: Target) -> None:
         )
 
 
-def _run(cmd: list[str], progress: Progress, what: str) -> None:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+# Installer output lines worth showing while a venv is made (the rest only on failure).
+_SHOWN = ("Collecting", "Downloading", "Installing", "Installed", "Successfully", "Resolved", "Prepared", "error")
+
+
+def _run(cmd: list[str], progress: Progress, what: str, *, timeout: float, cwd: Path | None = None) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     tail: list[str] = []
     assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
     for line in proc.stdout:
         line = line.rstrip()
-        tail = [*tail[-19:], line]
-        if line.startswith(("Collecting", "Downloading", "Installing", "Successfully", "ERROR")):
-            progress(f"  {line[:110]}")
+        tail = [*tail[-29:], line]
+        if line.lstrip().startswith(_SHOWN):
+            progress(f"  {line.strip()[:110]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TargetError(f"{what} took longer than {timeout:.0f} s:\n" + "\n".join(tail))
     if proc.wait() != 0:
         raise TargetError(f"{what} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+
+
+# ------------------------------------------------------------------------------ kvspec in the venv
 
 
 def kvspec_is_current(t: Target) -> bool:
@@ -63,16 +169,205 @@ def kvspec_is_current(t: Target) -> bool:
 
 
 def install_kvspec(t: Target, progress: Progress) -> None:
-    """(Re)install this checkout of kvspec into the target venv, editable."""
+    """(Re)install this checkout of kvspec into the target venv, editable.  uv keeps every
+    installed distribution that satisfies kvspec's requirements as it is."""
     if kvspec_is_current(t):
         return
     progress(f"installing kvspec from {REPO} into {t.venv}")
     _run(
-        [str(t.python), "-m", "pip", "install", "-q", "-e", str(REPO)],
+        _uv("pip", "install", "--python", str(t.python), "-e", str(REPO)),
         progress,
         "installing kvspec",
+        timeout=INSTALL_TIMEOUT_S,
     )
     (t.venv / "kvspec-source.txt").write_text(str(REPO))
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def release_modules(version: str) -> tuple[str, ...]:
+    """The block-manager modules of every manager the release ships, in either engine."""
+    return tuple(s.module for s in SHIPPED if s.ships_in(version))
+
+
+_IMPORT_PROBE = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+    "    print('imported', name, flush=True)\n"
+)
+
+
+def write_stand_ins(t: Target, progress: Progress) -> None:
+    """kvspec's stand-ins for the placeholder names the installed distributions require."""
+    site = next(iter(sorted(t.venv.glob("lib/python*/site-packages"))))
+    for name, ph in sorted(KNOWN_PLACEHOLDERS.items()):
+        users = required_by(t.venv, name)
+        if users and ph.stand_in and not any(p.name == name for p in scan(t.venv)):
+            write_stand_in(site, name)
+            progress(f"wrote kvspec's stand-in for {name} (required by {', '.join(users)}): {ph.reason}")
+
+
+def check_imports(t: Target, progress: Progress) -> None:
+    """Import the release's block-manager modules in the venv (not from the checkout's cwd)."""
+    modules = release_modules(t.version)
+    progress(f"importing {', '.join(modules)} in {t.venv}")
+    try:
+        proc = subprocess.run(
+            [str(t.python), "-c", _IMPORT_PROBE, *modules],
+            cwd=t.venv,
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as err:
+        raise TargetError(f"importing the block managers of vLLM {t.version} hung ({err.timeout} s)") from err
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        cause = lines[-1] if lines else f"exit {proc.returncode}"
+        raise TargetError(
+            f"vLLM {t.version}'s block managers do not import in {t.venv}: {cause}\n" + "\n".join(lines[-12:-1])
+        )
+
+
+def kvspec_closure(venv: Path) -> set[str]:
+    """kvspec and every distribution it requires, transitively, in the venv."""
+    requires = requirements(venv)
+    seen, todo = set(), ["kvspec"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(requires.get(name, ()))
+    return seen
+
+
+def make_record(t: Target, *, method: str, cutoff: str | None, dropped: tuple[str, ...]) -> LockRecord:
+    lock = lock_path(t.version)
+    return LockRecord(
+        vllm=t.version,
+        python=f"{sys.version_info.major}.{sys.version_info.minor}",
+        method=method,
+        cutoff=cutoff,
+        dropped=dropped,
+        lockfile=str(lock) if lock.is_file() else None,
+        packages=scan(t.venv),
+    )
+
+
+def report(record: LockRecord, venv: Path, progress: Progress) -> None:
+    progress(f"installed ({record.method}): {record.summary()} (full list: {record_path(venv)})")
+    for f in [*record.flags(), *unexpected_for_release(record, venv)]:
+        progress(f"FLAGGED {f}")
+    newer = newer_than_release(record)
+    if newer:
+        progress(
+            f"{len(newer)} distributions differ from the release's dated resolution "
+            f"({record.lockfile}), e.g. {', '.join(newer[:4])}"
+        )
+
+
+def newer_than_release(record: LockRecord) -> list[str]:
+    """``name installed (dated: version)`` for every pin of the dated resolution the venv
+    holds at another version."""
+    if not record.lockfile or not Path(record.lockfile).is_file():
+        return []
+    pins = parse_requirements_lock(Path(record.lockfile).read_text())
+    return [
+        f"{p.name} {p.version} (dated: {pins[p.name][0]})"
+        for p in record.packages
+        if p.name in pins and pins[p.name][0] != p.version
+    ]
+
+
+def unexpected_for_release(record: LockRecord, venv: Path) -> list[Flag]:
+    """Installed distributions that neither the dated resolution nor kvspec's own
+    requirements account for."""
+    if not record.lockfile or not Path(record.lockfile).is_file():
+        return []
+    pins = parse_requirements_lock(Path(record.lockfile).read_text())
+    ours = kvspec_closure(venv)
+    known = {f.name for f in record.flags()}
+    return [
+        Flag(p.name, p.version, "not in the release's dated resolution nor required by kvspec")
+        for p in record.packages
+        if p.name not in pins and p.name not in ours and p.name not in BOOTSTRAP and p.name not in known
+    ]
+
+
+def ensure_record(t: Target, progress: Progress) -> LockRecord:
+    """The venv's record; written now from what is installed when it has none.  A venv kvspec
+    did not resolve (plain pip) is compared with the release's dated resolution, made now."""
+    record = read_record(t.venv)
+    if record is not None and record.vllm == t.version:
+        return record
+    installers = {p.installer for p in scan(t.venv) if p.name == "vllm"}
+    if "uv" in installers and lock_path(t.version).is_file():
+        record = make_record(t, method="uv, dated", cutoff=None, dropped=())
+    else:
+        cutoff: str | None = None
+        dropped: tuple[str, ...] = ()
+        try:
+            when = cutoff_for(t.version)
+            _, dropped = resolve(t, when, progress)
+            cutoff = _stamp(when)
+        except TargetError as error:
+            progress(f"cannot compare with the release's dated resolution: {first_line(str(error))}")
+        record = make_record(t, method="pip, as found", cutoff=cutoff, dropped=dropped)
+    path = write_record(t.venv, record)
+    progress(f"recorded the installed distributions of {t.venv} in {path}")
+    return record
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+# ------------------------------------------------------------------------------ provision
+
+
+# setuptools: a plain venv ships it and the releases' dependencies rely on that without
+# declaring it (triton 3.0's runtime/build.py imports it when torch loads its backends).
+EXTRA_REQUIREMENTS = ("setuptools",)
+
+
+def recipe(version: str, cutoff: datetime) -> str:
+    """What a dated resolution was made from; a kept lock made from another recipe is stale."""
+    wanted = " ".join([f"vllm=={version}", *EXTRA_REQUIREMENTS])
+    return f"# kvspec recipe: {wanted}; as of {_stamp(cutoff)}; left out: {' '.join(sorted(KNOWN_PLACEHOLDERS))}"
+
+
+def resolve(t: Target, cutoff: datetime, progress: Progress) -> tuple[Path, tuple[str, ...]]:
+    """The release's dated, hashed resolution (kept under $KVSPEC_HOME/locks)."""
+    lock = lock_path(t.version)
+    dropped = tuple(f"{name}: {ph.reason}" for name, ph in sorted(KNOWN_PLACEHOLDERS.items()))
+    head = recipe(t.version, cutoff)
+    if lock.is_file() and lock.read_text().startswith(head + "\n"):
+        progress(f"reusing the dated resolution {lock}")
+        return lock, dropped
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    work = lock.parent / f".vllm-{t.version}"
+    work.mkdir(exist_ok=True)
+    (work / "requirements.in").write_text("".join(f"{r}\n" for r in (f"vllm=={t.version}", *EXTRA_REQUIREMENTS)))
+    # A marker that never holds removes a requirement (uv's documented override idiom).
+    (work / "overrides.txt").write_text(
+        "".join(f"{name} ; sys_platform == 'never'\n" for name in sorted(KNOWN_PLACEHOLDERS))
+    )
+    progress(f"resolving vllm=={t.version} as of {_stamp(cutoff)} (uv --exclude-newer)")
+    partial = lock.with_suffix(".partial")
+    cmd = _uv("pip", "compile", str(work / "requirements.in"), "--overrides", str(work / "overrides.txt"))
+    cmd += ["--exclude-newer", _stamp(cutoff), "--generate-hashes", "--python", str(t.python)]
+    cmd += ["--no-header", "-o", str(partial)]
+    try:
+        _run(cmd, progress, f"resolving vllm=={t.version} as of {_stamp(cutoff)}", timeout=RESOLVE_TIMEOUT_S)
+        notes = "".join(f"# left out: {d}\n" for d in dropped)
+        lock.write_text(f"{head}\n# resolved by uv (--exclude-newer), hashed\n{notes}{partial.read_text()}")
+    finally:
+        partial.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return lock, dropped
 
 
 def provision(version: str, progress: Progress = print, *, engine: str | None = None) -> Target:
@@ -80,24 +375,52 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
     if t.is_provisioned():
         progress(f"vLLM {version}: reusing {t.venv}")
         install_kvspec(t, progress)
+        report(ensure_record(t, progress), t.venv, progress)
         return t
-    if version not in released_versions():
-        raise TargetError(f"vLLM {version} is not a release on PyPI")
+    cutoff = cutoff_for(version)
     check_disk(t)
     progress(f"vLLM {version}: creating {t.venv} (several minutes, several GB)")
     if t.venv.exists():
         shutil.rmtree(t.venv)  # a half-made venv from an interrupted run
     t.venv.parent.mkdir(parents=True, exist_ok=True)
+    kept = lock_path(version).read_text() if lock_path(version).is_file() else None
+    started = time.monotonic()
     try:
-        _run([sys.executable, "-m", "venv", str(t.venv)], progress, "creating the venv")
+        _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
+        lock, dropped = resolve(t, cutoff, progress)
+        pins = parse_requirements_lock(lock.read_text())
+        progress(f"installing {len(pins)} pinned distributions from {lock}")
         _run(
-            [str(t.python), "-m", "pip", "install", f"vllm=={version}"],
+            _uv("pip", "sync", "--python", str(t.python), str(lock)),
             progress,
-            f"pip install vllm=={version}",
+            f"installing the resolution of vllm=={version}",
+            timeout=INSTALL_TIMEOUT_S,
         )
         install_kvspec(t, progress)
+        write_stand_ins(t, progress)
+        check_imports(t, progress)
+        record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped)
+        write_record(t.venv, record)
     except BaseException:
         shutil.rmtree(t.venv, ignore_errors=True)
+        lock = lock_path(version)
+        if lock.is_file() and lock.read_text() != kept:  # a resolution this failed run made goes too
+            lock.unlink()
+        progress(f"vLLM {version}: failed; removed {t.venv}")
         raise
-    progress(f"vLLM {version}: ready at {t.venv}")
+    report(record, t.venv, progress)
+    progress(f"vLLM {version}: ready at {t.venv} ({time.monotonic() - started:.0f} s)")
     return t
+
+
+__all__ = [
+    "REPO",
+    "check_imports",
+    "ensure_record",
+    "flag",
+    "install_kvspec",
+    "lock_path",
+    "provision",
+    "release_cutoff",
+    "released_versions",
+]
