@@ -232,6 +232,99 @@ class CyclicWindow(ReferenceManager):
         return []
 
 
+class RefuseAll(ReferenceManager):
+    """Does nothing, safely: answers LATER to every admission and refuses every allocation."""
+
+    name = "refuse-all"
+
+    def can_admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        return Admission.LATER
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        raise NotAdmitted(f"seq {seq_id}: this manager admits nothing")
+
+
+class _NeverHitPool(BlockPool):
+    def lookup(self, key):
+        return None  # the cache map fills, but no lookup ever finds anything
+
+
+class NeverHit(ReferenceManager):
+    """Publishes computed blocks to its prefix cache, but every lookup comes back empty."""
+
+    name = "never-hit"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _NeverHitPool(config.num_blocks, config.prefix_caching)
+
+
+class _NeverCachesPool(BlockPool):
+    def register(self, key, block) -> None:
+        return  # prefix caching is on, yet nothing is ever published
+
+
+class NeverCaches(ReferenceManager):
+    """Prefix caching on, nothing ever published: every lookup misses, safely."""
+
+    name = "never-caches"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _NeverCachesPool(config.num_blocks, config.prefix_caching)
+
+
+class _HoardPool(BlockPool):
+    def available(self) -> int:
+        return len(self.free)  # cached blocks are kept, never evicted to make room
+
+
+class Hoard(ReferenceManager):
+    """Never evicts an unreferenced cached block to make room: counts only the free list,
+    and refuses what would need an eviction."""
+
+    name = "hoard"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _HoardPool(config.num_blocks, config.prefix_caching)
+
+    def _hoarded(self, tokens, num_new_tokens, extra) -> bool:
+        plan = self._plan(tokens, num_new_tokens, extra)
+        return plan.new_blocks + plan.evictable_hits > len(self.gpu.free)
+
+    def can_admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        answer = super().can_admit(seq_id, tokens, num_new_tokens, extra)
+        if answer is Admission.OK and self._hoarded(tokens, num_new_tokens, extra):
+            return Admission.LATER
+        return answer
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        if self._hoarded(tokens, num_new_tokens, extra):
+            raise NotAdmitted(f"seq {seq_id}: would have to evict a cached block")
+        return super().admit(seq_id, tokens, num_new_tokens, extra)
+
+
+class Livelock(ReferenceManager):
+    """Charges a re-admitted sequence for the blocks it held before its preemption, so none of
+    its steps ever fits: the scheduler preempts it and re-admits it forever."""
+
+    name = "livelock"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.preempted: set[int] = set()
+
+    def free(self, seq_id: int) -> None:
+        self.preempted.add(seq_id)
+        super().free(seq_id)
+
+    def reserve(self, seq_id: int, num_new_tokens: int, lookahead: int = 0) -> list[BlockCopy]:
+        if seq_id in self.preempted:
+            raise NotAdmitted(f"seq {seq_id} still owes the blocks it held before its preemption")
+        return super().reserve(seq_id, num_new_tokens, lookahead)
+
+
 @attrs.frozen
 class BrokenVariant:
     cls: type[ReferenceManager]
@@ -270,4 +363,11 @@ BROKEN: dict[str, BrokenVariant] = {
     SilentEviction.name: BrokenVariant(
         SilentEviction, frozenset({"event-consistency"}), {"prefix_caching": True}
     ),
+    RefuseAll.name: BrokenVariant(RefuseAll, frozenset({"admission-completeness"})),
+    NeverHit.name: BrokenVariant(NeverHit, frozenset({"hit-completeness"}), {"prefix_caching": True}),
+    NeverCaches.name: BrokenVariant(
+        NeverCaches, frozenset({"hit-completeness"}), {"prefix_caching": True}
+    ),
+    Hoard.name: BrokenVariant(Hoard, frozenset({"admission-completeness"}), {"prefix_caching": True}),
+    Livelock.name: BrokenVariant(Livelock, frozenset({"progress", "reserve-completeness"})),
 }

@@ -19,6 +19,15 @@ from typing import Literal
 
 import attrs
 
+from .admission import (
+    AdmissionFacts,
+    HitFacts,
+    ProgressFacts,
+    ReserveFacts,
+    may_answer_never,
+    must_admit,
+    reserve_refusal_allowed,
+)
 from .config import Config
 from .kv_memory import UNMAPPED, WriteFault, block_contents, readback_faults
 from .prefix_hash import is_well_formed
@@ -364,6 +373,128 @@ def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     for fault in faults:
         if fault.kind != UNMAPPED:
             yield fault.message
+
+
+@invariant(
+    "admission-completeness",
+    "What fits is admitted",
+    "BlockSpaceManagerV1/V2.can_allocate watermark and NEVER (legacy), "
+    "KVCacheManager.allocate_slots full_sequence_must_fit and watermark (V1)",
+    kind="transition",
+)
+def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
+    """An admission whose need (``spec.admission.admission_need``), plus the prefix hits it
+    revives from the evictable set, plus the target's declared reserve, fits the free and
+    evictable blocks is answered OK and succeeds; NEVER only when the sequence alone, plus the
+    reserve, exceeds the whole pool.
+
+    The need and the reserve are what the target's ``AdmissionPolicy`` declares (legacy
+    watermark and whole-prompt counting, V1 ``full_sequence_must_fit``), each with its vLLM
+    source: there is no blanket freedom to refuse.
+    """
+    f = facts
+    room = f"{f.free} free + {f.evictable} evictable"
+    want = f"need {f.need} + {f.evictable_hits} evictable hit(s) + reserve {f.reserve}"
+    if f.answer == "never" and not may_answer_never(f.held_alone, f.reserve, f.num_blocks):
+        yield (
+            f"seq {f.seq} ({f.prompt_len} tokens) was answered NEVER, yet alone it holds "
+            f"{f.held_alone} block(s) + reserve {f.reserve} <= {f.num_blocks} in the pool "
+            f"(policy: {f.policy})"
+        )
+    elif must_admit(f.need, f.evictable_hits, f.reserve, f.free, f.evictable):
+        yield (
+            f"seq {f.seq} ({f.prompt_len} tokens) was refused ({f.answer}) although {want} "
+            f"fits {room} (policy: {f.policy})"
+        )
+
+
+@invariant(
+    "reserve-completeness",
+    "A running sequence's step that fits is granted",
+    "BlockSpaceManagerV2.can_append_slots / BlockSpaceManagerV1.can_append_slots (legacy), "
+    "KVCacheManager.allocate_slots for a running request (V1)",
+    kind="transition",
+)
+def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
+    """A reservation (append slots / allocate_slots for a running sequence) whose need -- new
+    slots up to its lookahead plus a copy of every shared block it writes -- fits the free and
+    evictable blocks is granted.
+
+    Freedoms, declared per target (``AdmissionPolicy``): legacy V2 counts every block the
+    group's append touches, legacy V1 wants one free block per running sibling.
+    """
+    f = facts
+    if not reserve_refusal_allowed(
+        f.need, f.group_touched, f.group_running, f.available, f.policy
+    ):
+        yield (
+            f"seq {f.seq}: a step of {f.num_new_tokens} token(s) + {f.lookahead} lookahead was "
+            f"refused although it needs {f.need} block(s) and {f.available} are free or "
+            f"evictable (policy: {f.policy.describe()})"
+        )
+
+
+@invariant(
+    "hit-completeness",
+    "Cached, computed prefixes are found",
+    "PrefixCachingBlockAllocator / get_common_computed_block_ids (legacy), "
+    "KVCacheManager.get_computed_blocks / BlockPool.cache_full_blocks (V1)",
+    kind="transition",
+)
+def hit_completeness(facts: HitFacts) -> Iterator[str]:
+    """A prefix lookup returns every leading full block whose key is cached and whose KV is
+    computed, and a full block becomes findable by its key by the end of the operation that
+    computed it.
+
+    Freedoms, declared per target (``AdmissionPolicy``): the last token is always recomputed
+    (so a prompt's last block never counts); V1 with EAGLE drops the last hit block; legacy up
+    to 0.6.3 gives a sliding-window sequence no hit.  Lookups are block-aligned (the hash block
+    size is the block size).
+    """
+    f = facts
+    if f.got_tokens < f.min_blocks * f.block_size:
+        yield (
+            f"seq {f.seq}: {f.expected_blocks} leading block(s) are cached and computed, the "
+            f"lookup may leave out {f.expected_blocks - f.min_blocks}, yet it returned "
+            f"{f.got_tokens} token(s)"
+        )
+    if f.unpublished:
+        yield (
+            f"seq {f.seq}: full block(s) {list(f.unpublished)} were computed by this operation "
+            f"but none is findable by its key afterwards"
+        )
+
+
+@invariant(
+    "progress",
+    "With no new arrivals, every request finishes",
+    "the scheduler loop over can_allocate/can_append_slots (legacy), allocate_slots and "
+    "preemption (V1); max_admission_blocks_per_request sizing (V1 0.33)",
+    kind="transition",
+)
+def progress(facts: ProgressFacts) -> Iterator[str]:
+    """With no new arrivals, the modelled scheduler loop (oldest first, preempting the newest)
+    finishes every admitted request within ``progress_bound`` iterations, and a request that
+    fits an empty pool is admitted once the pool is empty.
+
+    A request that cannot fit an empty pool even alone (NEVER) is dropped, as vLLM ignores it.
+    """
+    f = facts
+    for seq, held_alone in f.refused_when_empty:
+        yield (
+            f"seq {seq} was refused while no sequence held a block, although alone it holds "
+            f"{held_alone} block(s) of {f.num_blocks}"
+        )
+    if f.unfinished and f.repeated:
+        yield (
+            f"after {f.iterations} scheduler iteration(s) with no new arrivals the loop is back in "
+            f"a state it was in, with request(s) {list(f.unfinished)} unfinished: it never ends"
+        )
+    elif f.unfinished:
+        yield (
+            f"after {f.iterations} scheduler iteration(s) with no new arrivals (bound "
+            f"{f.bound}), request(s) {list(f.unfinished)} have not finished"
+        )
 
 
 # ---------------------------------------------------------------- accessors

@@ -35,6 +35,8 @@ from kvspec.spec.prefix_hash import ExtraKeys, as_extra
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
 from kvspec.spec.window import first_needed_block
 
+from .completeness import CompletenessObserver
+
 
 _EXTRA_CAPS = {
     "cache_salt": Capability.CACHE_SALT,
@@ -97,6 +99,8 @@ class Driver:
         self.checked: set[str] = set()
         self.memory_version = 0  # bumped by every change to ``memory``
         self.refusal_window_drops = 0  # refusals that released window blocks (a freedom)
+        # admission-/reserve-/hit-completeness: judged against the target's declared policy.
+        self.completeness = CompletenessObserver(self)
         # The last (before, after, ended_lifetimes) computed: a step's write plan asks again.
         self._lifetimes: tuple[KVState | None, KVState | None, set] = (None, None, set())
         # The last world every state invariant passed on: the checks are pure functions of
@@ -153,6 +157,11 @@ class Driver:
             answer = self.impl.can_admit(seq_id, tokens, num_new_tokens, extra)
             if answer is not Admission.OK:
                 self._refused(before, answer_ok=False, error=None)
+                self.pending.extend(
+                    self.completeness.admission_refused(
+                        before, seq_id, tokens, num_new_tokens, extra, answer.value
+                    )
+                )
                 self._record("admit", args, f"can_admit={answer.value}")
                 return False
         try:
@@ -162,10 +171,18 @@ class Driver:
             # saying yes and its allocation then failing.
             ok = answer is Admission.OK or (answer is None and isinstance(err, NoFreeBlocks))
             self._refused(before, answer_ok=ok, error=err)
+            if not ok:
+                self.pending.extend(
+                    self.completeness.admission_refused(
+                        before, seq_id, tokens, num_new_tokens, extra, type(err).__name__
+                    )
+                )
             verdict = "" if answer is None else f"can_admit={answer.value}, "
             self._record("admit", args, f"{verdict}refused: {type(err).__name__}")
             return False
         self._observe()
+        self.pending.extend(self.completeness.lookup_done(before, seq_id, tokens, extra, hit))
+        self.completeness.admitted_as(seq_id)
         end = min(hit + max(1, num_new_tokens), len(tokens))
         # The admission may reserve the run's lookahead slots too (V1 does, from 0.11 on).
         self.seqs[seq_id] = SeqModel(
@@ -202,6 +219,8 @@ class Driver:
             # NotAdmitted is the reservation check refusing; NoFreeBlocks is the allocation
             # failing after the check (legacy can_append_slots) said yes.
             self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err)
+            if not isinstance(err, NoFreeBlocks):
+                self.pending.extend(self.completeness.reserve_refused(before, seq_id, k, lookahead))
             self._record("step", args, f"refused: {type(err).__name__}")
             return False
         self._observe()
@@ -215,6 +234,7 @@ class Driver:
     def fork(self, parent_id: int, child_id: int) -> None:
         self._record("fork", {"parent": parent_id, "child": child_id}, "ok")
         self.impl.fork(parent_id, child_id)
+        self.completeness.forked(parent_id, child_id)
         self.seqs[child_id] = attrs.evolve(self.seqs[parent_id], seq_id=child_id)
         self._observe()
 
@@ -317,6 +337,7 @@ class Driver:
             seq = attrs.evolve(seq, tokens=(*seq.tokens, next_token))
         self.seqs[seq_id] = seq
         self._observe()
+        self.pending.extend(self.completeness.computed(seq_id, start, end))
 
     def _plan_copies(self, copies: list[BlockCopy], src: Device, dst: Device) -> list[tuple]:
         B = self.config.block_size

@@ -33,6 +33,7 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
+from .progress import drain
 from .strategies import ALPHABET, admission_bytes, configs, extra_from, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
@@ -289,6 +290,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.stats.add(self.d)
         if self.failed:
             return  # freeing a broken state would only bury the violation under a crash
+        if self.focus is None or "progress" in self.focus:
+            # progress: with no new arrivals, the scheduler loop finishes every request.
+            found = drain(self.d)
+            if found:
+                raise SpecViolation(found, self.d.trace)
         found = self.d.free_all()
         if found:
             raise SpecViolation(found, self.d.trace)
