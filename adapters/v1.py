@@ -47,6 +47,22 @@ Block hashing: 0.10.1+ hashes in the Request through ``block_hasher`` built by
 to the ``PrefixKey`` of the same block (the token chain up to its end), so ``observe`` can
 translate ``cached_block_hash_to_block``.
 
+Extra keys (the request's domain, ``spec.prefix_hash.ExtraKeys``) go into the ``Request`` in
+the form the release takes: ``cache_salt`` (0.9+), ``lora_request`` (a ``LoRARequest`` per
+adapter name, with a stable int id and path: the key is the int id up to 0.10.x, name and path
+in 0.33.0, kv_cache_utils.py:590-607), multimodal placements as ``mm_features``
+(``MultiModalFeatureSpec(identifier, mm_position=PlaceholderRange)``, 0.10.2+) or, before,
+``multi_modal_hashes`` + ``multi_modal_placeholders``.  No encoder runs: the block manager reads
+only the identifier and the placement.  The capabilities declare the kinds the release takes.
+
+KV-cache events: with prefix caching the manager is built with ``enable_kv_cache_events=True``
+(as the scheduler does when ``KVEventsConfig.enable_kv_cache_events``, scheduler.py:148-151 of
+0.33.0) and ``observe`` drains ``block_pool.take_events()`` -- what the engine core publishes
+after every step -- translating each event's hashes back to ``PrefixKey``s.  Both external hash
+formats are driven: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (vllm/envs.py, read at every
+emission) is set per adapter, by default from the pool size's parity so that every run draws
+both.
+
 Not in V1: fork (parallel sampling shares prompt blocks through the prefix cache instead), swap
 (recompute-only preemption), and a separate admission check.  Hybrid models (several KV cache
 groups sharing one pool) are not exposed: the abstract state has one table per sequence.
@@ -60,15 +76,18 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
+from kvspec.spec.admission import AdmissionPolicy
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
+from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Admission, BlockCopy, Capability
-from kvspec.spec.prefix_hash import PrefixKey
+from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey, as_extra, key_of
 from kvspec.spec.state import Device, KVState, PoolView, TableView
 
 # The NONE_HASH seed is process-global in vLLM; seeding it again would change the hashes of
@@ -88,7 +107,12 @@ def _load_vllm() -> SimpleNamespace:
     mods.sampling = importlib.import_module("vllm.sampling_params")
     mods.config = importlib.import_module("vllm.config")
     mods.torch = importlib.import_module("torch")
+    mods.lora = importlib.import_module("vllm.lora.request")
+    mods.mm = importlib.import_module("vllm.multimodal.inputs")
     return mods
+
+
+INT_EVENT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 
 
 @functools.cache
@@ -155,6 +179,9 @@ class VLLMV1Adapter:
                            zero it while ``num_computed_tokens == 0``, else
                            ``config.max_lookahead``).
     hash_algo              ``CacheConfig.prefix_caching_hash_algo`` (default: the release's).
+    int_event_hashes       KV events carry 64-bit int hashes (True) or the raw hash bytes
+                           (False); default: int when the pool size is even, so a run covers
+                           both (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, 0.33.0 default int).
     """
 
     name = "vllm-v1"
@@ -169,8 +196,12 @@ class VLLMV1Adapter:
         full_sequence_must_fit: bool | None = None,
         admit_lookahead: int | None = None,
         hash_algo: str | None = None,
+        int_event_hashes: bool | None = None,
     ) -> None:
         self.config = config
+        self.int_event_hashes = (
+            config.num_blocks % 2 == 0 if int_event_hashes is None else int_event_hashes
+        )
         self._v = v = _load_vllm()
         self.vllm_version: str = v.version
         self.name = f"vllm-v1-{v.version}"
@@ -225,7 +256,7 @@ class VLLMV1Adapter:
             caching_hash_algo=hash_algo,
             use_eagle=use_eagle,
             log_stats=False,
-            enable_kv_cache_events=False,
+            enable_kv_cache_events=self._emits_events(config),
             scheduler_block_size=B,
             hash_block_size=B,
             max_in_flight_tokens=max_in_flight_tokens,
@@ -245,6 +276,19 @@ class VLLMV1Adapter:
         if admit_lookahead is None:
             admit_lookahead = config.max_lookahead if self._scheduler_admits_lookahead() else 0
         self.admit_lookahead = admit_lookahead
+        # What allocate_slots keeps back: the room the completeness invariants leave it.
+        self.admission_policy = AdmissionPolicy(
+            watermark_blocks=int(getattr(self._manager, "watermark_blocks", 0)),
+            watermark_when_idle=False,
+            full_sequence_must_fit=self.full_sequence_must_fit,
+            hit_drops_last_block=use_eagle,
+            sources=(
+                ("watermark_blocks", "v1/core/kv_cache_manager.py:210,518-525 (0.33.0)"),
+                ("watermark_when_idle", "v1/core/kv_cache_manager.py:520-525 (0.33.0)"),
+                ("full_sequence_must_fit", "v1/core/kv_cache_manager.py:530-548 (0.33.0)"),
+                ("hit_drops_last_block", "KVCacheManager(use_eagle=True)"),
+            ),
+        )
 
         caps = {Capability.PREFIX_CACHING, Capability.CHUNKED_PREFILL,
                 Capability.RESET_PREFIX_CACHE}
@@ -252,14 +296,21 @@ class VLLMV1Adapter:
             caps.add(Capability.SLIDING_WINDOW)
         if self._has_lookahead:
             caps.add(Capability.LOOKAHEAD)
+        caps |= self._extra_capabilities()
+        if self._emits_events(config):
+            caps.add(Capability.KV_EVENTS)
         self.capabilities = frozenset(caps)
 
         self._live: dict[int, Any] = {}  # seq_id -> running Request
         self._parked: dict[int, Any] = {}  # seq_id -> preempted / refused Request
-        self._extra: dict[int, tuple] = {}
+        self._extra: dict[int, ExtraKeys] = {}
         self._pending: dict[int, int] = {}  # scheduled, not yet committed tokens
         self._keys: dict[Any, PrefixKey] = {}  # vLLM block hash -> PrefixKey
+        self._external: dict[Any, PrefixKey] = {}  # a KV event's hash (either format) -> key
         self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
+        self._events: list[CacheEvent] = []
+        self.event_hash_formats: Counter[str] = Counter()  # type name of event hashes seen
+        self._lora_ids: dict[str, int] = {}
         self._ids = itertools.count()
 
     def _count_allocations(self) -> None:
@@ -325,32 +376,137 @@ class VLLMV1Adapter:
 
     # ------------------------------------------------------------------ requests
 
-    def _new_request(self, seq_id: int, tokens: Sequence[int], extra: tuple) -> Any:
+    # ------------------------------------------------------------------ extra keys and events
+
+    def _emits_events(self, config: Config) -> bool:
+        """KV-cache events exist in this release (``BlockPool.take_events``) and mean something
+        (prefix caching on: nothing is cached otherwise)."""
+        return (
+            config.prefix_caching
+            and "enable_kv_cache_events" in _params(self._v.kcm.KVCacheManager.__init__)
+            and hasattr(importlib.import_module("vllm.v1.core.block_pool").BlockPool, "take_events")
+        )
+
+    def _extra_capabilities(self) -> set[Capability]:
+        """The kinds of extra key this release's ``Request`` takes."""
+        params = _params(self._v.request.Request.__init__)
+        caps = set()
+        if "cache_salt" in params:
+            caps.add(Capability.CACHE_SALT)
+        if "lora_request" in params:
+            caps.add(Capability.LORA)
+        if "mm_features" in params or "multi_modal_hashes" in params:
+            caps.add(Capability.MULTIMODAL)
+        return caps
+
+    def _lora_request(self, name: str) -> Any:
+        """One ``LoRARequest`` per adapter name: a stable int id (>= 1) and path, so that every
+        release's key (int id, or name and path) tells the adapters apart."""
+        lora_id = self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return self._v.lora.LoRARequest(
+            lora_name=name, lora_int_id=lora_id, lora_path=f"/kvspec/lora/{name}"
+        )
+
+    def _mm_fields(self, extra: ExtraKeys, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The request's multimodal placements in this release's form (no encoder input: the
+        block manager reads only identifiers and placements)."""
+        if not extra.mm:
+            return {}
+        mm = self._v.mm
+        ranges = [mm.PlaceholderRange(offset=f.offset, length=f.length) for f in extra.mm]
+        if "mm_features" in params:
+            spec_params = _params(mm.MultiModalFeatureSpec)
+            features = []
+            for f, where in zip(extra.mm, ranges, strict=True):
+                fields = dict(
+                    data=None, modality="image", identifier=f.identifier, mm_position=where
+                )
+                if "mm_hash" in spec_params:
+                    fields["mm_hash"] = f.identifier
+                features.append(mm.MultiModalFeatureSpec(**fields))
+            return {"mm_features": features}
+        if "multi_modal_hashes" in params:
+            return {
+                "multi_modal_inputs": [None] * len(ranges),
+                "multi_modal_hashes": [f.identifier for f in extra.mm],
+                "multi_modal_placeholders": ranges,
+            }
+        raise Unsupported(f"vLLM {self.vllm_version}: the Request takes no multimodal inputs")
+
+    def _set_event_hash_format(self) -> None:
+        # Read by maybe_convert_block_hash at every emission; several adapters may share a
+        # process, so each sets its own before every operation that may emit.
+        os.environ[INT_EVENT_HASHES_ENV] = "1" if self.int_event_hashes else "0"
+
+    def _external_forms(self, h: Any) -> list[Any]:
+        """The forms a KV event may carry for the release's block hash ``h``: the bytes, their
+        low 64 bits as an int (0.11+), or the ``hash_value`` int (0.9-0.10 ``BlockHash``)."""
+        forms = [h]
+        if isinstance(h, bytes | bytearray):
+            forms.append(int.from_bytes(h, byteorder="big") & ((1 << 64) - 1))
+        value = getattr(h, "hash_value", None)
+        if value is not None:
+            forms.append(value)
+        return forms
+
+    def _drain_events(self) -> None:
+        """Translate what ``take_events`` hands the engine into spec events, in order."""
+        if Capability.KV_EVENTS not in self.capabilities:
+            return
+        for event in self._manager.block_pool.take_events():
+            kind = type(event).__name__
+            if kind == "AllBlocksCleared":
+                self._events.append(CacheEvent(EventKind.CLEARED))
+                continue
+            keys = []
+            for h in event.block_hashes:
+                self.event_hash_formats[type(h).__name__] += 1
+                key = self._external.get(h)
+                # An event for a hash no request produced is reported as such, not dropped:
+                # event-consistency then names it.
+                keys.append(key if key is not None else PrefixKey((), ("unknown event hash", h)))
+            stored = kind == "BlockStored"
+            if not stored and kind != "BlockRemoved":
+                raise RuntimeError(f"vLLM {self.vllm_version}: unknown KV event {kind}")
+            self._events.append(
+                CacheEvent(EventKind.STORED if stored else EventKind.REMOVED, tuple(keys))
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def _new_request(self, seq_id: int, tokens: Sequence[int], extra: ExtraKeys) -> Any:
         v = self._v
         req_params = _params(v.request.Request.__init__)
-        cache_salt = None
-        if extra:
-            if "cache_salt" not in req_params:
-                raise Unsupported(f"vLLM {self.vllm_version}: extra keys need cache_salt")
-            cache_salt = repr(extra)
+        wanted = {
+            Capability.CACHE_SALT: bool(extra.cache_salt),
+            Capability.LORA: bool(extra.lora),
+            Capability.MULTIMODAL: bool(extra.mm),
+        }
+        for cap, used in wanted.items():
+            if used and cap not in self.capabilities:
+                raise Unsupported(f"vLLM {self.vllm_version}: requests take no {cap.value}")
         sampling = v.sampling.SamplingParams(max_tokens=self.max_model_len)
-        return _build(
-            v.request.Request,
-            request_id=f"seq{seq_id}-{next(self._ids)}",
-            prompt=None,
-            prompt_token_ids=list(tokens),
+        fields: dict[str, Any] = dict(
             multi_modal_inputs=None,
             multi_modal_kwargs=None,
             multi_modal_hashes=None,
             multi_modal_placeholders=None,
             mm_features=None,
+        )
+        fields.update(self._mm_fields(extra, req_params))
+        return _build(
+            v.request.Request,
+            request_id=f"seq{seq_id}-{next(self._ids)}",
+            prompt=None,
+            prompt_token_ids=list(tokens),
             sampling_params=sampling,
             pooling_params=None,
             eos_token_id=None,
             arrival_time=0.0,
-            lora_request=None,
-            cache_salt=cache_salt,
+            lora_request=self._lora_request(extra.lora) if extra.lora else None,
+            cache_salt=extra.cache_salt or None,
             block_hasher=self._block_hasher,
+            **fields,
         )
 
     def _finish(self, request: Any) -> None:
@@ -366,14 +522,17 @@ class VLLMV1Adapter:
         if not hashes:
             return
         tokens = tuple(request.all_token_ids)
-        extra = self._extra.get(seq_id, ())
+        extra = self._extra.get(seq_id, as_extra(()))
         for i, h in enumerate(hashes):
             end = (i + 1) * self._B
             if end > len(tokens):
                 break
-            key = PrefixKey(tokens[:end], extra)
+            key = key_of(tokens, end, extra)
             old = self._keys.setdefault(h, key)
-            if old != key:
+            if old is key:
+                for form in self._external_forms(h):
+                    self._external.setdefault(form, key)
+            elif old != key:
                 self.hash_collisions.append((h, old, key))
 
     def _group_blocks(self, request_id: str) -> list[Any]:
@@ -427,7 +586,8 @@ class VLLMV1Adapter:
         if not tokens or num_new_tokens < 1:
             raise ValueError("admit needs tokens and num_new_tokens >= 1")
         v = self._v
-        extra = tuple(extra)
+        extra = as_extra(extra)
+        self._set_event_hash_format()
         request = self._parked.pop(seq_id, None)
         if request is not None and (
             tuple(request.all_token_ids) != tuple(tokens) or self._extra.get(seq_id) != extra
@@ -481,6 +641,7 @@ class VLLMV1Adapter:
             raise ValueError("reserve needs num_new_tokens >= 1")
         if lookahead and not self._has_lookahead:
             raise Unsupported(f"vLLM {self.vllm_version}: no lookahead slots")
+        self._set_event_hash_format()
         new_blocks = self._alloc(request, num_new_tokens, num_lookahead_tokens=lookahead)
         if new_blocks is None:
             raise NotAdmitted(
@@ -538,9 +699,11 @@ class VLLMV1Adapter:
         raise Unsupported("vLLM V1 preempts by recompute only (no swap)")
 
     def reset_prefix_cache(self) -> bool:
+        self._set_event_hash_format()
         return bool(self._manager.reset_prefix_cache())
 
     def observe(self) -> KVState:
+        self._drain_events()
         pool = self._manager.block_pool
         null = pool.null_block
         blocks = [b for b in pool.blocks if b is not null]
@@ -575,6 +738,7 @@ class VLLMV1Adapter:
             cached=tuple(cached),
             computed=computed,
             epochs={b: self._epochs[b] for b in ids},
+            events=tuple(self._events) if Capability.KV_EVENTS in self.capabilities else None,
         )
         return KVState(gpu=gpu, tables=tables, cpu=None)
 

@@ -18,6 +18,7 @@ from typing import Any
 from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing.driver import Driver, TraceStep, apply_step
+from kvspec.testing.machine import RunStats
 from kvspec.testing.report import (
     ReportError,
     build_report,
@@ -201,6 +202,16 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     return report_outcome(args, argv, outcome, here, impl, overrides)
 
 
+def domains_line(stats: RunStats) -> str:
+    """What the run drew of the prefix cache's domains and events (spec/tenancy.py)."""
+    x = stats.extras
+    return (
+        f"domains: {x.get('cache_salt', 0)} salted, {x.get('lora', 0)} LoRA, "
+        f"{x.get('mm', 0)} multimodal admissions; {stats.events} KV-cache events"
+        + ("" if stats.events else " (none: prefix caching off, or the target emits none)")
+    )
+
+
 def print_table(o: Outcome) -> None:
     table = Table(title="Invariants", title_justify="left", expand=False)
     table.add_column("invariant", no_wrap=True, min_width=24)
@@ -233,6 +244,7 @@ def print_table(o: Outcome) -> None:
         f"<= {o.steps} steps each, profile {o.profile}, {seed}{shrink}, {o.seconds:.1f}s",
         markup=False,
     )
+    out.print(domains_line(o.stats), markup=False)
     na = [i for i, (ex, _) in o.tally.per_invariant.items() if ex == 0 and i not in violated]
     for i in na:
         why = o.tally.inapplicable.get(i)
