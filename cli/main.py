@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import kvspec
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.targets.lock import read_record, record_path
 from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, Target, TargetError, shipped, target
@@ -23,11 +24,10 @@ from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
-import kvspec
-
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
-from .run import FIELDS, PROFILES
+from .run import CONFIG_HELP, PROFILES
+from .search import MAX_VIOLATIONS
 from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
 
 EPILOG = """\
@@ -41,6 +41,15 @@ project -- vLLM's own CI, another engine -- can run it on its block manager:
 
 Exit codes: 0 all applicable invariants hold and every requested example ran; 1 violation,
 crash or incomplete run; 2 bad input.
+"""
+
+
+DEFAULT_IMPL = """\
+Default --impl (the manager the release's engine runs by default, cli/target.py choose_impl):
+  v1                the V1 engine's KVCacheManager, on releases that ship it (0.8.3 on; 0.33.0)
+  legacy-self-attn  legacy releases with SelfAttnBlockSpaceManager (V2's name from 0.6.3.post1)
+  legacy-v2         legacy releases whose EngineArgs.use_v2_block_manager defaults on (0.6.3)
+  legacy-v1         older legacy releases (BlockSpaceManagerV1, the default before V2)
 """
 
 
@@ -96,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check",
         help="run the stateful machine against a target",
-        epilog=EPILOG,
+        epilog=DEFAULT_IMPL + "\n" + EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _target_args(p)
@@ -118,11 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help=f"check only this invariant (repeatable): {', '.join(INVARIANTS)}",
     )
-    e.add_argument(
-        "--config",
+    e.add_argument("--config", action="append", metavar="KEY=VALUE", help=CONFIG_HELP)
+    k = p.add_argument_group(
+        "distinct violations and known findings",
+        "The search goes on after a violation and reports every distinct one (by invariant, "
+        "operation and crash site), each shrunk on its own, with its report and reproducer.",
+    )
+    k.add_argument(
+        "--known",
         action="append",
-        metavar="KEY=VALUE",
-        help=f"pin a configuration field (repeatable): {', '.join(FIELDS)}",
+        metavar="FILE",
+        help="a known-findings file (TOML, [[finding]] entries) whose fingerprints the search "
+        "steps past (repeatable; added to the shipped FINDINGS.md fingerprints)",
+    )
+    k.add_argument(
+        "--no-known",
+        action="store_true",
+        help="do not step past the shipped FINDINGS.md fingerprints (every violation is new)",
+    )
+    k.add_argument(
+        "--known-count-only",
+        action="store_true",
+        help="count the known findings that fire instead of re-finding and shrinking each one",
+    )
+    k.add_argument(
+        "--max-violations",
+        type=int,
+        default=MAX_VIOLATIONS,
+        metavar="N",
+        help=f"stop after N distinct violations (default {MAX_VIOLATIONS})",
     )
     o = p.add_argument_group("output")
     o.add_argument(

@@ -23,9 +23,10 @@ from hypothesis.stateful import initialize
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
-from kvspec.testing import KVCacheMachine, RunStats, SpecViolation, TraceStep
+from kvspec.testing import Features, KVCacheMachine, RunStats, SpecViolation, TraceStep
 from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
 from kvspec.testing.implementations import BROKEN_PREFIX, lookup
+from kvspec.testing.machine import StepPast
 from kvspec.testing.strategies import configs
 from rich.progress import (
     BarColumn,
@@ -59,46 +60,71 @@ _ALIASES = {
     "lookahead": "max_lookahead",
     "cpu_blocks": "num_cpu_blocks",
     "blocks": "num_blocks",
+    "pool": "num_blocks",
+    "chunked": "chunked_prefill",
 }
 FIELDS = tuple(f.name for f in attrs.fields(Config))
+FEATURE_FIELDS = tuple(f.name for f in attrs.fields(Features))
+KEYS = FIELDS + FEATURE_FIELDS
+ON = "on"  # a feature pinned on whose size is still drawn (window, lookahead)
+_OFF = ("none", "off", "null", "no", "false", "")
+CONFIG_HELP = (
+    "pin a configuration field or scheduler feature (repeatable): block_size=N, "
+    "num_blocks=N (pool), num_cpu_blocks=N, sliding_window=N|on|off (window), "
+    "max_lookahead=N|on|off (lookahead), prefix_caching=on|off (caching), "
+    "chunked_prefill=on|off, swap=on|off (swap preemption; the CPU pool is num_cpu_blocks), "
+    "fork=on|off. Unpinned: drawn per example; features on wherever the target supports them"
+)
+
+
+def _boolean(key: str, value: str) -> bool:
+    if value.lower() not in _BOOL:
+        raise UsageError(f"--config {key}={value}: not a boolean", "use on or off")
+    return _BOOL[value.lower()]
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``--config key=value`` pairs, each value validated the way Config validates it."""
+    """``--config key=value`` pairs, each value validated the way Config validates it.  A
+    window or lookahead pinned ``on`` is kept as ``ON`` (drawn, never absent)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = _ALIASES.get(key.strip().replace("-", "_"), key.strip().replace("-", "_"))
         value = value.strip()
         if not sep or not key:
-            raise UsageError(f"--config {item!r} is not key=value", f"keys: {', '.join(FIELDS)}")
-        if key not in FIELDS:
-            raise UsageError(
-                f"--config {key}: no such configuration field", f"keys: {', '.join(FIELDS)}"
-            )
-        if key == "prefix_caching":
-            if value.lower() not in _BOOL:
-                raise UsageError(
-                    f"--config prefix_caching={value}: not a boolean", "use true or false"
-                )
-            out[key] = _BOOL[value.lower()]
-        elif key == "sliding_window" and value.lower() in ("none", "off", "null", ""):
-            out[key] = None
+            raise UsageError(f"--config {item!r} is not key=value", f"keys: {', '.join(KEYS)}")
+        if key not in KEYS:
+            raise UsageError(f"--config {key}: no such configuration field", f"keys: {', '.join(KEYS)}")
+        if key == "prefix_caching" or key in FEATURE_FIELDS:
+            out[key] = _boolean(key, value)
+        elif key in ("sliding_window", "max_lookahead") and value.lower() in _OFF:
+            out[key] = None if key == "sliding_window" else 0
+        elif key in ("sliding_window", "max_lookahead") and value.lower() in ("on", "yes", "true"):
+            out[key] = ON
         else:
             try:
                 out[key] = int(value)
             except ValueError:
-                raise UsageError(
-                    f"--config {key}={value}: not an integer", f"e.g. --config {key}=4"
-                ) from None
+                raise UsageError(f"--config {key}={value}: not an integer", f"e.g. --config {key}=4") from None
+    if out.get("swap") and out.get("num_cpu_blocks") == 0:
+        raise UsageError("--config swap=on with num_cpu_blocks=0: nothing to swap into", "drop one of them")
     try:
-        Config(**{"block_size": 4, "num_blocks": 8, **out})
+        Config(**{"block_size": 4, "num_blocks": 8, **config_pins(out)})
     except ConfigError as error:
         raise UsageError(
             f"invalid configuration: {error}",
             "block_size, num_blocks and sliding_window must be >= 1",
         ) from None
     return out
+
+
+def config_pins(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The Config fields pinned to one value."""
+    return {k: v for k, v in overrides.items() if k in FIELDS and v != ON}
+
+
+def features_from(overrides: Mapping[str, Any]) -> Features:
+    return Features(**{k: v for k, v in overrides.items() if k in FEATURE_FIELDS})
 
 
 def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrategy[Config]:
@@ -117,17 +143,23 @@ def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrateg
         kw["prefix_caching"] = st.just(True)
     if "sliding_window" in overrides and overrides["sliding_window"] is None:
         kw["sliding_window"] = False
+    if overrides.get("sliding_window") == ON:
+        kw["require_window"] = True
     if "num_cpu_blocks" in overrides:
         kw["swap"] = overrides["num_cpu_blocks"] > 0
-    if "max_lookahead" in overrides:
+    elif overrides.get("swap"):
+        kw["min_cpu_blocks"] = 1
+    if overrides.get("max_lookahead") == ON:
+        kw["min_lookahead"] = 1
+    elif "max_lookahead" in overrides:
         kw["max_lookahead"] = overrides["max_lookahead"]
     if "num_blocks" in overrides:
         kw["max_blocks"] = overrides["num_blocks"]
     strategy = configs(**kw)
     if needs.get("window") and "sliding_window" not in overrides:
         strategy = strategy.filter(lambda c: c.sliding_window is not None)
-    if overrides:
-        pinned = dict(overrides)
+    pinned = config_pins(overrides)
+    if pinned:
         strategy = strategy.map(lambda c: attrs.evolve(c, **pinned))
     return strategy
 
@@ -197,7 +229,12 @@ def run_machine(
     seed: int | None,
     focus: tuple[str, ...] | None,
     label: str,
+    features: Features | None = None,
+    step_past: StepPast | None = None,
 ) -> Outcome:
+    """One hypothesis search; ``step_past`` may discard failing examples (cli/search.py runs
+    rounds of these to report every distinct violation)."""
+    features = features if features is not None else Features()
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else base.max_examples
     step_count = steps if steps is not None else base.stateful_step_count
@@ -231,7 +268,11 @@ def run_machine(
 
     def rejected_config(config: Config) -> Any:
         try:
-            return factory(config)
+            impl = factory(config)
+            why = features.unsupported(impl)
+            if why is not None:
+                raise ConfigError(why)
+            return impl
         except (ConfigError, Unsupported) as error:
             # The target declares this configuration unsupported: not a run (the machine
             # rejects the example); remembered to explain a run where nothing ran.
@@ -241,7 +282,14 @@ def run_machine(
 
     class ProgressMachine(KVCacheMachine):
         def __init__(self) -> None:
-            super().__init__(rejected_config, strategy, focus=focus, stats=stats)
+            super().__init__(
+                rejected_config,
+                strategy,
+                focus=focus,
+                stats=stats,
+                features=features,
+                step_past=step_past,
+            )
 
         @initialize(data=st.data())
         def build(self, data):
@@ -266,6 +314,9 @@ def run_machine(
             failed = raised is not None and not discarded
             try:
                 super().teardown()
+            except HypothesisException:
+                discarded = True  # the step-past policy discarded the example at teardown
+                raise
             except BaseException:
                 failed = True
                 raise

@@ -15,11 +15,14 @@ many separate draws: hypothesis' cost per draw was most of the oracle's time (BE
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable, Iterable
 
 import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -37,6 +40,54 @@ from .progress import drain
 from .strategies import ALPHABET, admission_bytes, configs, extra_from, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
+StepPast = Callable[[BaseException, Driver], bool]
+"""Asked about every failure (a SpecViolation, or an exception the target raised) before it
+ends the example: True discards the example (``reject``) so the search goes on past it."""
+
+
+@attrs.frozen
+class Features:
+    """Scheduler features the machine exercises.  None: wherever the target supports it (the
+    default); False: never; True: always, and a target without it rejects the example.
+    Lookahead, prefix caching, the window and the pool sizes are Config fields."""
+
+    chunked_prefill: bool | None = None
+    swap: bool | None = None  # swap-out/in preemption; the CPU pool size is Config's
+    fork: bool | None = None
+
+    def unsupported(self, impl: Implementation) -> str | None:
+        """Why ``impl`` cannot run with these features pinned on (None: it can)."""
+        needs = {
+            "chunked_prefill": Capability.CHUNKED_PREFILL,
+            "swap": Capability.SWAP,
+            "fork": Capability.FORK,
+        }
+        for name, capability in needs.items():
+            if getattr(self, name) and capability not in impl.capabilities:
+                return f"{impl.name} does not support {name} (pinned on)"
+        if self.swap and impl.config.num_cpu_blocks == 0:
+            return "swap pinned on with no CPU blocks (num_cpu_blocks=0)"
+        return None
+
+    def allows(self, name: str) -> bool:
+        return getattr(self, name) is not False
+
+
+def _failures_stepped_past(body):
+    """A rule body whose target crash is shown to the machine's step-past policy first."""
+
+    @functools.wraps(body)
+    def run(self, *args, **kwargs):
+        try:
+            return body(self, *args, **kwargs)
+        except SpecViolation:
+            raise  # _check already asked the policy
+        except Exception as error:
+            if not isinstance(error, HypothesisException):
+                self._failing(error)
+            raise
+
+    return run
 
 
 @attrs.define
@@ -92,6 +143,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         max_prompt_blocks: int = 6,
         stats: RunStats | None = None,
         free_swapped: bool = True,
+        features: Features | None = None,
+        step_past: StepPast | None = None,
     ) -> None:
         super().__init__()
         self.factory = factory
@@ -101,6 +154,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         # False steers around FINDINGS F13 (vLLM 0.6.3 V2 corrupts its CPU block pool when a
         # swapped-out sequence is freed), for runs that must not stop on it.
         self.free_swapped = free_swapped
+        self.features = features if features is not None else Features()
+        self.step_past = step_past
         self.stats = stats if stats is not None else STATS
         self.driver: Driver | None = None
         self.failed = False
@@ -119,6 +174,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         note(f"config: {config!r}")
         try:
             impl = self.factory(config)
+            why = self.features.unsupported(impl)
+            if why is not None:
+                raise ConfigError(why)
         except ConfigError as err:
             # The target declares this configuration unsupported (e.g. a release that
             # rejects prefix caching with a sliding window): not a finding, not a run.
@@ -134,8 +192,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _chunk(self, code: int, remaining: int) -> int:
         """Tokens this step schedules, from one drawn byte: the whole remainder, one block, or
         1 .. 2B tokens (0 -> the whole remainder, which is what shrinking moves towards)."""
-        if not self.d.has(Capability.CHUNKED_PREFILL):
-            return remaining  # the release prefills whole prompts only
+        if not self.d.has(Capability.CHUNKED_PREFILL) or not self.features.allows("chunked_prefill"):
+            return remaining  # the release (or the run) prefills whole prompts only
         B = self.d.config.block_size
         kind, rest = code % 3, code // 3
         if kind == 0:
@@ -147,6 +205,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ rules
 
     @rule(raw=admission_bytes)
+    @_failures_stepped_past
     def admit(self, raw):
         self._admit(raw)
 
@@ -178,6 +237,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @_has_status(Status.RUNNING)
     @rule(raw=three_bytes)
+    @_failures_stepped_past
     def step(self, raw):
         pick, chunk, token = raw
         self._step(self._pick(Status.RUNNING, pick), chunk, token)
@@ -187,6 +247,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # operations, each checked as it happens: hypothesis' cost per rule and per draw, not
     # the checks, was most of the oracle's time.
     @rule(raw=iteration_bytes, new=admissions)
+    @_failures_stepped_past
     def schedule(self, raw, new):
         for i, seq in enumerate(sorted(self.d.with_status(Status.RUNNING))):
             go, chunk, token = raw[3 * i : 3 * i + 3] or b"\0\0\0"
@@ -210,10 +271,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         lambda self: (
             self.driver is not None
             and self.driver.has(Capability.FORK)
+            and self.features.allows("fork")
             and bool(self._decoding())
         )
     )
     @rule(pick=pick_code)
+    @_failures_stepped_past
     def fork(self, pick):
         candidates = self._decoding()
         child = self.next_id
@@ -227,31 +290,42 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.driver is not None and bool(self._freeable()))
     @rule(pick=pick_code)
+    @_failures_stepped_past
     def free(self, pick):
         candidates = self._freeable()
         self.d.free(candidates[pick % len(candidates)])
 
     @_has_status(Status.RUNNING)
     @rule(pick=pick_code)
+    @_failures_stepped_past
     def preempt(self, pick):
         self.d.preempt(self._pick(Status.RUNNING, pick))
 
     @_has_status(Status.WAITING)
     @rule(raw=three_bytes)
+    @_failures_stepped_past
     def readmit(self, raw):
         pick, chunk, token = raw
         seq = self._pick(Status.WAITING, pick)
         k = self._chunk(chunk, len(self.d.seqs[seq].tokens))
         self.d.readmit(seq, k, token % ALPHABET)
 
-    @precondition(lambda self: self.driver is not None and self.driver.has(Capability.SWAP))
+    @precondition(
+        lambda self: (
+            self.driver is not None
+            and self.driver.has(Capability.SWAP)
+            and self.features.allows("swap")
+        )
+    )
     @_has_status(Status.RUNNING)
     @rule(pick=pick_code)
+    @_failures_stepped_past
     def swap_out(self, pick):
         self.d.swap_out(self._pick(Status.RUNNING, pick))
 
     @_has_status(Status.SWAPPED)
     @rule(pick=pick_code)
+    @_failures_stepped_past
     def swap_in(self, pick):
         self.d.swap_in(self._pick(Status.SWAPPED, pick))
 
@@ -263,6 +337,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
     )
     @rule(draw=st.integers(0, 7))
+    @_failures_stepped_past
     def reset_prefix_cache(self, draw):
         # Rare on purpose: a reset empties the cache that every other rule builds up.
         if draw == 0:
@@ -281,8 +356,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.checked_at = self.d.operations
         found = self.d.check()
         if found:
-            self.failed = True
-            raise SpecViolation(found, self.d.trace)
+            error = SpecViolation(found, self.d.trace)
+            self._failing(error)
+            raise error
+
+    def _failing(self, error: BaseException) -> None:
+        """A failure: the step-past policy may discard the example instead."""
+        self.failed = True
+        if self.step_past is not None and self.step_past(error, self.d):
+            reject()
 
     def teardown(self):
         if self.driver is None:
@@ -290,11 +372,23 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.stats.add(self.d)
         if self.failed:
             return  # freeing a broken state would only bury the violation under a crash
+        if sys.exc_info()[1] is not None:
+            return  # hypothesis is abandoning the example (StopTest, a rejection): no verdict
         if self.focus is None or "progress" in self.focus:
             # progress: with no new arrivals, the scheduler loop finishes every request.
             found = drain(self.d)
             if found:
-                raise SpecViolation(found, self.d.trace)
-        found = self.d.free_all()
+                error = SpecViolation(found, self.d.trace)
+                self._failing(error)
+                raise error
+        try:
+            found = self.d.free_all()
+        except SpecViolation:
+            raise
+        except Exception as error:
+            self._failing(error)
+            raise
         if found:
-            raise SpecViolation(found, self.d.trace)
+            error = SpecViolation(found, self.d.trace)
+            self._failing(error)
+            raise error

@@ -21,10 +21,11 @@ BOTH = st.booleans()
 
 
 @st.composite
-def windows(draw, block_size: int) -> int | None:
+def windows(draw, block_size: int, required: bool = False) -> int | None:
+    """A window size, or None (full attention) unless ``required``."""
     B = block_size
     options = [
-        st.none(),
+        *([] if required else [st.none()]),
         st.just(B),
         st.integers(1, 4).map(lambda m: m * B),
         st.integers(1, 4).map(lambda m: m * B + 1),
@@ -45,15 +46,21 @@ def configs(
     sliding_window: bool = True,
     swap: bool = True,
     max_lookahead: int = 3,
+    require_window: bool = False,
+    min_cpu_blocks: int = 0,
+    min_lookahead: int = 0,
 ) -> Config:
+    """A configuration; the ``require_``/``min_`` arguments pin a feature on (a window, a
+    CPU pool for swapping, lookahead slots) without changing what the defaults draw."""
     B = draw(block_sizes)
+    window = sliding_window or require_window
     return Config(
         block_size=B,
         num_blocks=draw(st.integers(1, max_blocks)),
-        num_cpu_blocks=draw(st.integers(0, 8)) if swap else 0,
-        sliding_window=draw(windows(B)) if sliding_window else None,
+        num_cpu_blocks=draw(st.integers(min_cpu_blocks, max(8, min_cpu_blocks))) if swap else 0,
+        sliding_window=draw(windows(B, required=require_window)) if window else None,
         prefix_caching=draw(prefix_caching),
-        max_lookahead=draw(st.integers(0, max_lookahead)),
+        max_lookahead=draw(st.integers(min_lookahead, max(max_lookahead, min_lookahead))),
     )
 
 

@@ -1,0 +1,284 @@
+"""Every distinct violation in one ``kvspec check``: rounds of the hypothesis search.
+
+Hypothesis ends a search at its first failure and shrinks it (multi-bug mode stops looking 10 s
+after the first bug, too soon for a real target).  So the search runs in rounds, each a full
+``run_machine``: a round steps past (discards) every failure whose fingerprint
+(``kvspec.testing.known``) an earlier round reported, and every known finding; its first new
+failure ends it, and while that one shrinks, failures of any other fingerprint are discarded
+too, so each is shrunk on its own.  The rounds end when one runs its whole budget without a
+new failure.  Then each known finding that fired is searched for once more with every other
+known finding stepped past, so it is reported with its own shrunk trace and reproducer.
+
+A derandomized (or seeded) run repeats itself: each round replays the same example sequence,
+with the discards earlier rounds added.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+from kvspec.spec.config import Config
+from kvspec.testing import Features
+from kvspec.testing.driver import Driver
+from kvspec.testing.known import Fingerprint, KnownFinding, fingerprint, message_of, which_known
+from rich.markup import escape
+from rich.table import Table
+
+from .common import out
+from .run import Outcome, run_machine
+from .target import Factory
+
+RUN_FORMAT = "kvspec-run/1"
+MAX_VIOLATIONS = 12  # distinct violations one run reports before it stops searching
+RETRIES_PER_KNOWN = 3  # rounds spent re-finding one known finding (new bugs may come first)
+_FAILED = ("violated", "error")
+
+
+@attrs.define
+class Sieve:
+    """The step-past policy of one round (``KVCacheMachine(step_past=...)``)."""
+
+    reported: frozenset[Fingerprint]
+    known: Sequence[KnownFinding]
+    target: Fingerprint | None = None  # the round's new failure, once seen
+    fired: Counter[str] = attrs.Factory(Counter)  # known id -> examples stepped past
+    repeats: int = 0  # examples stepped past on an already reported fingerprint
+    first_known: dict[str, Fingerprint] = attrs.Factory(dict)
+
+    def __call__(self, error: BaseException, driver: Driver) -> bool:
+        fp = fingerprint(error, driver.trace)
+        if self.target is not None:
+            return fp != self.target  # shrinking: only the round's own failure counts
+        if fp in self.reported:
+            self.repeats += 1
+            return True
+        known = which_known(self.known, fp, message_of(error), driver.config)
+        if known is not None:
+            self.fired[known.id] += 1
+            self.first_known.setdefault(known.id, fp)
+            return True
+        self.target = fp
+        return False
+
+
+@attrs.define
+class Found:
+    """One distinct violation (or target crash), shrunk by its own round."""
+
+    fingerprint: Fingerprint
+    outcome: Outcome
+    known: KnownFinding | None = None
+
+
+@attrs.define
+class Search:
+    found: list[Found]
+    rounds: list[Outcome]
+    fired: Counter[str]  # known id -> examples stepped past during the exploration
+    known: Sequence[KnownFinding]  # the known findings that concern this target
+    missed: list[str] = attrs.Factory(list)  # known ids that fired but were not re-found
+    stopped: str | None = None  # why the rounds ended early (cap, interrupt, no examples)
+
+    @property
+    def last(self) -> Outcome:
+        return self.rounds[-1]
+
+    @property
+    def examples(self) -> int:
+        return sum(o.tally.examples for o in self.rounds)
+
+    @property
+    def operations(self) -> int:
+        return sum(o.tally.operations for o in self.rounds)
+
+
+def run_search(
+    factory: Factory,
+    strategy: st.SearchStrategy[Config],
+    *,
+    profile: str,
+    examples: int | None,
+    steps: int | None,
+    seed: int | None,
+    focus: tuple[str, ...] | None,
+    label: str,
+    features: Features | None = None,
+    known: Sequence[KnownFinding] = (),
+    report_known: bool = True,
+    max_violations: int = MAX_VIOLATIONS,
+) -> Search:
+    """Rounds of ``run_machine`` until a round finds nothing new (see the module docstring)."""
+    search = Search([], [], Counter(), known)
+
+    def one_round(stepped_past: Sequence[KnownFinding], tag: str) -> tuple[Outcome, Sieve]:
+        sieve = Sieve(frozenset(f.fingerprint for f in search.found), stepped_past)
+        outcome = run_machine(
+            factory,
+            strategy,
+            profile=profile,
+            examples=examples,
+            steps=steps,
+            seed=seed,
+            focus=focus,
+            label=f"{label} {tag}",
+            features=features,
+            step_past=sieve,
+        )
+        search.rounds.append(outcome)
+        if outcome.status in _FAILED and sieve.target is not None:
+            hit = which_known(known, sieve.target, _message(outcome), outcome.config)
+            search.found.append(Found(sieve.target, outcome, hit))
+        return outcome, sieve
+
+    # Exploration: known findings stepped past, every new fingerprint reported.
+    while True:
+        if len(search.found) >= max_violations:
+            search.stopped = f"stopped at {max_violations} distinct violations"
+            return search
+        outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}")
+        search.fired = sieve.fired
+        if outcome.status not in _FAILED or sieve.target is None:
+            break
+    if outcome.status not in ("holds", "incomplete"):
+        search.stopped = outcome.status
+        return search
+    if not report_known:
+        return search
+    # Each known finding that fired, found again and shrunk with the others stepped past.
+    for ident in [k.id for k in known if search.fired[k.id]]:
+        others = [k for k in known if k.id != ident]
+        for attempt in range(RETRIES_PER_KNOWN):
+            if len(search.found) >= max_violations:
+                search.stopped = f"stopped at {max_violations} distinct violations"
+                return search
+            outcome, sieve = one_round(others, f"{ident} ({attempt + 1})")
+            if outcome.status in ("interrupted", "no-examples"):
+                search.stopped = outcome.status
+                return search
+            if sieve.target is None or _reported(search, ident):
+                break
+        if not _reported(search, ident):
+            search.missed.append(ident)
+    return search
+
+
+def _reported(search: Search, ident: str) -> bool:
+    return any(f.known is not None and f.known.id == ident for f in search.found)
+
+
+def _message(outcome: Outcome) -> str:
+    if outcome.status == "violated":
+        return "\n".join(str(v) for v in outcome.violations)
+    return outcome.error or ""
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+def aggregate(search: Search) -> Outcome:
+    """One Outcome summing the rounds: the invariants table's input."""
+    last = search.last
+    tally = attrs.evolve(
+        last.tally,
+        examples=search.examples,
+        operations=search.operations,
+        shrink_runs=sum(o.tally.shrink_runs for o in search.rounds),
+        per_invariant={
+            inv: [sum(o.tally.per_invariant.get(inv, [0, 0])[i] for o in search.rounds) for i in (0, 1)]
+            for inv in last.tally.per_invariant
+        },
+    )
+    violations = [v for f in search.found for v in f.outcome.violations]
+    status = "violated" if search.found else last.status
+    return attrs.evolve(
+        last,
+        status=status,
+        tally=tally,
+        violations=violations,
+        seconds=sum(o.seconds for o in search.rounds),
+    )
+
+
+def found_json(found: Found) -> dict[str, Any]:
+    return {
+        "fingerprint": found.fingerprint.to_json(),
+        "known_finding": found.known.id if found.known is not None else None,
+    }
+
+
+def print_found(search: Search) -> None:
+    table = Table(title="Distinct violations", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("invariant", no_wrap=True)
+    table.add_column("operation", no_wrap=True)
+    table.add_column("crash site", overflow="fold")
+    table.add_column("known", no_wrap=True)
+    table.add_column("trace", justify="right")
+    table.add_column("configuration", overflow="fold")
+    for n, f in enumerate(search.found, 1):
+        fp = f.fingerprint
+        site = f"{fp.exception} at {fp.location}" if fp.exception else "-"
+        config = f.outcome.config.describe() if f.outcome.config is not None else "-"
+        known = f.known.id if f.known is not None else "[bold]new[/]"
+        table.add_row(
+            str(n), fp.invariant, fp.operation, escape(site), known, str(len(f.outcome.trace)), config
+        )
+    out.print(table)
+    rounds = len(search.rounds)
+    out.print(
+        f"{len(search.found)} distinct violation(s) in {rounds} search round(s); each round repeats "
+        "the search, stepping past what earlier rounds found"
+        + (f"; {search.stopped}" if search.stopped else ""),
+        markup=False,
+    )
+
+
+def print_known(search: Search) -> None:
+    """How often each known finding of this target fired, and whether it was reported."""
+    if not search.known:
+        return
+    table = Table(title="Known findings of this target (stepped past while exploring)", title_justify="left")
+    table.add_column("id", no_wrap=True)
+    table.add_column("fired", justify="right")
+    table.add_column("reported", no_wrap=True)
+    table.add_column("finding", overflow="fold", max_width=70)
+    for k in search.known:
+        n = next((i for i, f in enumerate(search.found, 1) if f.known is not None and f.known.id == k.id), None)
+        if n is not None:
+            shown = f"#{n}"
+        elif k.id in search.missed:
+            shown = "[yellow]not re-found[/]"
+        elif search.fired[k.id]:
+            shown = "counted only"
+        else:
+            shown = "[dim]not reached[/]"
+        table.add_row(k.id, str(search.fired[k.id]), shown, escape(k.title))
+    out.print(table)
+    out.print(
+        "fired: examples of the last exploration round that met the finding and were discarded "
+        "(--no-known reports them as new; --known FILE adds fingerprints)",
+        markup=False,
+    )
+
+
+def summary_json(search: Search, entries: list[dict[str, Any]], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's index (docs/report-format.md, ``kvspec-run/1``): one entry per violation."""
+    last = search.last
+    return {
+        "format": RUN_FORMAT,
+        "violations": entries,
+        "rounds": [
+            {"status": o.status, "examples_run": o.tally.examples, "operations_run": o.tally.operations,
+             "seconds": round(o.seconds, 2)}
+            for o in search.rounds
+        ],
+        "known_findings": {
+            k.id: {"fired": search.fired[k.id], "missed": k.id in search.missed} for k in search.known
+        },
+        "stopped": search.stopped,
+        "run": last.run_json(overrides),
+    }

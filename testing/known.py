@@ -1,0 +1,258 @@
+"""Fingerprints of failures, and the known findings a run can step past.
+
+A failure's fingerprint is what makes two failures the same bug for a multi-bug run: the
+invariant it violates (``crash`` for an exception the target raised), the driver operation
+after which it showed, and, for a crash, the exception type and the target code location
+(innermost frame: file and function).  Two failing examples with one fingerprint are one
+bug, reported once, shrunk on its own.
+
+A known finding is a narrow fingerprint of a FINDINGS.md entry: the fields above, the
+implementations and releases it concerns, the configuration features it needs, and a
+fragment of the violation message.  ``known_findings.toml`` next to this module ships the
+project's own; a run told to step past them discards an example that meets one (counting
+it) instead of ending its search there, so a release with a known crash is still searched
+behind it.  The file is read with the standard library (``tomllib``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import CodeType
+from typing import Any
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.targets.registry import release_key
+
+from .driver import Driver, SpecViolation, TraceStep
+
+SHIPPED = Path(__file__).with_name("known_findings.toml")
+CRASH = "crash"  # the invariant field of a target's exception
+
+# Driver methods whose frames name the operation a crash happened in ("_swap" reads it from
+# its ``op`` argument; ``free_all`` frees one sequence at a time through ``free``).
+_OP_CODES: dict[CodeType, str] = {
+    inspect.unwrap(Driver.admit).__code__: "admit",
+    inspect.unwrap(Driver.step).__code__: "step",
+    inspect.unwrap(Driver.fork).__code__: "fork",
+    inspect.unwrap(Driver.free).__code__: "free",
+    inspect.unwrap(Driver.preempt).__code__: "preempt",
+    inspect.unwrap(Driver.reset_prefix_cache).__code__: "reset_prefix_cache",
+    Driver._swap.__code__: "_swap",
+}
+
+
+class KnownFindingsError(ValueError):
+    """A known-findings file that cannot be read or has an entry kvspec does not understand."""
+
+
+@attrs.frozen(order=True)
+class Fingerprint:
+    """What makes two failures the same bug."""
+
+    invariant: str  # an invariant ID, or "crash"
+    operation: str  # the driver operation: admit, step, fork, free, preempt, swap_out, ...
+    exception: str = ""  # a crash's exception type name
+    location: str = ""  # a crash's innermost frame: "vllm/core/block/common.py:init_block"
+
+    def describe(self) -> str:
+        where = f" {self.exception} at {self.location}" if self.exception else ""
+        return f"{self.invariant} in {self.operation}{where}"
+
+    def to_json(self) -> dict[str, str]:
+        return attrs.asdict(self)
+
+    def slug(self) -> str:
+        """A folder name: invariant and operation (and exception type)."""
+        parts = [self.invariant, self.operation, self.exception]
+        return "-".join(p for p in parts if p).replace("_", "-").lower()
+
+
+def _where(filename: str) -> str:
+    """A path readable across installations: from its ``vllm/`` (or ``kvspec``) folder on."""
+    parts = Path(filename).parts
+    for anchor in ("vllm", "kvspec"):
+        if anchor in parts:
+            i = len(parts) - 1 - parts[::-1].index(anchor)
+            return "/".join(parts[i:])
+    return "/".join(parts[-2:])
+
+
+def crash_site(error: BaseException) -> tuple[str, str]:
+    """(operation, location) of an exception raised under the driver: the innermost driver
+    operation on the traceback, and the innermost frame's file and function."""
+    operation, location = "?", ""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        op = _OP_CODES.get(frame.f_code)
+        if op == "_swap":
+            op = str(frame.f_locals.get("op", "swap"))
+        if op is not None:
+            operation = op
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        last = frames[-1]
+        location = f"{_where(last.filename)}:{last.name}"
+    return operation, location
+
+
+def fingerprint(error: BaseException, trace: Sequence[TraceStep] = ()) -> Fingerprint:
+    """The fingerprint of a failing example's exception: a SpecViolation is its first
+    violation's invariant after the trace's last operation; anything else is a crash."""
+    if isinstance(error, SpecViolation):
+        steps = error.trace or list(trace)
+        primary = error.violations[0].invariant if error.violations else "?"
+        return Fingerprint(primary, steps[-1].op if steps else "teardown")
+    operation, location = crash_site(error)
+    return Fingerprint(CRASH, operation, type(error).__name__, location)
+
+
+def message_of(error: BaseException) -> str:
+    if isinstance(error, SpecViolation):
+        return "\n".join(str(v) for v in error.violations)
+    return f"{type(error).__name__}: {error}"
+
+
+# ------------------------------------------------------------------------ known findings
+
+# Configuration features an entry may require: name -> the test on a Config.
+FEATURES = {
+    "window": lambda c: c.sliding_window is not None,
+    "prefix_caching": lambda c: c.prefix_caching,
+    "lookahead": lambda c: c.max_lookahead > 0,
+    "swap": lambda c: c.num_cpu_blocks > 0,
+}
+_KEYS = {
+    "id",
+    "title",
+    "invariant",
+    "operation",
+    "exception",
+    "location",
+    "message",
+    "impl",
+    "releases",
+    "requires",
+}
+
+
+def _strings(entry: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = entry.get(key, [])
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise KnownFindingsError(f"{entry.get('id', '?')}: {key} must be a string or a list of them")
+    return tuple(value)
+
+
+@attrs.frozen
+class KnownFinding:
+    """A narrow fingerprint of one FINDINGS.md entry.  Empty fields match anything; every
+    entry names its invariant(s) and operation(s)."""
+
+    id: str
+    title: str
+    invariant: tuple[str, ...]
+    operation: tuple[str, ...]
+    exception: tuple[str, ...] = ()
+    location: tuple[str, ...] = ()  # substrings of the fingerprint's location
+    message: tuple[str, ...] = ()  # substrings, one of which the failure's message contains
+    impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
+    releases: tuple[str, str] | None = None  # first and last release, inclusive
+    requires: tuple[str, ...] = ()  # FEATURES the configuration must have
+
+    @classmethod
+    def from_toml(cls, entry: Mapping[str, Any]) -> KnownFinding:
+        unknown = set(entry) - _KEYS
+        ident = entry.get("id")
+        if not isinstance(ident, str) or not ident:
+            raise KnownFindingsError(f"an entry has no id: {dict(entry)}")
+        if unknown:
+            raise KnownFindingsError(f"{ident}: unknown field(s) {sorted(unknown)}")
+        invariant, operation = _strings(entry, "invariant"), _strings(entry, "operation")
+        if not invariant or not operation:
+            raise KnownFindingsError(f"{ident}: a known finding names its invariant and operation")
+        releases = entry.get("releases")
+        if releases is not None:
+            if not (isinstance(releases, list) and len(releases) == 2):
+                raise KnownFindingsError(f"{ident}: releases is [first, last]")
+            try:
+                release_key(releases[0]), release_key(releases[1])
+            except (TypeError, ValueError, AttributeError) as err:
+                raise KnownFindingsError(f"{ident}: releases {releases}: {err}") from None
+        requires = _strings(entry, "requires")
+        bad = set(requires) - set(FEATURES)
+        if bad:
+            raise KnownFindingsError(f"{ident}: requires {sorted(bad)}; features: {sorted(FEATURES)}")
+        return cls(
+            id=ident,
+            title=str(entry.get("title", "")),
+            invariant=invariant,
+            operation=operation,
+            exception=_strings(entry, "exception"),
+            location=_strings(entry, "location"),
+            message=_strings(entry, "message"),
+            impl=_strings(entry, "impl"),
+            releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
+            requires=requires,
+        )
+
+    def concerns(self, impl: str, version: str | None) -> bool:
+        """Whether this finding can occur on that implementation and release."""
+        if self.impl and impl not in self.impl:
+            return False
+        if self.releases is None:
+            return True
+        if version is None:
+            return False
+        try:
+            key = release_key(version)
+        except (ValueError, AttributeError):
+            return False
+        return release_key(self.releases[0]) <= key <= release_key(self.releases[1])
+
+    def matches(self, fp: Fingerprint, message: str, config: Config | None) -> bool:
+        if fp.invariant not in self.invariant or fp.operation not in self.operation:
+            return False
+        if self.exception and fp.exception not in self.exception:
+            return False
+        if self.location and not any(part in fp.location for part in self.location):
+            return False
+        if self.message and not any(part in message for part in self.message):
+            return False
+        if config is not None and not all(FEATURES[f](config) for f in self.requires):
+            return False
+        return True
+
+
+def load_known(paths: Iterable[Path]) -> list[KnownFinding]:
+    """Every entry (``[[finding]]`` tables) of the files, in order; ids must be unique."""
+    found: list[KnownFinding] = []
+    for path in paths:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise KnownFindingsError(f"no such known-findings file: {path}") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+            raise KnownFindingsError(f"{path}: {err}") from None
+        unknown = set(data) - {"finding"}
+        if unknown:
+            raise KnownFindingsError(f"{path}: unknown table(s) {sorted(unknown)}")
+        entries = data.get("finding", [])
+        if not isinstance(entries, list):
+            raise KnownFindingsError(f"{path}: [[finding]] entries expected")
+        found.extend(KnownFinding.from_toml(e) for e in entries)
+    ids = [k.id for k in found]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise KnownFindingsError(f"known finding id(s) given twice: {', '.join(dupes)}")
+    return found
+
+
+def which_known(
+    known: Iterable[KnownFinding], fp: Fingerprint, message: str, config: Config | None
+) -> KnownFinding | None:
+    return next((k for k in known if k.matches(fp, message, config)), None)
