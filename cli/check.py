@@ -15,9 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
-from kvspec.spec.invariants import INVARIANTS, Violation
-from kvspec.testing.driver import Driver, TraceStep, apply_step
+from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError, Unsupported
+from kvspec.spec.invariants import INVARIANTS
+from kvspec.testing.driver import TraceStep
+from kvspec.testing.guard import Guard
+from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.machine import RunStats
 from kvspec.testing.report import (
     ReportError,
@@ -29,13 +32,26 @@ from kvspec.testing.report import (
     write_report,
 )
 from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
+from kvspec.testing.rerun import rerun
 from rich.markup import escape
 from rich.table import Table
 
 import kvspec
 
 from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
-from .run import Outcome, applicable, config_strategy, parse_overrides, run_machine
+from .failures import (
+    HEADLINE,
+    STOPPED_BY_TARGET,
+    code_digest,
+    failure_json,
+    guard_of_outcome,
+    limits_from,
+    print_failure,
+    replay_verdict,
+    same_code,
+)
+from .run import Outcome, applicable, config_strategy, features_from, parse_overrides
+from .search import aggregate, found_json, print_found, print_known, run_search, summary_json
 from .target import (
     VllmHere,
     check_impl_name,
@@ -152,8 +168,9 @@ def target_json(here: VllmHere | None, impl: str) -> dict[str, Any]:
             "venv_release": None,
             "python": sys.executable,
             "engine": None,
+            "code_digest": code_digest(None),
         }
-    return {**here.to_json(), "engine": current_engine(impl)}
+    return {**here.to_json(), "engine": current_engine(impl), "code_digest": code_digest(here.path)}
 
 
 def describe_target(here: VllmHere | None, impl: str) -> str:
@@ -184,22 +201,75 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     if isinstance(resolved, int):
         return resolved
     here, impl = resolved
-    factory = factory_for(impl)
+    guard = Guard(limits_from(args))
+    factory = guard.wrap(factory_for(impl))
     strategy = config_strategy(impl, overrides)
+    known = known_for(args, impl, here)
     profile = args.profile
     err.print(f"kvspec {kvspec.__version__}: checking {describe_target(here, impl)}", markup=False)
-    outcome = run_machine(
-        factory,
-        strategy,
-        profile=profile,
-        examples=args.examples,
-        steps=args.steps,
-        seed=args.seed,
-        focus=focus,
-        label=impl,
-    )
-    print_table(outcome)
-    return report_outcome(args, argv, outcome, here, impl, overrides)
+    with guard.armed():
+        search = run_search(
+            factory,
+            strategy,
+            profile=profile,
+            examples=args.examples,
+            steps=args.steps,
+            seed=args.seed,
+            focus=focus,
+            label=impl,
+            features=features_from(overrides),
+            known=known,
+            report_known=not args.known_count_only,
+            max_violations=args.max_violations,
+        )
+    for note in guard.notes:
+        err.print(f"note: {note}", markup=False)
+    summary = aggregate(search)
+    print_table(summary)
+    if not search.found:
+        if search.fired and search.last.status == "holds":
+            out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
+            print_known(search)
+            return EXIT_FOUND  # a known bug of this target is still a violation
+        code = report_outcome(args, argv, search.last, here, impl, overrides)
+        print_known(search)
+        return code
+    base = output_dir(args, impl)
+    entries = []
+    for n, found in enumerate(search.found, 1):
+        out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
+        if found.known is not None:
+            out.print(f"known finding {found.known.id} (FINDINGS.md): {escape(found.known.title)}")
+        where = base / f"{n:02d}-{found.fingerprint.slug()}"
+        report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
+                       annotate=found_json(found))
+        entries.append({**found_json(found), "report": str(where / "report.json")})
+    last = search.last
+    if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
+        # The search ended on a hang, a memory runaway or nondeterminism after these.
+        out.rule(f"then: {HEADLINE[last.status]}")
+        where = base / f"{len(search.found) + 1:02d}-{last.status}"
+        report_outcome(args, argv, last, here, impl, overrides, out_dir=where)
+        entries.append({"outcome": last.status, "report": str(where / "report.json")})
+    out.rule()
+    print_found(search)
+    print_known(search)
+    path = write_report(base / "summary.json", summary_json(search, entries, overrides))
+    out.print(f"summary: {path}", markup=False, soft_wrap=True)
+    return EXIT_FOUND
+
+
+def known_for(args: argparse.Namespace, impl: str, here: VllmHere | None) -> list[KnownFinding]:
+    """The known findings this run steps past: the shipped file unless --no-known, plus
+    every --known FILE; only those that concern this implementation and release."""
+    paths = [] if args.no_known else [SHIPPED]
+    paths += [Path(p) for p in args.known or []]
+    try:
+        entries = load_known(paths)
+    except KnownFindingsError as error:
+        raise UsageError(str(error), "fix the file, or run with --no-known") from None
+    version = here.version if here is not None else None
+    return [k for k in entries if k.concerns(impl, version)]
 
 
 def domains_line(stats: RunStats) -> str:
@@ -231,7 +301,7 @@ def print_table(o: Outcome) -> None:
             verdict = "[dim]not applicable[/]"
         elif o.status == "holds":
             verdict = "[green]holds[/]"
-        elif o.status in ("violated", "error", "interrupted"):
+        elif o.status in ("violated", "error", "interrupted", *STOPPED_BY_TARGET):
             verdict = "[yellow]no violation seen[/]"  # the search stopped early
         else:
             verdict = "[yellow]holds (incomplete run)[/]"
@@ -259,7 +329,12 @@ def report_outcome(
     here: VllmHere | None,
     impl: str,
     overrides: dict[str, Any],
+    *,
+    out_dir: Path | None = None,
+    annotate: dict[str, Any] | None = None,
 ) -> int:
+    """Print one outcome; for a violation or crash, write its report and reproducer into
+    ``out_dir`` (default: a new folder per run), with ``annotate``'s fields added."""
     if o.status == "holds":
         out.print(
             f"[green]every applicable invariant holds[/] over {o.tally.examples} examples",
@@ -283,29 +358,28 @@ def report_outcome(
             "lower --examples or widen --config."
         )
         return EXIT_FOUND
-    # violated / error
-    assert o.config is not None
     if o.status == "violated":
+        assert o.config is not None
         out.print(
             f"\n[bold red]violation[/] found and shrunk to {len(o.trace)} operation(s) "
             f"on {escape(o.config.describe())}:"
         )
         for v in o.violations:
             out.print(f"  [red]{escape(str(v))}[/]")
-    else:
-        out.print(
-            f"\n[bold red]the target crashed[/] under the scheduler protocol "
-            f"({escape(o.config.describe())}):\n  {escape(first_lines(o.error or '', 8))}"
-        )
+    else:  # error, hung, memory, nondeterministic
+        print_failure(o)
+        if o.config is None:
+            out.print("[yellow]no configuration was recorded[/]: no report is written")
+            return EXIT_FOUND
     out.print("trace (what the scheduler did -> what the target answered):")
     for i, s in enumerate(o.trace, 1):
         out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
-    out_dir = output_dir(args, impl)
+    out_dir = out_dir or output_dir(args, impl)
     repro_info = write_reproducer(args, o, here, impl, out_dir)
     report = build_report(
         outcome=o.status,
         impl=impl,
-        implementation_name=_impl_name(impl, o),
+        implementation_name=_impl_name(impl, o, guard_of_outcome(o)),
         target=target_json(here, impl),
         config=o.config,
         run=o.run_json(overrides),
@@ -315,8 +389,11 @@ def report_outcome(
         reproducer=repro_info,
         command=["kvspec", *[a for a in argv if a != "--_in-target"]],
     )
+    report.update(failure_json(o, limits_from(args)) if o.status != "violated" else {})
+    report.update(annotate or {})
     path = write_report(out_dir / "report.json", report)
     out.print(f"report: {path}", markup=False, soft_wrap=True)
+    write_picture(o, impl, out_dir, report)
     where = ""
     if here is not None and here.kind == "release":
         where = f" --vllm {here.version}"
@@ -326,7 +403,33 @@ def report_outcome(
     return EXIT_FOUND
 
 
-def _impl_name(impl: str, o: Outcome) -> str:
+def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
+    """The block-table timeline (timeline.svg) and the one-file report.html beside report.json.
+
+    Drawn by replaying the trace on the target once more; not for a target that hung or ran
+    away with memory (replaying would do it again)."""
+    if o.status in STOPPED_BY_TARGET or o.config is None:
+        return
+    try:
+        from kvspec.testing.timeline import film, report_html, timeline_svg
+    except ImportError as error:  # a target venv provisioned before drawsvg was a dependency
+        out.print(f"[yellow]no timeline picture[/]: {escape(str(error))} (run `kvspec provision` again)")
+        return
+    try:
+        with captured_fds():
+            shot = film(factory_for(impl)(o.config), o.trace)
+        svg = timeline_svg(shot, o.config)
+    except Exception as error:  # the picture is a courtesy: the report stands without it
+        out.print(f"[yellow]no timeline picture[/]: {escape(f'{type(error).__name__}: {error}')}")
+        return
+    write_atomic(out_dir / "timeline.svg", svg)
+    page = write_atomic(out_dir / "report.html", report_html(report, svg))
+    out.print(f"picture: {page}", markup=False, soft_wrap=True)
+
+
+def _impl_name(impl: str, o: Outcome, name: str | None = None) -> str:
+    if name is not None or o.status in STOPPED_BY_TARGET:
+        return name or impl  # building the target again could hang or run away again
     try:
         with captured_fds():
             return str(factory_for(impl)(o.config).name)  # type: ignore[arg-type]
@@ -453,70 +556,34 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
     if isinstance(resolved, int):
         return resolved
     here, impl = resolved
+    guard = Guard(limits_from(args, report.get("limits")))
+    guarded = guard.wrap(factory_for(impl))
+
+    def quiet(config: Config) -> Any:
+        with captured_fds():  # vLLM's import-time logging
+            return guarded(config)
+
+    err.print(f"replaying {len(trace)} operation(s) on {describe_target(here, impl)}", markup=False)
     try:
-        with captured_fds():
-            implementation = factory_for(impl)(config)
+        with guard.armed():
+            result = rerun(quiet, config, trace, focus=focus)
     except (ConfigError, Unsupported) as error:
         raise UsageError(
             f"{describe_target(here, impl)} cannot run the report's configuration "
             f"({config.describe()}): {error}",
             "replay it on another target",
         ) from None
-    err.print(f"replaying {len(trace)} operation(s) on {describe_target(here, impl)}", markup=False)
-    driver = Driver(implementation, focus=focus)
-    found: list[Violation] = []
-    diverged: str | None = None
-    for i, step in enumerate(trace, 1):
-        try:
-            apply_step(driver, step)
-        except (AssertionError, KeyError, ValueError, KVSpecError) as error:
-            diverged = (
-                f"step {i} ({step.op}) cannot be applied here: {type(error).__name__}: {error}"
-            )
-            break
-        found = driver.check()
-        if found:
-            break
-    else:
-        found = driver.free_all()
     table = Table(title=f"Replay of {args.report}", title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("operation", overflow="fold")
     table.add_column("recorded answer", overflow="fold")
     table.add_column("this target's answer", overflow="fold")
-    for i, (old, new) in enumerate(zip(trace, driver.trace, strict=False), 1):
+    for i, (old, new) in enumerate(zip(trace, result.trace, strict=False), 1):
         same = old.outcome == new.outcome
-        shown = new.outcome if same else f"[yellow]{escape(new.outcome)}[/]"
+        shown = escape(new.outcome) if same else f"[yellow]{escape(new.outcome)}[/]"
         table.add_row(str(i), escape(_op_text(new)), escape(old.outcome), shown)
     out.print(table)
-    if diverged:
-        out.print(f"[yellow]the trace diverged[/]: {escape(diverged)}")
-        out.print(
-            "the target answered differently before the recorded violation; nothing is "
-            "claimed either way"
-        )
-        return EXIT_FOUND
-    recorded_ids = {v["invariant"] for v in report.get("violations", [])}
-    if not found:
-        out.print(
-            "[green]no violation[/]: every invariant holds through the trace and after "
-            "freeing every sequence"
-            + (f" (the report recorded {', '.join(sorted(recorded_ids))})" if recorded_ids else "")
-        )
-        return EXIT_OK
-    for v in found:
-        out.print(f"  [red]{escape(str(v))}[/]")
-    found_ids = {v.invariant for v in found}
-    if recorded_ids and recorded_ids <= found_ids:
-        extra = sorted(found_ids - recorded_ids)
-        out.print(
-            "the recorded violation reproduces" + (f" (and {', '.join(extra)})" if extra else "")
-        )
-    else:
-        out.print(
-            f"violations differ from the report's ({', '.join(sorted(recorded_ids)) or 'none'})"
-        )
-    return EXIT_FOUND
+    return replay_verdict(report, trace, result, same_code(recorded, target_json(here, impl)))
 
 
 def _op_text(step: TraceStep) -> str:

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
+from .failures import add_limit_args
 from .run import CONFIG_HELP, PROFILES
 from .search import MAX_VIOLATIONS
 from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _target_args(p)
+    add_limit_args(p)
     e = p.add_argument_group("effort and focus")
     e.add_argument(
         "--profile",
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("report", metavar="REPORT.json")
     _target_args(p)
     p.add_argument("--invariant", action="append", metavar="ID", help="check only this invariant")
+    add_limit_args(p)
 
     p = sub.add_parser("explain", help="an invariant: statement, spec source, vLLM code, proofs")
     p.add_argument("id", metavar="ID", nargs="?", help=", ".join(INVARIANTS))

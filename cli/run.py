@@ -17,7 +17,7 @@ import attrs
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
-from hypothesis.errors import FailedHealthCheck, HypothesisException, Unsatisfiable
+from hypothesis.errors import FailedHealthCheck, Flaky, HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import initialize
 from kvspec.spec.config import Config
@@ -25,8 +25,10 @@ from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing import Features, KVCacheMachine, RunStats, SpecViolation, TraceStep
 from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
+from kvspec.testing.guard import Crash, GuardTripped
 from kvspec.testing.implementations import BROKEN_PREFIX, lookup
 from kvspec.testing.machine import StepPast
+from kvspec.testing.rerun import Difference
 from kvspec.testing.strategies import configs
 from rich.progress import (
     BarColumn,
@@ -38,6 +40,7 @@ from rich.progress import (
 )
 
 from .common import UsageError, err
+from .failures import fill_failure
 from .target import Factory
 
 PROFILES = _profiles.PROFILES
@@ -202,6 +205,12 @@ class Outcome:
     trace: list[TraceStep] = attrs.Factory(list)
     config: Config | None = None
     error: str | None = None
+    # A crash, hang, memory runaway or nondeterminism (cli/failures.py fills these in).
+    exception: BaseException | None = None
+    crash: Crash | None = None
+    traceback: list[str] = attrs.Factory(list)
+    difference: Difference | None = None
+    implementation_name: str | None = None
 
     def run_json(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -375,11 +384,18 @@ def run_machine(
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
     except KeyboardInterrupt:
         outcome.status = "interrupted"
+    except GuardTripped as trip:  # hung, or out of memory: the search stops where it is
+        outcome.status = trip.kind
+        fill_failure(outcome, trip, factory)
+    except Flaky as error:  # a failure that did not fail again: the target is nondeterministic
+        outcome.status = "nondeterministic"
+        outcome.config = tally.last_config
+        fill_failure(outcome, error, factory)
     except Exception as error:  # the target (or the adapter) crashed under a valid protocol
         outcome.status = "error"
-        outcome.error = f"{type(error).__name__}: {error}"
         outcome.trace = list(tally.last_trace)
         outcome.config = tally.last_config
+        fill_failure(outcome, error, factory)
     outcome.seconds = time.perf_counter() - start
     if outcome.status == "holds":
         if tally.examples == 0:

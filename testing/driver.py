@@ -8,6 +8,8 @@ test never sees the shadow memory or the sequences' token bookkeeping.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -36,7 +38,7 @@ from kvspec.spec.state import Device, KVState, SeqModel, Status, World
 from kvspec.spec.window import first_needed_block
 
 from .completeness import CompletenessObserver
-
+from .guard import Crash, GuardTripped
 
 _EXTRA_CAPS = {
     "cache_salt": Capability.CACHE_SALT,
@@ -52,13 +54,17 @@ class TraceStep:
     op: str
     args: dict[str, Any]
     outcome: str = ""
+    crash: Crash | None = None  # what escaped the implementation during this operation
 
     def describe(self) -> str:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in self.args.items())
         return f"{self.op}({shown}) -> {self.outcome}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "args": self.args, "outcome": self.outcome}
+        data = {"op": self.op, "args": self.args, "outcome": self.outcome}
+        if self.crash is not None:
+            data["crash"] = self.crash.to_json()
+        return data
 
 
 class SpecViolation(AssertionError):
@@ -73,6 +79,64 @@ class SpecViolation(AssertionError):
         super().__init__("\n".join(lines))
 
 
+class _Target:
+    """The implementation as the driver calls it: remembers which call an exception escaped,
+    so that a crash of the target is told apart from the driver failing to apply a step."""
+
+    def __init__(self, inner: Implementation) -> None:
+        self.inner = inner
+        self.escaped: tuple[str, BaseException] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name.startswith("_") or not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def call(*args: Any, **kw: Any) -> Any:
+            try:
+                return attr(*args, **kw)
+            except (Rejected, Unsupported):
+                raise  # answers the driver handles
+            except BaseException as error:
+                self.escaped = (name, error)
+                raise
+
+        return call
+
+
+_TRACE_ARG = {"seq_id": "seq", "parent_id": "parent", "child_id": "child"}
+
+
+def _operation(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A driver operation whose implementation may crash: the crashing step is recorded as
+    crashed (the call, the exception, the target's file:line), and nothing after it."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def run(self: Driver, *args: Any, **kw: Any) -> Any:
+        mark = len(self.trace)
+        self.impl.escaped = None
+        try:
+            return method(self, *args, **kw)
+        except BaseException as error:
+            escaped = self.impl.escaped
+            if self.crash is None and escaped is not None and escaped[1] is error:
+                bound = signature.bind(self, *args, **kw)
+                bound.apply_defaults()
+                step_args = {
+                    _TRACE_ARG.get(k, k): list(v) if k == "tokens" else v
+                    for k, v in list(bound.arguments.items())[1:]
+                    if k != "extra"
+                }
+                extra = bound.arguments.get("extra")
+                if extra:
+                    step_args["extra"] = as_extra(extra).to_json()
+                self._crashed(mark, method.__name__, step_args, escaped[0], error)
+            raise
+
+    return run
+
+
 class Driver:
     def __init__(
         self,
@@ -81,8 +145,9 @@ class Driver:
         focus: Iterable[str] | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self.impl = impl
+        self.impl = _Target(impl)
         self.config: Config = impl.config
+        self.crash: Crash | None = None  # set when the implementation crashed (then abandoned)
         self.focus = frozenset(focus) if focus is not None else None
         if self.focus is not None:
             unknown = self.focus - set(INVARIANTS)
@@ -129,6 +194,7 @@ class Driver:
 
     # ------------------------------------------------------------ operations
 
+    @_operation
     def admit(
         self,
         seq_id: int,
@@ -203,6 +269,7 @@ class Driver:
         """Speculative slots every step reserves (a constant of the run, as in vLLM)."""
         return self.config.max_lookahead if self.has(Capability.LOOKAHEAD) else 0
 
+    @_operation
     def step(self, seq_id: int, num_new_tokens: int, next_token: int = 0) -> bool:
         """One scheduler step for a running sequence: a prefill chunk or a decode token."""
         lookahead = self.lookahead
@@ -231,6 +298,7 @@ class Driver:
         self._compute(seq_id, start, start + k, copies, next_token)
         return True
 
+    @_operation
     def fork(self, parent_id: int, child_id: int) -> None:
         self._record("fork", {"parent": parent_id, "child": child_id}, "ok")
         self.impl.fork(parent_id, child_id)
@@ -238,6 +306,7 @@ class Driver:
         self.seqs[child_id] = attrs.evolve(self.seqs[parent_id], seq_id=child_id)
         self._observe()
 
+    @_operation
     def free(self, seq_id: int) -> None:
         self._record("free", {"seq": seq_id}, "ok")
         if self.seqs[seq_id].status is not Status.WAITING:
@@ -245,6 +314,7 @@ class Driver:
         del self.seqs[seq_id]
         self._observe()
 
+    @_operation
     def preempt(self, seq_id: int) -> None:
         """Preemption by recompute: free now, re-admit with every token later."""
         self._record("preempt", {"seq": seq_id}, "ok")
@@ -258,12 +328,15 @@ class Driver:
         assert seq.status is Status.WAITING
         return self.admit(seq_id, seq.tokens, num_new_tokens, next_token, seq.extra)
 
+    @_operation
     def swap_out(self, seq_id: int) -> bool:
         return self._swap(seq_id, "swap_out", Device.GPU, Device.CPU, Status.SWAPPED)
 
+    @_operation
     def swap_in(self, seq_id: int) -> bool:
         return self._swap(seq_id, "swap_in", Device.CPU, Device.GPU, Status.RUNNING)
 
+    @_operation
     def reset_prefix_cache(self) -> bool:
         done = self.impl.reset_prefix_cache()
         self._record("reset_prefix_cache", {}, "done" if done else "refused")
@@ -286,7 +359,10 @@ class Driver:
         return found
 
     def free_all(self) -> list[Violation]:
-        """Free every live sequence, then check (``no-leak`` bites here)."""
+        """Free every live sequence, then check (``no-leak`` bites here).  After a crash the
+        target is abandoned: freeing would only bury the crash under another."""
+        if self.crash is not None:
+            return []
         for seq_id in sorted(self.seqs):
             self.free(seq_id)
         return self.check()
@@ -382,6 +458,26 @@ class Driver:
                     self.memory_version += 1
         self.state = after
         self.operations += 1
+
+    def _crashed(
+        self, mark: int, op: str, args: dict[str, Any], call: str, error: BaseException
+    ) -> None:
+        """Record the step that crashed: the one the operation recorded (its answer so far kept),
+        or a new one when it crashed before recording; drop anything recorded after."""
+        crash = Crash.of(call, error)
+        self.crash = crash
+        if len(self.trace) > mark:
+            recorded = self.trace[mark]
+            said = "" if recorded.outcome in ("", "ok") else f"{recorded.outcome}; then "
+            step = attrs.evolve(recorded, outcome=f"{said}{crash.describe()}", crash=crash)
+            del self.trace[mark:]
+        else:
+            step = TraceStep(op, args, crash.describe(), crash)
+        self.trace.append(step)
+        self.log(step.describe())
+        if isinstance(error, GuardTripped):
+            error.trace = list(self.trace)
+            error.config = self.config
 
     def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
         step = TraceStep(op, args, outcome)

@@ -22,6 +22,7 @@ from kvspec.adapters.legacy import make_legacy
 from kvspec.adapters.v1 import make_v1
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import BROKEN
+from kvspec.reference.misbehaving import MISBEHAVING
 from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError
 from kvspec.spec.interface import Implementation
@@ -70,6 +71,10 @@ def _table() -> dict[str, Impl]:
     out.update((i.name, i) for i in VLLM)
     for variant, v in sorted(BROKEN.items()):
         out[BROKEN_PREFIX + variant] = Impl(BROKEN_PREFIX + variant, "kvspec", v.cls, needs=v.needs)
+    # Variants that hang, run away with memory, crash or answer nondeterministically: what the
+    # run's own outcomes (testing.guard, the driver's crash records) must report.
+    for variant, m in sorted(MISBEHAVING.items()):
+        out[BROKEN_PREFIX + variant] = Impl(BROKEN_PREFIX + variant, "kvspec", m.cls)
     return out
 
 

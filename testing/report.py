@@ -21,6 +21,7 @@ from kvspec.spec.errors import ConfigError
 from kvspec.spec.invariants import INVARIANTS, Violation
 
 from .driver import TraceStep
+from .guard import Crash
 
 FORMAT = "kvspec-report/1"
 
@@ -43,7 +44,13 @@ def config_from_json(data: Mapping[str, Any]) -> Config:
 
 def trace_from_json(items: Iterable[Mapping[str, Any]]) -> list[TraceStep]:
     return [
-        TraceStep(str(s["op"]), dict(s.get("args", {})), str(s.get("outcome", ""))) for s in items
+        TraceStep(
+            str(s["op"]),
+            dict(s.get("args", {})),
+            str(s.get("outcome", "")),
+            Crash.from_json(s["crash"]) if isinstance(s.get("crash"), dict) else None,
+        )
+        for s in items
     ]
 
 

@@ -1,0 +1,335 @@
+"""How ``kvspec check`` and ``kvspec replay`` report a target that crashed, hung, ran away with
+memory or behaved nondeterministically (the guard: ``kvspec.testing.guard``).
+
+Outcomes besides ``violated``: ``error`` (the target raised under a valid protocol, or could not
+be built or observed), ``hung``, ``memory`` and ``nondeterministic``; each exits 1, like a
+violation, with the trace up to the operation and a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hypothesis.errors import Flaky
+from kvspec.spec.config import Config
+from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.guard import (
+    DEFAULT_MEMORY_CAP_GIB,
+    DEFAULT_OP_TIMEOUT,
+    Crash,
+    Guard,
+    GuardTripped,
+    Limits,
+    crash_traceback,
+)
+from kvspec.testing.rerun import Rerun, first_difference, name_nondeterminism
+from rich.markup import escape
+
+from .common import EXIT_FOUND, EXIT_OK, UsageError, out
+
+GUARD_OUTCOMES = ("error", "hung", "memory", "nondeterministic")
+STOPPED_BY_TARGET = ("hung", "memory", "nondeterministic")  # the search cannot go on after these
+HEADLINE = {
+    "error": "the target crashed",
+    "hung": "the target hung",
+    "memory": "the target exceeded its memory cap",
+    "nondeterministic": "the target is nondeterministic",
+}
+TRACEBACK_LINES = 12  # of the target's traceback, printed (the report keeps them all)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits (enforced in the target's process)")
+    g.add_argument(
+        "--op-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"longest one call into the target may run; 0 for no limit (default {DEFAULT_OP_TIMEOUT:g}; "
+        "replay: the recorded run's)",
+    )
+    g.add_argument(
+        "--memory-cap",
+        type=float,
+        metavar="GIB",
+        help="most memory the run may add to the process, in GiB; 0 for no cap "
+        f"(default {DEFAULT_MEMORY_CAP_GIB:g}; replay: the recorded run's)",
+    )
+
+
+def limits_from(args: argparse.Namespace, recorded: Mapping[str, Any] | None = None) -> Limits:
+    """The flags, else the recorded run's limits (replay), else the defaults; 0 turns one off."""
+    recorded = recorded or {}
+    values: dict[str, float | None] = {}
+    for flag, field, default in (
+        ("op_timeout", "op_timeout", DEFAULT_OP_TIMEOUT),
+        ("memory_cap", "memory_cap_gib", DEFAULT_MEMORY_CAP_GIB),
+    ):
+        given = getattr(args, flag, None)
+        if given is not None and given < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {given:g}", "0 turns the limit off")
+        value = given if given is not None else recorded.get(field, default)
+        values[field] = None if not value else float(value)
+    return Limits(values["op_timeout"], values["memory_cap_gib"])
+
+
+def guard_of(factory: Callable[[Config], Any]) -> Guard | None:
+    return getattr(factory, "guard", None)
+
+
+def guard_of_outcome(o: Any) -> str | None:
+    """The implementation's own name, as the guard saw it built (None: never built)."""
+    return getattr(o, "implementation_name", None)
+
+
+# ------------------------------------------------------------------------------ filling an outcome
+
+
+def fill_failure(outcome: Any, error: BaseException, factory: Callable[[Config], Any]) -> None:
+    """Complete an outcome that ended in ``error``: the message, the crash (call, exception,
+    target file:line) and traceback, the trace and configuration a trip carries, and for a
+    nondeterministic target the step it answered differently (re-running the trace)."""
+    guard = guard_of(factory)
+    failure = guard.failure if guard is not None else None
+    outcome.exception = error
+    outcome.implementation_name = guard.implementation_name if guard is not None else None
+    if isinstance(error, GuardTripped):
+        outcome.error = error.message
+        outcome.trace = list(error.trace) or list(outcome.trace)
+        outcome.config = error.config or outcome.config
+    elif isinstance(error, Flaky):
+        outcome.error = f"{type(error).__name__}: {_first_line(error)}"
+        inner = _inner(error)
+        if isinstance(inner, SpecViolation):
+            outcome.trace = list(inner.trace)
+            outcome.violations = list(inner.violations)
+        elif not outcome.trace:
+            outcome.trace = list(outcome.tally.last_trace)
+        outcome.config = outcome.config or outcome.tally.last_config
+    else:
+        outcome.error = f"{type(error).__name__}: {error}"
+    if outcome.config is None and failure is not None:
+        outcome.config = failure.config  # the constructor or the first observation failed
+    crashed = outcome.trace[-1].crash if outcome.trace else None
+    if crashed is not None:
+        outcome.crash = crashed
+    elif failure is not None and failure.error is error:
+        outcome.crash = Crash.of(failure.call, error)
+    elif not isinstance(error, Flaky):
+        outcome.crash = Crash.of("?", error)
+    cause = _inner(error) if isinstance(error, Flaky) else error
+    if cause is not None and not isinstance(cause, SpecViolation):
+        outcome.traceback = crash_traceback(cause)
+    if isinstance(error, Flaky) and outcome.config is not None:
+        focus = outcome.focus
+        outcome.difference = name_nondeterminism(
+            factory, outcome.config, outcome.trace, outcome.violations, focus=focus
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _inner(error: BaseException) -> BaseException | None:
+    """The failure a Flaky error wraps (hypothesis keeps the first run's exceptions)."""
+    for e in getattr(error, "exceptions", ()) or ():
+        return e
+    return error.__cause__ or error.__context__
+
+
+# ------------------------------------------------------------------------------ printing
+
+
+def print_failure(o: Any) -> None:
+    """The headline of a crash, hang, memory runaway or nondeterminism, and what explains it."""
+    where = f" ({escape(o.config.describe())})" if o.config is not None else ""
+    out.print(f"\n[bold red]{HEADLINE.get(o.status, o.status)}[/]{where}:")
+    crash: Crash | None = getattr(o, "crash", None)
+    if o.status == "nondeterministic":
+        out.print(f"  {escape(o.error or '')}", soft_wrap=True)
+        difference = getattr(o, "difference", None)
+        if difference is not None:
+            out.print(f"  {escape(difference.describe())}", soft_wrap=True)
+        else:
+            out.print(
+                "  re-running the trace gave the recorded answers every time: which operation differs is not known",
+            )
+        return
+    if crash is not None:
+        step = len(o.trace) if o.trace and o.trace[-1].crash is not None else 0
+        at = f"step {step} ({crash.call})" if step else _outside(crash.call)
+        out.print(f"  in {at}: {escape(crash.describe())}", soft_wrap=True)
+    else:
+        out.print(f"  {escape(o.error or '')}", soft_wrap=True)
+    lines = getattr(o, "traceback", None) or []
+    if lines and o.status == "error":
+        shown = lines[-TRACEBACK_LINES:]
+        out.print("  traceback (the target's innermost frames):", markup=False)
+        for line in shown:
+            out.print(f"    {line}", markup=False, soft_wrap=True)
+
+
+def _outside(call: str) -> str:
+    return {"construct": "the constructor", "observe": "the first observation"}.get(call, call)
+
+
+def failure_json(o: Any, limits: Limits | None) -> dict[str, Any]:
+    """The report fields of a guard outcome (docs/report-format.md)."""
+    crash: Crash | None = getattr(o, "crash", None)
+    data: dict[str, Any] = {}
+    if crash is not None:
+        step = len(o.trace) if o.trace and o.trace[-1].crash is not None else 0
+        data["crash"] = {**crash.to_json(), "step": step, "traceback": list(getattr(o, "traceback", []))}
+    difference = getattr(o, "difference", None)
+    if o.status == "nondeterministic":
+        data["nondeterminism"] = difference.to_json() if difference is not None else None
+    if limits is not None:
+        data["limits"] = limits.to_json()
+    return data
+
+
+def recorded_crash(report: Mapping[str, Any], trace: Iterable[TraceStep]) -> tuple[int, Crash] | None:
+    """The crash a report recorded: (its step, 0 for the constructor or first observation)."""
+    steps = list(trace)
+    if steps and steps[-1].crash is not None:
+        return len(steps), steps[-1].crash
+    data = report.get("crash")
+    if isinstance(data, dict):
+        return int(data.get("step") or 0), Crash.from_json(data)
+    return None
+
+
+# ------------------------------------------------------------------------------ same code?
+
+
+def code_digest(vllm_path: Path | None) -> dict[str, str]:
+    """SHA-256 over the Python sources a verdict depends on: the target's block managers
+    (``vllm/core``, ``vllm/v1/core``; none for kvspec's own implementations) and kvspec's
+    driver, spec, adapters and reference.  Equal digests: a replay runs the same code."""
+    import kvspec.adapters
+    import kvspec.reference
+    import kvspec.spec
+    import kvspec.testing
+
+    roots = [Path(next(iter(m.__path__))) for m in (kvspec.spec, kvspec.testing, kvspec.adapters, kvspec.reference)]
+    digest = {"kvspec": _digest(roots)}
+    if vllm_path is not None:
+        digest["target"] = _digest([vllm_path / "core", vllm_path / "v1" / "core"])
+    return digest
+
+
+def _digest(roots: Iterable[Path]) -> str:
+    h = hashlib.sha256()
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def same_code(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> bool | None:
+    """Whether the replay runs the code the report was recorded on (None: cannot tell)."""
+    was, got = recorded.get("code_digest"), now.get("code_digest")
+    if not isinstance(was, dict) or not isinstance(got, dict):
+        return None
+    return was == got
+
+
+# ------------------------------------------------------------------------------ replay verdicts
+
+
+def replay_verdict(
+    report: Mapping[str, Any],
+    trace: list[TraceStep],
+    result: Rerun,
+    same: bool | None,
+) -> int:
+    """Print what a replay shows against its report; the exit code (docs/report-format.md)."""
+    recorded = recorded_crash(report, trace)
+    recorded_ids = {v["invariant"] for v in report.get("violations", [])}
+    difference = first_difference(trace, result.trace)
+    unchanged = {True: "on the same code", None: "on code whose identity the report does not record"}
+    if result.crash is not None:
+        step = result.crash_step or 0
+        at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)
+        if recorded is not None and recorded[0] == step and recorded[1].type == result.crash.type:
+            moved = f" (recorded at {recorded[1].location})" if recorded[1].location != result.crash.location else ""
+            out.print(
+                f"[bold red]the recorded crash reproduces[/] in {at}: {escape(result.crash.describe())}{escape(moved)}"
+            )
+        else:
+            was = f"in step {recorded[0]}: {recorded[1].describe()}" if recorded else "no crash"
+            out.print(f"[bold red]the target crashed[/] in {at}: {escape(result.crash.describe())}")
+            out.print(f"  the report recorded {escape(was)}", soft_wrap=True)
+            if same is not False:
+                out.print(f"  [yellow]nondeterministic[/]: a different outcome {unchanged[same]}")
+        if result.error is not None and result.crash.type not in ("TargetHung", "TargetExceededMemory"):
+            out.print("  traceback (the target's innermost frames):", markup=False)
+            for line in crash_traceback(result.error)[-TRACEBACK_LINES:]:
+                out.print(f"    {line}", markup=False, soft_wrap=True)
+        return EXIT_FOUND
+    if result.unapplied is not None:
+        said = f": {difference.describe()}" if difference is not None else ""
+        if same is not False:
+            out.print(f"[yellow]nondeterministic[/]: the target answered differently {unchanged[same]}{escape(said)}")
+        else:
+            out.print(f"[yellow]the trace diverged[/]{escape(said)}")
+        out.print(f"  {escape(result.unapplied)}; nothing is claimed either way", soft_wrap=True)
+        return EXIT_FOUND
+    if recorded is not None:
+        what = f"step {recorded[0]}: {recorded[1].describe()}" if recorded[0] else _outside(recorded[1].call)
+        if same is not False:
+            out.print(
+                f"[yellow]nondeterministic[/]: the recorded crash ({escape(what)}) did not recur "
+                f"{unchanged[same]}" + (f"; {escape(difference.describe())}" if difference else "")
+            )
+            return EXIT_FOUND
+        out.print(f"the recorded crash ({escape(what)}) does not occur on this code")
+    found = result.violations
+    if not found:
+        if recorded_ids and same is True:
+            out.print(
+                f"[yellow]nondeterministic[/]: the recorded {', '.join(sorted(recorded_ids))} did not "
+                "recur on the same code" + (f"; {escape(difference.describe())}" if difference else "")
+            )
+            return EXIT_FOUND
+        out.print(
+            "[green]no violation[/]: every invariant holds through the trace and after "
+            "freeing every sequence"
+            + (f" (the report recorded {', '.join(sorted(recorded_ids))})" if recorded_ids else "")
+        )
+        return EXIT_OK
+    for v in found:
+        out.print(f"  [red]{escape(str(v))}[/]")
+    found_ids = {v.invariant for v in found}
+    if recorded_ids and recorded_ids <= found_ids:
+        extra = sorted(found_ids - recorded_ids)
+        out.print("the recorded violation reproduces" + (f" (and {', '.join(extra)})" if extra else ""))
+    else:
+        out.print(f"violations differ from the report's ({', '.join(sorted(recorded_ids)) or 'none'})")
+    return EXIT_FOUND
+
+
+__all__ = [
+    "GUARD_OUTCOMES",
+    "HEADLINE",
+    "STOPPED_BY_TARGET",
+    "add_limit_args",
+    "code_digest",
+    "failure_json",
+    "fill_failure",
+    "guard_of",
+    "guard_of_outcome",
+    "limits_from",
+    "print_failure",
+    "recorded_crash",
+    "replay_verdict",
+    "same_code",
+]

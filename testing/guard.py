@@ -1,0 +1,400 @@
+"""The target guard: every call into an implementation runs under a time limit, the run under a
+memory cap, and what escapes a call is named (operation, exception, target file:line).
+
+A checkout under review is broken code, and broken code hangs, allocates without bound, or
+raises where no scheduler expects it.  The guard turns each of these into an outcome the
+command line reports with the trace up to the operation that misbehaved:
+
+* a call that runs longer than ``Limits.op_timeout`` raises ``TargetHung`` inside the target
+  (``SIGALRM`` from an interval timer; the handler raises between two bytecodes of whatever
+  Python code the target is running);
+* a run whose resident memory grows past ``Limits.memory_cap_gib`` beyond what the process held
+  when the guard was armed raises ``TargetExceededMemory``: sampled by the same timer while a
+  call runs and checked after every call; a soft ``RLIMIT_AS`` above the cap stops a single
+  allocation too large to sample (it fails with ``MemoryError``, turned into the same outcome),
+  so a runaway target never takes the machine's memory.
+
+Both are ``BaseException``s on purpose: hypothesis shrinks and re-runs a failing example for any
+``Exception``, which for a hang costs a timeout per attempt and for a memory runaway ends in
+``FlakyStrategyDefinition`` rather than the target's fault.  A ``BaseException`` that is not
+``SystemExit``/``GeneratorExit`` ends the search at once (hypothesis' ``core.py``
+``failure_exceptions_to_catch``), carrying the trace the driver recorded.
+
+Signals reach only the main thread: elsewhere the time limit is off and ``Guard.notes`` says so.
+A hang inside native code that never returns to the interpreter cannot be interrupted this way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.spec.errors import Rejected, Unsupported
+
+GIB = 1024**3
+DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
+DEFAULT_MEMORY_CAP_GIB = 4.0
+TICK = 0.05  # seconds between samples while a call runs
+# Address space the run may reserve beyond its memory cap before an allocation fails outright:
+# thread stacks and malloc arenas reserve far more address space than they touch.
+ADDRESS_SLACK = GIB
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MESSAGE_CHARS = 200  # an exception message is cut to this in a trace line
+
+
+@attrs.frozen
+class Limits:
+    """How long one call may run and how much memory the run may add (None: unlimited)."""
+
+    op_timeout: float | None = DEFAULT_OP_TIMEOUT
+    memory_cap_gib: float | None = DEFAULT_MEMORY_CAP_GIB
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"op_timeout": self.op_timeout, "memory_cap_gib": self.memory_cap_gib}
+
+
+class GuardTripped(BaseException):
+    """A call exceeded a limit.  Not an ``Exception``: the search must stop, not shrink it."""
+
+    kind = "tripped"
+
+    def __init__(self, op: str, message: str) -> None:
+        super().__init__(message)
+        self.op = op
+        self.message = message
+        # Filled in by the driver that made the call: the trace up to and including ``op``.
+        self.trace: list[Any] = []
+        self.config: Config | None = None
+
+
+class TargetHung(GuardTripped):
+    kind = "hung"
+
+    def __init__(self, op: str, seconds: float) -> None:
+        super().__init__(op, f"target hung in {op} after {seconds:.3g} s")
+        self.seconds = seconds
+
+
+class TargetExceededMemory(GuardTripped):
+    kind = "memory"
+
+    def __init__(self, op: str, cap_gib: float, grown: int | None) -> None:
+        grew = f" (the process grew by {grown / GIB:.2f} GiB)" if grown is not None else ""
+        super().__init__(op, f"target exceeded {cap_gib:g} GiB in {op}{grew}")
+        self.cap_gib = cap_gib
+        self.grown = grown
+
+
+# ------------------------------------------------------------------------------ naming a crash
+
+
+@attrs.frozen
+class Crash:
+    """What escaped a call into the implementation."""
+
+    call: str  # the implementation's method (or "construct")
+    type: str  # the exception's class name
+    message: str
+    location: str  # file:line, the innermost frame inside vllm, else the innermost frame
+
+    def describe(self) -> str:
+        if self.type in ("TargetHung", "TargetExceededMemory"):
+            return f"{self.message} (at {self.location})"
+        return f"crashed in {self.call}: {self.type}: {self.message} (at {self.location})"
+
+    def to_json(self) -> dict[str, str]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Crash:
+        return cls(*(str(data.get(f.name, "")) for f in attrs.fields(cls)))
+
+    @classmethod
+    def of(cls, call: str, error: BaseException) -> Crash:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if len(message) > MESSAGE_CHARS:
+            message = message[: MESSAGE_CHARS - 3] + "..."
+        return cls(call, type(error).__name__, message, crash_site(error))
+
+
+def crash_site(error: BaseException) -> str:
+    """``vllm/.../file.py:LINE`` of the innermost traceback frame inside vLLM; without one, the
+    innermost frame, named by its module (``kvspec/reference/misbehaving.py:75``)."""
+    frames = list(traceback.walk_tb(error.__traceback__))
+    while frames and frames[-1][0].f_globals.get("__name__") == __name__:
+        frames.pop()  # the guard's own frames: a limit raised in whatever the target ran
+    if not frames:
+        return "?"
+    named = [(_module_path(frame), line) for frame, line in frames]
+    for path, line in reversed(named):
+        if path.startswith("vllm/"):
+            return f"{path}:{line}"
+    path, line = named[-1]
+    return f"{path}:{line}"
+
+
+def _module_path(frame: Any) -> str:
+    """A path readable across installations: the frame's module as a file path."""
+    module = frame.f_globals.get("__name__")
+    filename = frame.f_code.co_filename
+    if not module or module == "__main__":
+        return filename
+    stem = module.replace(".", "/")
+    return f"{stem}/__init__.py" if filename.endswith("__init__.py") else f"{stem}.py"
+
+
+def crash_traceback(error: BaseException, limit: int = 12) -> list[str]:
+    """The target's frames (those below the driver's and the guard's call into it), innermost
+    ``limit``, and the exception line, as text lines; without hypothesis' notes (the trace is
+    reported on its own)."""
+    walked = list(traceback.walk_tb(error.__traceback__))
+    cut = 0
+    for i, (frame, _) in enumerate(walked):
+        if frame.f_globals.get("__name__") in _CALLERS:
+            cut = i + 1
+    summary = traceback.extract_tb(error.__traceback__)
+    kept = summary[cut:] if cut < len(summary) else summary
+    frames = traceback.format_list(kept[-limit:])
+    last = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
+    head = last[:1] if last else [type(error).__name__]
+    return [ln for chunk in frames for ln in chunk.rstrip("\n").splitlines()] + head
+
+
+_CALLERS = frozenset({__name__, "kvspec.testing.driver"})  # the frames that call into the target
+
+
+# ------------------------------------------------------------------------------ the guard
+
+
+@attrs.define
+class Failure:
+    """The last exception that escaped a guarded call, with the call and the configuration."""
+
+    call: str
+    config: Config | None
+    error: BaseException
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _address_space() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[0]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Guard:
+    """Limits for one run.  ``wrap`` a factory, then call inside ``with guard.armed():``."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.failure: Failure | None = None  # the last exception that escaped a call
+        self.tripped: GuardTripped | None = None
+        self.implementation_name: str | None = None
+        self.notes: list[str] = []
+        self._op: str | None = None
+        self._start = 0.0
+        self._baseline = 0
+        self._armed = False
+        self._timer = False
+
+    # ------------------------------------------------------------ arming
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[Guard]:
+        """Install the timer's handler and the address-space limit; restore both on exit."""
+        self._armed = True
+        self._baseline = _rss()
+        previous_handler = None
+        self._timer = self.limits.op_timeout is not None or self.limits.memory_cap_gib is not None
+        if self._timer and threading.current_thread() is not threading.main_thread():
+            self._timer = False
+            self.notes.append("the time limit is off: signals reach only the main thread")
+        if self._timer:
+            previous_handler = signal.signal(signal.SIGALRM, self._tick)
+        previous_limit = self._limit_address_space()
+        try:
+            yield self
+        finally:
+            self._armed = False
+            self._op = None
+            if self._timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous_handler or signal.SIG_DFL)
+            if previous_limit is not None:
+                self._restore_address_space(previous_limit)
+
+    def _limit_address_space(self) -> tuple[int, int] | None:
+        cap = self.limits.memory_cap_gib
+        size = _address_space()
+        if cap is None or size is None:
+            return None
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        want = size + int(cap * GIB) + max(ADDRESS_SLACK, int(cap * GIB))
+        if soft != resource.RLIM_INFINITY and soft <= want:
+            return None  # already tighter
+        if hard != resource.RLIM_INFINITY and want > hard:
+            return None
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (want, hard))
+        except (ValueError, OSError) as error:
+            self.notes.append(f"no address-space limit ({error}); the memory cap is sampled only")
+            return None
+        return soft, hard
+
+    def _restore_address_space(self, limit: tuple[int, int]) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, limit)
+
+    def _release_memory_limit(self) -> None:
+        """After a memory trip the report still has to be written: lift the limit at once."""
+        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+    # ------------------------------------------------------------ measuring
+
+    def grown(self) -> int:
+        return _rss() - self._baseline
+
+    def over_cap(self) -> int | None:
+        """How much the process has grown, if past the cap."""
+        cap = self.limits.memory_cap_gib
+        if cap is None or not self._armed:
+            return None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if peak - self._baseline <= cap * GIB:
+            return None  # the high-water mark is a cheap bound on the current size
+        grown = self.grown()
+        return grown if grown > cap * GIB else None
+
+    def _tick(self, _signum: int, _frame: Any) -> None:
+        op = self._op
+        if op is None:
+            return
+        timeout = self.limits.op_timeout
+        elapsed = time.monotonic() - self._start
+        if timeout is not None and elapsed >= timeout:
+            self._trip(TargetHung(op, timeout))
+        cap = self.limits.memory_cap_gib
+        if cap is not None:
+            grown = self.grown()
+            if grown > cap * GIB:
+                self._trip(TargetExceededMemory(op, cap, grown))
+
+    def _trip(self, trip: GuardTripped) -> None:
+        self._op = None
+        if self._timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if isinstance(trip, TargetExceededMemory):
+            self._release_memory_limit()
+        self.tripped = trip
+        raise trip
+
+    # ------------------------------------------------------------ calling
+
+    def call(self, op: str, config: Config | None, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` under the limits; what escapes it is remembered as ``failure``."""
+        if self.tripped is not None:
+            raise self.tripped  # the target is abandoned: it is in no state to be called again
+        if not self._armed:
+            return fn(*args, **kw)
+        self._start = time.monotonic()
+        self._op = op
+        if self._timer:
+            interval = min(TICK, self.limits.op_timeout or TICK)
+            signal.setitimer(signal.ITIMER_REAL, interval, interval)
+        try:
+            result = fn(*args, **kw)
+        except GuardTripped as trip:
+            self.failure = Failure(op, config, trip)
+            raise
+        except MemoryError as error:
+            cap = self.limits.memory_cap_gib or 0.0
+            trip = TargetExceededMemory(op, cap, self.grown())
+            self.failure = Failure(op, config, trip)
+            with contextlib.suppress(GuardTripped):
+                self._trip(trip)
+            raise trip from error
+        except (Rejected, Unsupported):
+            raise  # answers, not failures
+        except BaseException as error:
+            self.failure = Failure(op, config, error)
+            raise
+        finally:
+            self._op = None
+            if self._timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        grown = self.over_cap()
+        if grown is not None:
+            trip = TargetExceededMemory(op, self.limits.memory_cap_gib or 0.0, grown)
+            self.failure = Failure(op, config, trip)
+            self._trip(trip)
+        return result
+
+    def wrap(self, factory: Callable[[Config], Any]) -> Callable[[Config], Any]:
+        """The factory with the construction and every operation of what it builds guarded."""
+
+        def build(config: Config) -> Any:
+            impl = self.call("construct", config, factory, config)
+            self.implementation_name = str(getattr(impl, "name", "") or "") or None
+            return Guarded(impl, self)
+
+        build.guard = self  # type: ignore[attr-defined]  # how a run finds its guard
+        return build
+
+
+class Guarded:
+    """An implementation whose public methods run through ``Guard.call``; attributes pass."""
+
+    def __init__(self, inner: Any, guard: Guard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name.startswith("_") or not callable(attr) or isinstance(attr, type):
+            return attr
+        guard, config = self._guard, getattr(self._inner, "config", None)
+
+        def guarded(*args: Any, **kw: Any) -> Any:
+            return guard.call(name, config, attr, *args, **kw)
+
+        guarded.__name__ = name
+        return guarded
+
+    def __repr__(self) -> str:
+        return f"Guarded({self._inner!r})"
+
+
+__all__ = [
+    "DEFAULT_MEMORY_CAP_GIB",
+    "DEFAULT_OP_TIMEOUT",
+    "Crash",
+    "Failure",
+    "Guard",
+    "GuardTripped",
+    "Guarded",
+    "Limits",
+    "TargetExceededMemory",
+    "TargetHung",
+    "crash_site",
+    "crash_traceback",
+]

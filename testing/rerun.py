@@ -1,0 +1,145 @@
+"""Re-running a recorded trace and comparing it with the record: what ``kvspec replay`` reports,
+and how a run names the operation a nondeterministic target answered differently.
+
+A re-run ends at the first check that finds a violation, at a crash of the target (the driver
+records the crashed step), or at a step the driver cannot apply because the target answered an
+earlier step differently (the trace diverged); otherwise it frees every sequence and checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+from kvspec.spec.config import Config
+from kvspec.spec.errors import ConfigError, Unsupported
+from kvspec.spec.invariants import Violation
+
+from .driver import Driver, TraceStep, apply_step
+from .guard import Crash
+
+RERUNS = 3  # re-runs of a trace that failed once and not again, to name the differing step
+
+
+@attrs.define
+class Rerun:
+    trace: list[TraceStep]  # the steps as performed now
+    violations: list[Violation] = attrs.Factory(list)
+    crash: Crash | None = None  # the target crashed (at step ``len(trace)``; 0: while building)
+    error: BaseException | None = None  # the exception of the crash, or of the unapplied step
+    unapplied: str | None = None  # a step the driver could not apply: the trace diverged
+
+    @property
+    def crash_step(self) -> int | None:
+        return None if self.crash is None else len(self.trace)
+
+
+def rerun(
+    factory: Callable[[Config], Any],
+    config: Config,
+    trace: Iterable[TraceStep],
+    *,
+    focus: Iterable[str] | None = None,
+) -> Rerun:
+    """Build the implementation and run ``trace`` through the driver, checking after every step.
+    A configuration the target refuses (ConfigError, Unsupported) is raised to the caller."""
+    try:
+        impl = factory(config)
+    except (ConfigError, Unsupported, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        return Rerun([], crash=Crash.of("construct", error), error=error)
+    try:
+        driver = Driver(impl, focus=focus)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        return Rerun([], crash=Crash.of("observe", error), error=error)
+    for i, step in enumerate(trace, 1):
+        try:
+            apply_step(driver, step)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:
+            return _stopped(driver, error, f"step {i} ({step.op})")
+        found = driver.check()
+        if found:
+            return Rerun(list(driver.trace), found)
+    try:
+        found = driver.free_all()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        return _stopped(driver, error, "freeing every sequence at the end")
+    return Rerun(list(driver.trace), found)
+
+
+def _stopped(driver: Driver, error: BaseException, where: str) -> Rerun:
+    if driver.crash is not None:
+        return Rerun(list(driver.trace), crash=driver.crash, error=error)
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return Rerun(
+        list(driver.trace),
+        error=error,
+        unapplied=f"{where} cannot be applied here: {type(error).__name__}: {detail}",
+    )
+
+
+@attrs.frozen
+class Difference:
+    """The first step a re-run performed differently from the record."""
+
+    step: int
+    operation: str
+    recorded: str
+    now: str
+
+    def describe(self) -> str:
+        return f"step {self.step} ({self.operation}) answered {self.recorded!r} when recorded, {self.now!r} now"
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def first_difference(recorded: Sequence[TraceStep], now: Sequence[TraceStep]) -> Difference | None:
+    for i, (was, got) in enumerate(zip(recorded, now, strict=False), 1):
+        if (was.op, was.args, was.outcome) != (got.op, got.args, got.outcome):
+            return Difference(i, was.op, was.outcome, got.outcome)
+    return None
+
+
+def name_nondeterminism(
+    factory: Callable[[Config], Any],
+    config: Config,
+    recorded: Sequence[TraceStep],
+    recorded_violations: Sequence[Violation],
+    *,
+    focus: Iterable[str] | None = None,
+    tries: int = RERUNS,
+) -> Difference | None:
+    """Re-run a trace that failed once and not again; the first step answered differently from
+    the record, or the last step when only the verdict after it changed.  None when ``tries``
+    re-runs behave exactly as recorded."""
+    recorded = list(recorded)
+    for _ in range(tries):
+        try:
+            again = rerun(factory, config, recorded, focus=focus)
+        except (ConfigError, Unsupported):
+            return None
+        difference = first_difference(recorded, again.trace)
+        if difference is not None:
+            return difference
+        if again.crash is None and len(again.trace) < len(recorded):
+            nxt = recorded[len(again.trace)]
+            return Difference(len(again.trace) + 1, nxt.op, nxt.outcome, "not reached")
+        if recorded and recorded_violations and not again.violations and again.crash is None:
+            last = recorded[-1]
+            found = ", ".join(sorted({v.invariant for v in recorded_violations}))
+            return Difference(
+                len(recorded), last.op, f"{last.outcome}, then {found} violated", f"{last.outcome}, no violation"
+            )
+    return None
+
+
+__all__ = ["RERUNS", "Difference", "Rerun", "first_difference", "name_nondeterminism", "rerun"]
