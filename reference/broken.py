@@ -15,7 +15,7 @@ from kvspec.spec.prefix_hash import ExtraKeys
 from kvspec.spec.window import blocks_for_tokens, window_cover
 
 from .block_table import BlockTable
-from .manager import ReferenceManager, _Seq
+from .manager import PartialTailReference, ReferenceManager, _Seq
 from .pool import BlockPool
 
 
@@ -139,6 +139,37 @@ class SilentEviction(ReferenceManager):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.gpu = _SilentEvictionPool(config.num_blocks, config.prefix_caching)
+
+
+class _SilentPromotionPool(BlockPool):
+    def _supersede(self, block: int) -> None:
+        del self.cache[self.key_of.pop(block)]  # the partial key goes without its BlockRemoved
+
+
+class SilentPromotion(PartialTailReference):
+    """Retires a promoted block's partial key without emitting its removal event."""
+
+    name = "silent-promotion"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _SilentPromotionPool(config.num_blocks, config.prefix_caching)
+
+
+class _UnretiredPartialPool(BlockPool):
+    def _supersede(self, block: int) -> None:
+        self.key_of.pop(block)  # the superseded partial key stays in the map, unowned
+
+
+class UnretiredPartial(PartialTailReference):
+    """Promotes a partial tail to its full key but leaves the superseded partial key live: once
+    the block is evicted and reused, the stale partial key names someone else's tokens."""
+
+    name = "unretired-partial"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _UnretiredPartialPool(config.num_blocks, config.prefix_caching)
 
 
 class WindowCappedAdmission(ReferenceManager):
@@ -362,6 +393,12 @@ BROKEN: dict[str, BrokenVariant] = {
     ),
     SilentEviction.name: BrokenVariant(
         SilentEviction, frozenset({"event-consistency"}), {"prefix_caching": True}
+    ),
+    SilentPromotion.name: BrokenVariant(
+        SilentPromotion, frozenset({"event-consistency"}), {"prefix_caching": True}
+    ),
+    UnretiredPartial.name: BrokenVariant(
+        UnretiredPartial, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
     ),
     RefuseAll.name: BrokenVariant(RefuseAll, frozenset({"admission-completeness"})),
     NeverHit.name: BrokenVariant(NeverHit, frozenset({"hit-completeness"}), {"prefix_caching": True}),

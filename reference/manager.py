@@ -13,7 +13,16 @@ It satisfies every invariant of ``kvspec.spec`` by construction:
   so a hit is always computed;
 * a key names the sequence's domain too (cache salt, LoRA adapter, multimodal features
   placed before the block's end: ``ExtraKeys.for_chain``), so no hit crosses domains;
-* the pool logs a KV-cache event for every change of its cache map (``spec.events``).
+* the pool logs a KV-cache event for every change of its cache map (``spec.events``);
+* with ``partial_tails`` (``PartialTailReference``), a prompt whose last token ends inside a
+  block publishes that block under its partial chain once computed, and the block's partial
+  key is retired (removed, with its event) when the block is promoted to a full key -- the
+  behaviour of vLLM 0.33.0 ``FullAttentionManager._cache_partial_tail_block`` /
+  ``BlockPool.cache_partial_block`` (single_type_kv_cache_manager.py:840-897,
+  block_pool.py:486-603, promotion 288-297) and of legacy ``BlockSpaceManagerV1``
+  (block_manager_v1.py:332-335, ``_promote_last_block``).  Lookups use full keys only: 0.33.0
+  serves partial hits only with a Mamba "align" group (``partial_hash_hits_enabled``,
+  kv_cache_utils.py:762-801), and a partial hit needs a copy-on-write at admission.
 
 Policy choices (free under the spec): FIFO free list, LRU eviction of unreferenced cached
 blocks, the first block to publish a key keeps it, no watermark.
@@ -44,6 +53,7 @@ class _Seq:
     num_computed: int
     device: Device = Device.GPU
     published: int = 0  # leading full blocks already offered to the prefix cache
+    prompt_len: int = 0  # tokens at (re)admission: a partial prompt tail may be published
 
 
 @attrs.frozen
@@ -62,6 +72,7 @@ class _AdmissionPlan:
 
 class ReferenceManager:
     name = "reference"
+    partial_tails = False  # publish a prompt's partial last block (PartialTailReference)
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -139,7 +150,12 @@ class ReferenceManager:
         table.first_live = plan.first
         table.grow_to((plan.end - 1) // self.config.block_size + 1, self.gpu)
         self.seqs[seq_id] = _Seq(
-            list(tokens), extra, table, plan.hit_tokens, published=len(plan.hits)
+            list(tokens),
+            extra,
+            table,
+            plan.hit_tokens,
+            published=len(plan.hits),
+            prompt_len=len(tokens),
         )
         return plan.hit_tokens
 
@@ -196,6 +212,13 @@ class ReferenceManager:
             if block is not DROPPED:
                 self.gpu.register(key_of(seq.tokens, (i + 1) * B, self._keyed(seq.extra)), block)
         seq.published = max(seq.published, full)
+        tail = seq.num_computed
+        if self.partial_tails and tail == seq.prompt_len and tail % B and tail // B < len(
+            seq.table.slots
+        ):
+            block = seq.table.slots[tail // B]
+            if block is not DROPPED:
+                self.gpu.register(key_of(seq.tokens, tail, self._keyed(seq.extra)), block)
 
     def _keyed(self, extra: ExtraKeys) -> ExtraKeys:
         """The domain the prefix cache keys a sequence's blocks by: all of it."""
@@ -215,6 +238,7 @@ class ReferenceManager:
             parent.table.fork(self.gpu),
             parent.num_computed,
             published=parent.published,
+            prompt_len=parent.prompt_len,
         )
 
     def free(self, seq_id: int) -> None:
@@ -281,3 +305,11 @@ class ReferenceManager:
         if self.cpu is None:
             raise Unsupported("swap needs num_cpu_blocks > 0")
         return self.cpu
+
+
+class PartialTailReference(ReferenceManager):
+    """The reference with partial-block prefix caching: prompt tails published under their
+    partial chain, promoted to full keys, superseded partial keys retired."""
+
+    name = "reference-partial-tails"
+    partial_tails = True

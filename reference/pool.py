@@ -44,6 +44,13 @@ class BlockPool:
         return block
 
     def _evict(self, block: int) -> None:
+        self._drop_entry(block)
+
+    def _supersede(self, block: int) -> None:
+        """A partial entry's block is promoted: the shorter key is retired."""
+        self._drop_entry(block)
+
+    def _drop_entry(self, block: int) -> None:
         key = self.key_of.pop(block)
         del self.cache[key]
         self.events.append(CacheEvent(EventKind.REMOVED, (key,)))
@@ -66,8 +73,14 @@ class BlockPool:
         return self.cache.get(key) if self.prefix_caching else None
 
     def register(self, key: PrefixKey, block: int) -> None:
-        """Publish a computed full block; a key already published keeps its first block."""
-        if self.prefix_caching and key not in self.cache and block not in self.key_of:
+        """Publish a computed block (full, or a partial tail); a key already published keeps
+        its first block; a longer key supersedes the block's partial one."""
+        if not self.prefix_caching:
+            return
+        old = self.key_of.get(block)
+        if old is not None and len(old.chain) < len(key.chain):
+            self._supersede(block)
+        if key not in self.cache and block not in self.key_of:
             self.cache[key] = block
             self.key_of[block] = key
             self.events.append(CacheEvent(EventKind.STORED, (key,)))

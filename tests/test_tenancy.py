@@ -120,3 +120,36 @@ def test_reference_machine_draws_domains_and_events():
     assert stats.events >= 50, stats
     for kind in ("cache_salt", "lora", "mm"):
         assert stats.extras.get(kind, 0) >= 20, stats
+
+
+def test_partial_tail_is_published_promoted_and_retired():
+    """A prompt ending inside a block publishes the block under its partial chain; when the
+    block fills, the partial key is retired (BlockRemoved) and the full key stored."""
+    from kvspec.reference.manager import PartialTailReference
+    from kvspec.testing.driver import Driver
+
+    d = Driver(PartialTailReference(Config(block_size=4, num_blocks=4, prefix_caching=True)))
+    assert d.admit(0, [1, 2, 3, 4, 5, 6], 6, next_token=7)
+    assert not d.check()
+    cached = {len(k.chain): b for k, b in d.state.gpu.cached}
+    assert set(cached) == {4, 6}, cached  # the full block and the partial tail
+    for token in (8, 9):
+        assert d.step(0, 1, next_token=token)
+        assert not d.check(), d.check()
+    cached = {len(k.chain): b for k, b in d.state.gpu.cached}
+    assert set(cached) == {4, 8}, cached  # promoted: the 6-token key is gone
+    kinds = [(e.kind.value, len(e.keys[0].chain)) for e in d.state.gpu.events]
+    assert kinds == [("stored", 4), ("stored", 6), ("removed", 6), ("stored", 8)], kinds
+
+
+def test_partial_tail_reference_machine_holds():
+    from kvspec.reference.manager import PartialTailReference
+
+    stats = RunStats()
+    run_state_machine_as_test(
+        lambda: KVCacheMachine(
+            PartialTailReference, configs(prefix_caching=st.just(True), max_blocks=12), stats=stats
+        ),
+        settings=settings(settings(), max_examples=max(settings().max_examples // 2, 50)),
+    )
+    assert stats.events >= 50, stats
