@@ -106,11 +106,6 @@ def invariant(
     return register
 
 
-def inapplicable(inv_id: str, config: Config) -> str | None:
-    """Why invariant ``inv_id`` says nothing under ``config`` (None: it applies)."""
-    return INVARIANTS[inv_id].inapplicable(config)
-
-
 # ---------------------------------------------------------------- helpers
 
 
@@ -572,11 +567,6 @@ def _short(chain: tuple[int, ...]) -> str:
     return (
         str(list(chain)) if len(chain) <= 12 else f"[{len(chain)} tokens ending {list(chain[-4:])}]"
     )
-
-
-def state_invariants() -> tuple[Invariant, ...]:
-    """Every registered state invariant (read when asked: registration may come later)."""
-    return tuple(i for i in INVARIANTS.values() if i.kind == "state")
 
 
 def check_world(world: World) -> list[Violation]:
