@@ -54,7 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mutate", parents=[common],
                        help="mutation score of the oracle on vLLM's own block-manager code")
     m.add_argument("--targets", nargs="*", help="v1@0.33.0 legacy-v2@0.6.3 (default both)")
-    m.add_argument("--max-mutants", type=int, default=150, help="sample size per target")
+    m.add_argument("--max-mutants", type=int, default=150,
+                   help="uniform sample size per target (over every generated mutant)")
+    m.add_argument("--invariants", nargs="*", metavar="ID",
+                   help="the oracle watches only these invariants (default: every one)")
+    m.add_argument("--search", choices=("default", "swarm"), default="default",
+                   help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
+    m.add_argument("--no-vllm-tests", action="store_true",
+                   help="skip vLLM's own unit tests (from the release's sdist) on the mutants")
     m.add_argument("--examples", type=int, default=80, help="hypothesis examples per mutant")
     m.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
     m.add_argument("--jobs", type=int, default=2)

@@ -10,8 +10,9 @@ Nothing in the installed venv is touched.  For a target release:
    runs the oracle with the mutants' budget and records line coverage of the copies.  It
    must pass (no false alarm) or the target gets no score.  It also replays its own traces
    and keeps a digest of every observed state, for the equivalence check below;
-3. mutants whose lines the baseline never executed are *not covered* (reported, not run);
-   the covered ones are sampled deterministically (per module, proportionally, fixed seed);
+3. a *uniform* sample of every generated mutant is drawn (per module in proportion, fixed
+   seed); a sampled mutant whose lines the baseline never executed is *not covered*: it
+   survives the oracle by construction (nothing it changes runs) and is not run;
 4. a fork server in the target venv imports torch/vLLM's heavy parts once (none of the
    mutated modules), then forks one child per mutant, two at a time: the child installs the
    finder with the one mutation, imports the adapter (which imports the mutated module
@@ -19,7 +20,12 @@ Nothing in the installed venv is touched.  For a target release:
    *killed* (SpecViolation, or a crash: any other exception), *timed out* (the parent kills
    the child at the limit), *survived*.  A survivor is replayed on the baseline's traces: if
    every observed state and outcome is identical it is *suspected equivalent*; otherwise the
-   first difference is recorded (behaviour the spec accepts, or a bug the budget missed).
+   first difference is recorded (behaviour the spec accepts, or a bug the budget missed);
+5. vLLM's own unit tests of the release (``bench.vllm_tests``: from its sdist) run through
+   the same fork server on the same sample: once unmutated, recording which lines of the
+   copies each test executes (the tests failing there -- a GPU, a model download -- are
+   deselected and listed), then per mutant only the tests that execute one of its lines
+   (every test for module-level code), stopping at the first failure.
 """
 
 from __future__ import annotations
@@ -59,28 +65,31 @@ from .mutants import Mutant, enumerate_mutants, mutate_tree
 
 TARGETS: dict[str, dict[str, Any]] = {
     "v1@0.33.0": {
-        "modules": [
+        # Mutated: the issue's three modules; "served" ones are loaded unmutated from the copies
+        # too, so that they bind the mutated modules when they import them.
+        "mutate": [
             "vllm.v1.core.block_pool",
             "vllm.v1.core.kv_cache_utils",
             "vllm.v1.core.single_type_kv_cache_manager",
-            "vllm.v1.core.kv_cache_manager",
         ],
-        # Heavy imports done once in the fork server; none of them imports a mutated module.
+        "served": ["vllm.v1.core.kv_cache_manager"],
         "preimport": ["torch", "vllm", "vllm.config", "vllm.sampling_params",
                       "vllm.v1.kv_cache_interface", "vllm.v1.request", "vllm.utils.hashing"],
         "workload": {"window": "any", "caching": "any", "swap": False, "max_blocks": 16},
     },
     "legacy-v2@0.6.3": {
-        "modules": [
+        # vllm/core/block/*.py and block_manager_v2.py; the evictor is served, not mutated.
+        "mutate": [
             "vllm.core.block.block_table",
             "vllm.core.block.common",
             "vllm.core.block.cpu_gpu_block_allocator",
+            "vllm.core.block.interfaces",
             "vllm.core.block.naive_block",
             "vllm.core.block.prefix_caching_block",
             "vllm.core.block.utils",
             "vllm.core.block_manager_v2",
-            "vllm.core.evictor_v2",
         ],
+        "served": ["vllm.core.evictor_v2"],
         "preimport": ["torch", "vllm", "vllm.sequence", "vllm.core.interfaces", "vllm.utils",
                       "vllm.inputs", "vllm.config", "vllm.sampling_params"],
         # No lookahead: with lookahead slots and swap the unmutated code fails on FINDINGS F12
@@ -197,7 +206,8 @@ def _replay_digests(make, config, trace) -> tuple[list[str], list[str], str]:
 
 
 def _oracle(target: str, workload: dict, examples: int, steps: int,
-            record: bool = False) -> dict[str, Any]:
+            record: bool = False, focus: list[str] | None = None,
+            search: str = "default") -> dict[str, Any]:
     from hypothesis import Phase
     from hypothesis.errors import HypothesisException
     from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
@@ -223,7 +233,10 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
     start = time.perf_counter()
     try:
         opts = machine_options(workload)
-        run_machine(lambda: KVCacheMachine(make, strat, stats=stats, **opts), settings)
+        machine = KVCacheMachine
+        if search == "swarm":
+            from kvspec.testing.swarm import SwarmMachine as machine
+        run_machine(lambda: machine(make, strat, stats=stats, focus=focus, **opts), settings)
         out["status"] = "survived"
     except SpecViolation as err:
         out["status"] = "killed"
@@ -279,12 +292,14 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
     factory(split_target(p["target"])[0])(Config(block_size=4, num_blocks=8,
                                                  prefix_caching=True))
     current["set"] = phase["run"]
-    traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"])
+    traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
+                     focus=p.get("focus"), search=p.get("search", "default"))
     sys.settrace(None)
     threading.settrace(None)
     _check_loaded(paths)
     # The same budget again without the tracer: the clean pass the mutants are held to.
-    clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True)
+    clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True,
+                    focus=p.get("focus"), search=p.get("search", "default"))
     replays = []
     for config, trace in clean["_runs"]:
         d1, o1, prob1 = _replay_digests(clean["_make"], config, trace)
@@ -347,7 +362,11 @@ def _equivalence(make, replays_file: str) -> str:
 def _run_child(p: dict[str, Any], job: dict[str, Any], out_path: str) -> None:
     mutation = None if job["site"] is None else job
     _install(p["paths"], mutation)
-    res = _oracle(p["target"], p["workload"], p["examples"], p["steps"])
+    if job.get("kind") == "vllm-tests":
+        _run_vllm_tests(p, mutation, out_path)
+        return
+    res = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
+                  focus=p.get("focus"), search=p.get("search", "default"))
     _check_loaded(p["paths"])
     if res["status"] == "survived":
         diff = _equivalence(res["_make"], p["replays_file"])
@@ -356,6 +375,34 @@ def _run_child(p: dict[str, Any], job: dict[str, Any], out_path: str) -> None:
             res["status"] = "equivalent"
     Path(out_path).write_text(json.dumps({k: v for k, v in res.items()
                                           if not k.startswith("_")}))
+
+
+def _run_vllm_tests(p: dict[str, Any], mutation: dict[str, Any] | None, out_path: str) -> None:
+    """vLLM's own unit tests on this (possibly mutated) code: killed when any test fails,
+    a file fails to import, or nothing ran.  The unmutated run goes to the end and records
+    every test's outcome; a mutant's run stops at its first failure."""
+    from . import vllm_tests
+
+    t = p["tests"]
+    if mutation is None:
+        by_file = {path: name for name, path in p["paths"].items()}
+        res = vllm_tests.run(t["root"], t["files"], t["deselect"], first_failure=False,
+                             coverage=by_file if t.get("coverage") else None)
+    else:
+        res = vllm_tests.run(t["root"], mutation.get("tests") or t["files"], t["deselect"],
+                             first_failure=True)
+    _check_loaded(p["paths"])
+    out = {"status": "survived" if res["exit_code"] == 0 else "killed", "kind": "tests",
+           "exit_code": res["exit_code"], "seconds": res["seconds"], "counts": res["counts"],
+           "first_failure": res["first_failure"] or "; ".join(res["collect_errors"])[:300]}
+    if mutation is None:
+        out["tests"] = res["tests"]
+        out["reasons"] = res["reasons"]
+        for k in ("coverage", "durations"):
+            if k in res:
+                out[k] = res[k]
+        out["collect_errors"] = res["collect_errors"]
+    Path(out_path).write_text(json.dumps(out))
 
 
 def worker_main(task: str, params_file: str, out: str) -> None:
@@ -372,6 +419,11 @@ def server_main(p: dict[str, Any], out: str) -> None:
     """Fork server: heavy imports once, then one forked child per mutant."""
     for name in p["preimport"]:
         __import__(name)
+    if p.get("tests"):
+        from .vllm_tests import CONFTEST_PREIMPORT
+
+        for name in CONFTEST_PREIMPORT:
+            __import__(name)
     import kvspec.testing  # noqa: F401  (hypothesis and the machine, shared by the children)
 
     from . import common  # noqa: F401
@@ -396,15 +448,22 @@ def server_main(p: dict[str, Any], out: str) -> None:
             res = {"status": "killed", "kind": f"crash: child exit status {status}",
                    "error": _tail(out_path + ".log"), "seconds": elapsed}
         res["key"] = job["key"]
+        res["job"] = job.get("kind", "kvspec")
+        if "tests" in job:
+            res["tests_selected"] = len(job["tests"])
         res["wall"] = elapsed
         results.append(res)
-        print(f"[{len(results)}/{total}] {job['key']}: {res['status']} "
+        if p.get("progress"):  # written as it goes: a long run leaves partial results
+            with open(p["progress"], "a") as f:
+                f.write(json.dumps(res) + "\n")
+        print(f"[{len(results)}/{total}] {res['job']} {job['key']}: {res['status']} "
               f"{res.get('kind', '')} {elapsed:.1f}s", flush=True)
 
     while jobs or running:
         while jobs and len(running) < p["jobs_max"]:
             job = jobs.pop(0)
-            out_path = str(outdir / (job["key"].replace(":", "_").replace("/", "_") + ".json"))
+            name = f"{job.get('kind', 'kvspec')}-{job['key']}"
+            out_path = str(outdir / (name.replace(":", "_").replace("/", "_") + ".json"))
             pid = os.fork()
             if pid == 0:  # the child
                 code = 0
@@ -428,7 +487,8 @@ def server_main(p: dict[str, Any], out: str) -> None:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 finish(pid, status)
-            elif time.perf_counter() - running[pid][1] > p["timeout"]:
+            elif time.perf_counter() - running[pid][1] > running[pid][0].get(
+                    "timeout", p["timeout"]):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 finish(pid, None)
@@ -510,14 +570,17 @@ def _spawn_worker(target: str, task: str, params: dict[str, Any], log_path: Path
 
 
 def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Uniform sample of every generated mutant of the target's mutated modules; each one
+    through the oracle (if the baseline covered it; an uncovered mutant survives by
+    construction) and through vLLM's own unit tests of the release."""
     spec = TARGETS[target]
-    modules = [m for m in spec["modules"] if not args.modules or m in args.modules
+    modules = [m for m in spec["mutate"] if not args.modules or m in args.modules
                or m.rsplit(".", 1)[1] in args.modules]
     site = site_packages(target)
     copies = workdir / "src"
     paths: dict[str, str] = {}
     mutants: list[Mutant] = []
-    for name in spec["modules"]:  # every module is served from its copy, mutated or not
+    for name in spec["mutate"] + spec["served"]:  # every module is served from its copy, mutated or not
         src = site / (name.replace(".", "/") + ".py")
         dst = copies / (name.replace(".", "/") + ".py")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -529,8 +592,13 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
     if args.list:
         return {"target": target, "generated": len(mutants),
                 "by_module": dict(Counter(m.module for m in mutants))}
+    progress = (Path(args.results) if args.results else RESULTS) / (
+        f"mutation-progress-{split_target(target)[0]}.jsonl")
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    progress.write_text("")
     params = {"paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
-              "examples": args.examples, "steps": 40,
+              "examples": args.examples, "steps": 40, "progress": str(progress),
+              "focus": args.invariants, "search": args.search,
               "replays_file": str(workdir / "replays.json")}
     print(f"{target}: baseline (unmutated copies through the import hook, with coverage) ...")
     base = _spawn_worker(target, "mutation-baseline", params, workdir / "baseline.log")
@@ -539,7 +607,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
           f"({clean['examples']} examples, {clean['operations']} steps)")
     result: dict[str, Any] = {"target": target, "modules": modules, "baseline": base,
                               "generated": len(mutants), "workload": spec["workload"],
-                              "examples": args.examples}
+                              "examples": args.examples, "progress": str(progress)}
     if clean["status"] != "survived" or base["traced"]["status"] != "survived":
         result["error"] = ("the unmutated code does not pass the oracle with this budget: "
                            f"{clean.get('error') or base['traced'].get('error')}")
@@ -547,31 +615,111 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
         return result
     cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
-    covered = [m for m in mutants if _covered(m, cov_import, cov_run)]
-    chosen = sample(covered, args.max_mutants)
-    print(f"{target}: {len(covered)} covered, running {len(chosen)} "
-          f"(timeout {args.timeout:.0f}s, {args.jobs} at a time)")
-    identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
-    jobs = [identity] + [{"key": m.key, "module": m.module, "site": m.site, "op": m.op,
-                          "variant": m.variant} for m in chosen]
+    covered = {m.key for m in mutants if _covered(m, cov_import, cov_run)}
+    chosen = sample(mutants, args.max_mutants)
     outdir = workdir / "mutants"
     outdir.mkdir(exist_ok=True)
+    tests = None
+    if not args.no_vllm_tests:
+        tests = _vllm_tests_baseline(target, params, workdir, outdir)
+        result["vllm_tests"] = tests
+        if tests.get("error"):
+            result["error"] = tests["error"]
+            return result
+    n_cov = sum(m.key in covered for m in chosen)
+    print(f"{target}: uniform sample of {len(chosen)} of {len(mutants)} mutants, {n_cov} of "
+          f"them covered by the baseline (timeout {args.timeout:.0f}s, {args.jobs} at a time)")
+    identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
+    jobs = [identity]
+    not_run: dict[str, dict[str, Any]] = {}  # vLLM tests' verdicts that need no run
+    for m in chosen:
+        job = {"key": m.key, "module": m.module, "site": m.site, "op": m.op,
+               "variant": m.variant}
+        if m.key in covered:
+            jobs.append(job)
+        if tests is not None:
+            selected, limit = _tests_for(m, tests, workdir)
+            if selected:
+                jobs.append({**job, "kind": "vllm-tests", "timeout": limit, "tests": selected})
+            else:
+                not_run[m.key] = {"status": "survived", "kind": "not covered by vLLM's tests"}
     server = _spawn_worker(target, "mutation-server", {
         **params, "jobs": jobs, "jobs_max": args.jobs, "timeout": args.timeout,
-        "outdir": str(outdir)}, workdir / "server.log", stream=True)
-    by_key = {r["key"]: r for r in server}
-    ident = by_key.pop("identity", {"status": "missing"})
+        "tests": tests and tests["params"], "outdir": str(outdir)},
+        workdir / "server.log", stream=True)
+    kv = {r["key"]: r for r in server if r["job"] == "kvspec"}
+    vt = {**{r["key"]: r for r in server if r["job"] == "vllm-tests"}, **not_run}
+    if tests is not None:
+        result["vllm_tests"] = {k: v for k, v in tests.items()
+                                if not k.startswith("_") and k != "passing"}
+    ident = kv.pop("identity", {"status": "missing"})
     result.update(
         identity=ident,
         covered=len(covered),
-        covered_by_module=dict(Counter(m.module for m in covered)),
+        covered_by_module=dict(Counter(m.module for m in mutants if m.key in covered)),
         generated_by_module=dict(Counter(m.module for m in mutants)),
-        mutants=[{**_mutant_json(m), **by_key.get(m.key, {"status": "missing"})}
+        mutants=[{**_mutant_json(m), "covered": m.key in covered,
+                  **(kv.get(m.key, {"status": "missing"}) if m.key in covered
+                     else {"status": "not covered"}),
+                  **({"vllm_tests": vt.get(m.key, {"status": "missing"})} if tests else {})}
                  for m in chosen],
     )
     if ident.get("status") not in ("survived", "equivalent"):
         result["error"] = f"the identity mutant (no mutation, fork server) failed: {ident}"
     return result
+
+
+def _tests_for(m: Mutant, tests: dict[str, Any], workdir: Path) -> tuple[list[str], float]:
+    """The vLLM tests a mutant needs (those whose baseline run executed one of its lines;
+    every file for module-level code, which runs at import) and their time limit:
+    3x their clean run + 60 s."""
+    cov = tests.setdefault("_coverage", json.loads((workdir / "tests-coverage.json").read_text()))
+    durations = tests["_durations"]
+    if not m.in_function:
+        return list(tests["files"]), 3 * sum(durations.values()) + 60
+    span = set(range(m.lineno, m.end_lineno + 1))
+    selected = [t for t, per in cov.items() if t in tests["passing"]
+                and span & set(per.get(m.module, ()))]
+    return selected, 3 * sum(durations.get(t, 0.0) for t in selected) + 60
+
+
+def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
+                         outdir: Path) -> dict[str, Any]:
+    """vLLM's own tests on the unmutated copies, through the fork server: the tests that fail
+    there (a GPU, a model download) are deselected for every mutant, and listed."""
+    from .vllm_tests import SUITES, tests_root
+
+    version = split_target(target)[1]
+    assert version is not None
+    files = SUITES[version]
+    root = str(tests_root(version))
+    tp = {"root": root, "files": files, "deselect": [], "coverage": True}
+    identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None,
+                "kind": "vllm-tests", "timeout": 3600}
+    print(f"{target}: vLLM's own tests on the unmutated code ({', '.join(files)}) ...")
+    (res,) = _spawn_worker(target, "mutation-server", {
+        **params, "progress": None, "jobs": [identity], "jobs_max": 1, "timeout": 3600,
+        "tests": tp, "outdir": str(outdir)}, workdir / "tests-baseline.log", stream=True)
+    tests = res.get("tests", {})
+    failing = sorted(t for t, o in tests.items() if o == "failed")
+    (workdir / "tests-coverage.json").write_text(json.dumps(res.pop("coverage", {})))
+    durations = res.pop("durations", {})
+    reasons = res.get("reasons", {})
+    out = {"version": version, "files": files, "root": root, "baseline": {
+        k: v for k, v in res.items() if k not in ("tests", "reasons")},
+        "deselected": [{"test": t, "why": reasons.get(t, "")} for t in failing],
+        "skipped": sorted(t for t, o in tests.items() if o == "skipped"),
+        "passed": sum(o == "passed" for o in tests.values())}
+    if not out["passed"] or res.get("collect_errors"):
+        out["error"] = (f"vLLM's tests did not run on the unmutated code: {res.get('status')} "
+                        f"{res.get('first_failure') or res.get('error')}")[:400]
+        return out
+    out["params"] = {**tp, "deselect": failing, "coverage": False}
+    out["passing"] = sorted(t for t, o in tests.items() if o == "passed")
+    out["_durations"] = durations
+    print(f"{target}: vLLM's tests: {out['passed']} passed, {len(out['skipped'])} skipped, "
+          f"{len(failing)} failing on the unmutated code (deselected) in {res['seconds']:.0f}s")
+    return out
 
 
 def _mutant_json(m: Mutant) -> dict[str, Any]:
@@ -587,6 +735,7 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
     results_dir = Path(args.results) if args.results else None
     md = Path(args.md) if args.md else None
     settings = {"examples": args.examples, "timeout": args.timeout, "jobs": args.jobs,
+                "invariants": args.invariants, "search": args.search,
                 "max_mutants": args.max_mutants, "seed": SAMPLE_SEED}
     data: dict[str, Any] = {"results": []}
     for target in targets:
@@ -622,20 +771,6 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
 KILLED = ("killed", "timeout")
 
 
-def _score(muts: list[dict[str, Any]]) -> tuple[str, dict[str, int]]:
-    c = Counter()
-    for m in muts:
-        st = m["status"]
-        if st == "killed":
-            c["violation" if m.get("kind") == "violation" else "crash"] += 1
-        else:
-            c[st] += 1
-    killed = c["violation"] + c["crash"] + c["timeout"]
-    denom = len(muts) - c["equivalent"] - c["missing"]
-    score = f"{100 * killed / denom:.0f}%" if denom else "-"
-    return score, c
-
-
 def _notes() -> dict[str, str]:
     path = Path(__file__).with_name("mutation_notes.json")
     if not path.exists():
@@ -643,73 +778,159 @@ def _notes() -> dict[str, str]:
     return json.loads(path.read_text())
 
 
+def _equivalents() -> dict[str, str]:
+    """Mutants argued equivalent one by one (key -> the argument); only these leave the
+    denominators.  A survivor whose replays matched the baseline is *suspected* equivalent,
+    which is evidence for an argument, not one."""
+    path = Path(__file__).with_name("mutation_equivalents.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _kv_killed(m: dict[str, Any]) -> bool:
+    return m["status"] in KILLED
+
+
+def _vt_killed(m: dict[str, Any]) -> bool:
+    return m.get("vllm_tests", {}).get("status") in KILLED
+
+
+def _pct(k: int, n: int) -> str:
+    return f"{100 * k / n:.0f}%" if n else "-"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n."""
+    if not n:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _ci(k: int, n: int) -> str:
+    lo, hi = wilson(k, n)
+    return f"{_pct(k, n)} (95% CI {100 * lo:.0f}-{100 * hi:.0f}%)"
+
+
+def _how(m: dict[str, Any]) -> str:
+    if m["status"] == "timeout":
+        return "timed out"
+    if m.get("kind") == "violation":
+        return ", ".join(m.get("invariants", []))
+    return m.get("kind", "").removeprefix("crash: ") + " (crash)"
+
+
 def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
-    parts = ["Score = (killed + timed out) / (run - suspected equivalent). Each target's "
-             "section names its command, machine and budget."]
+    parts = [
+        "Each target: a **uniform** sample of every mutant generated in the modules under test "
+        "(stratified per module in proportion, fixed seed), run through the kvspec oracle and "
+        "through vLLM's own unit tests of the same release (from its sdist, fetched at bench "
+        "time, never committed). A mutant the oracle's baseline run never executed is *not "
+        "covered* and counts as a survivor. Killed = a violation, a crash or a timeout. Only "
+        "mutants argued equivalent one by one (bench/mutation_equivalents.json) leave the "
+        "denominators; nothing is assumed equivalent."]
     notes = _notes()
+    eqs = _equivalents()
     for r in data["results"]:
         s = r["settings"]
         parts += ["", f"### {r['target']}", "",
-                  header(r["command"], r["machine"], r.get("seconds")), "",
-                  f"Budget per mutant: {s['examples']} hypothesis examples (ci profile: "
-                  f"derandomized, 40 steps, no shrinking), wall-clock limit "
-                  f"{s['timeout']:.0f} s, {s['jobs']} mutants at a time. Covered mutants are "
-                  f"sampled per module in proportion, at most {s['max_mutants']} per target "
-                  f"(the first ones of `random.Random('{s['seed']}-<module>').shuffle`).", ""]
+                  header(r["command"], r["machine"], r.get("seconds")), ""]
+        vt = r.get("vllm_tests")
+        parts.append(
+            f"Oracle budget per mutant: {s['examples']} hypothesis examples (ci profile: "
+            f"derandomized, 40 steps, no shrinking), wall-clock limit {s['timeout']:.0f} s, "
+            f"{s['jobs']} mutants at a time; workload {json.dumps(r['workload'])}. "
+            + (f"vLLM's tests per mutant: of {', '.join(vt['files'])}, the tests whose clean "
+               "run executed a line of the mutant (all of them for module-level code), "
+               "stopping at the first failure, limit 3x their clean time + 60 s; a mutant no "
+               "test executes survives them without a run."
+               if vt else "vLLM's tests: not run."))
         if "baseline" in r:
             b = r["baseline"]["clean"]
+            parts += ["", f"Oracle baseline (unmutated copies through the import hook): "
+                      f"**{'clean' if b['status'] == 'survived' else 'FAILED'}** in "
+                      f"{b['seconds']:.1f} s ({b['examples']} examples, {b['operations']} steps); "
+                      f"identity mutant through the fork server: "
+                      f"{r.get('identity', {}).get('status', '-')}."]
+        if vt and "baseline" in vt:
+            vb = vt["baseline"]
             parts.append(
-                f"Baseline (unmutated copies through the import hook, same budget): "
-                f"**{'clean' if b['status'] == 'survived' else 'FAILED'}** in "
-                f"{b['seconds']:.1f} s ({b['examples']} examples, {b['operations']} steps); "
-                f"identity mutant through the fork server: "
-                f"{r.get('identity', {}).get('status', '-')}; "
-                f"{r['baseline']['nondeterministic_replays']} of {r['baseline']['replays']} "
-                "baseline replays nondeterministic. Workload: "
-                f"{json.dumps(r['workload'])}.")
+                f"vLLM's tests on the unmutated code: {vt['passed']} passed, "
+                f"{len(vt['skipped'])} skipped, {len(vt['deselected'])} failing and deselected "
+                f"for every mutant, in {vb['seconds']:.0f} s; identity through the fork server: "
+                f"{(r.get('identity_vllm_tests') or {}).get('status', '-')}.")
+            if vt["deselected"]:
+                parts += ["", "Deselected (fail on the unmutated release here):", "",
+                          table(["test", "why"], [[d["test"], " ".join(d["why"].split())[:140]]
+                                                  for d in vt["deselected"]])]
         if r.get("error"):
             parts += ["", f"**No score: {r['error']}**"]
         if "mutants" not in r:
             continue
-        muts = r["mutants"]
-        score, c = _score(muts)
-        no_crash = c["violation"] + c["survived"]
-        spec_score = f"{100 * c['violation'] / no_crash:.0f}%" if no_crash else "-"
-        parts += ["", f"**Score {score}** over {len(muts)} mutants run: killed by a violation "
-                  f"{c['violation']}, by a crash {c['crash']}, timed out {c['timeout']}, "
-                  f"survived {c['survived']}, suspected equivalent {c['equivalent']}. "
-                  f"Generated {r['generated']}, covered by the baseline {r['covered']}. "
-                  f"Among the mutants that neither crashed nor hung, the invariants caught "
-                  f"{spec_score} ({c['violation']}/{no_crash})."]
+        muts = [m for m in r["mutants"] if m["status"] != "missing"]
+        argued = [m for m in muts if m["key"] in eqs]
+        live = [m for m in muts if m["key"] not in eqs]
+        n = len(live)
+        kv = sum(_kv_killed(m) for m in live)
+        cov = [m for m in live if m["covered"]]
+        kv_cov = sum(_kv_killed(m) for m in cov)
+        parts += ["", f"Sample: **{len(r['mutants'])} of {r['generated']}** generated mutants "
+                  f"({len(r['mutants']) - len(muts)} missing a result), {len(argued)} argued "
+                  f"equivalent, {len(cov)} of the rest covered by the oracle's baseline."]
+        line = (f"**kvspec (uniform): {_ci(kv, n)}** ({kv}/{n}); covered only: "
+                f"{_pct(kv_cov, len(cov))} ({kv_cov}/{len(cov)}).")
+        if vt:
+            vk = sum(_vt_killed(m) for m in live)
+            both = sum(_kv_killed(m) and _vt_killed(m) for m in live)
+            only_kv = [m for m in live if _kv_killed(m) and not _vt_killed(m)]
+            only_vt = sum(_vt_killed(m) and not _kv_killed(m) for m in live)
+            neither = n - both - len(only_kv) - only_vt
+            line += (f" **vLLM's own tests: {_ci(vk, n)}** ({vk}/{n}). Union: "
+                     f"{_pct(vk + len(only_kv), n)}. **Killed by kvspec only: {len(only_kv)}**.")
+            parts += ["", line, "", table(
+                ["", "kvspec kills", "kvspec misses", "total"],
+                [["vLLM's tests kill", both, only_vt, both + only_vt],
+                 ["vLLM's tests miss", len(only_kv), neither, len(only_kv) + neither],
+                 ["total", kv, n - kv, n]])]
+        else:
+            parts += ["", line]
         rows = []
         for mod in r["modules"]:
-            mm = [m for m in muts if m["module"] == mod]
-            sc, cc = _score(mm)
+            mm = [m for m in live if m["module"] == mod]
+            k1 = sum(_kv_killed(m) for m in mm)
+            k2 = sum(_vt_killed(m) for m in mm)
             rows.append([mod.split(".")[-1], r["generated_by_module"].get(mod, 0),
-                         r["covered_by_module"].get(mod, 0), len(mm), cc["violation"],
-                         cc["crash"], cc["timeout"], cc["survived"], cc["equivalent"], sc])
-        parts += ["", table(["module", "generated", "covered", "run", "killed: violation",
-                             "killed: crash", "timed out", "survived", "equivalent?",
-                             "score"], rows)]
-        invs = Counter(i for m in muts if m.get("kind") == "violation"
+                         sum(m["module"] == mod for m in r["mutants"]),
+                         sum(m["key"] in eqs for m in muts if m["module"] == mod),
+                         sum(m["covered"] for m in mm), k1, _pct(k1, len(mm)),
+                         k2 if vt else "-", _pct(k2, len(mm)) if vt else "-",
+                         sum(_kv_killed(m) or _vt_killed(m) for m in mm)])
+        parts += ["", table(["module", "generated", "sampled", "argued equivalent",
+                             "covered", "kvspec kills", "kvspec score", "vLLM tests kill",
+                             "vLLM tests score", "union kills"], rows)]
+        invs = Counter(i for m in live if m.get("kind") == "violation"
                        for i in m.get("invariants", []))
         if invs:
             parts += ["", "Invariants that killed: " + ", ".join(
                 f"{k} {v}" for k, v in invs.most_common()) + "."]
-        crashes = Counter(m.get("kind", "") for m in muts
-                          if m["status"] == "killed" and m.get("kind") != "violation")
-        if crashes:
-            parts += ["", "Crashes: " + ", ".join(f"{k.removeprefix('crash: ')} {v}"
-                                                  for k, v in crashes.most_common()) + "."]
-        surv = [m for m in muts if m["status"] == "survived"]
-        if surv:
-            parts += ["", "Survivors:", "",
-                      table(["mutant", "replay of the baseline traces", "why the oracle misses it"],
-                            [[m["describe"], m.get("replay", ""),
-                              notes.get(m["key"], "(not yet analysed)")] for m in surv])]
-        eq = [m for m in muts if m["status"] == "equivalent"]
-        if eq:
-            parts += ["", f"<details><summary>{len(eq)} suspected equivalent (identical "
-                      "observed states and outcomes on every baseline trace)</summary>", "",
-                      "```", *[m["describe"] for m in eq], "```", "", "</details>"]
+        if vt and only_kv:
+            parts += ["", "Killed by kvspec only:", "", table(
+                ["mutant", "kvspec", "vLLM's tests"],
+                [[m["describe"], _how(m), "pass"] for m in only_kv])]
+        if vt:
+            missed = [m for m in live if not _kv_killed(m) and not _vt_killed(m)]
+        else:
+            missed = [m for m in live if not _kv_killed(m)]
+        if missed:
+            parts += ["", f"<details><summary>{len(missed)} killed by neither (or by "
+                      "nothing, without vLLM's tests)</summary>", "", table(
+                          ["mutant", "oracle", "why the oracle misses it"],
+                          [[m["describe"], m["status"] if m["status"] != "equivalent" else
+                            "survived; replays identical (suspected equivalent)",
+                            notes.get(m["key"], "")] for m in missed]), "", "</details>"]
+        if argued:
+            parts += ["", "<details><summary>Argued equivalent</summary>", "", table(
+                ["mutant", "argument"], [[m["describe"], eqs[m["key"]]] for m in argued]),
+                "", "</details>"]
     return "\n".join(parts)

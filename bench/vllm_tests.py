@@ -1,0 +1,190 @@
+"""vLLM's own unit tests of a release, run on the same mutants as the oracle.
+
+The tests come from the release's source distribution on PyPI (it carries ``tests/``), fetched
+at bench time into ``$KVSPEC_HOME/vllm-tests/<version>/tests`` (default ``~/.cache/kvspec``)
+and never copied into this repository.  ``pip download --no-binary :all:`` cannot build vLLM's
+metadata without torch, but it unpacks the sdist before failing; with ``--no-clean`` and a
+private ``TMPDIR`` the unpacked tree is found there (../shared/notes/vllm-sources-and-tests.md).
+
+Worker side, ``run(...)`` runs ``pytest.main`` on the chosen files in the current (forked)
+interpreter, which already has the mutation's import hook installed, and records every test's
+outcome with a small plugin.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# The unit tests of the modules under mutation, per release (paths inside the sdist).
+SUITES: dict[str, list[str]] = {
+    "0.33.0": [
+        "tests/v1/core/test_prefix_caching.py",
+        "tests/v1/core/test_kv_cache_utils.py",
+        "tests/v1/core/test_single_type_kv_cache_manager.py",
+    ],
+    "0.6.3": [
+        "tests/core/block/test_block_manager_v2.py",
+        "tests/core/block/test_block_table.py",
+        "tests/core/block/test_common.py",
+        "tests/core/block/test_cpu_gpu_block_allocator.py",
+        "tests/core/block/test_naive_block.py",
+        "tests/core/block/test_prefix_caching_block.py",
+    ],
+}
+
+# Third-party modules vLLM's tests/conftest.py imports; the fork server imports them once
+# (none of them imports vLLM's block managers), so a mutant's child only imports vLLM's own.
+CONFTEST_PREIMPORT = ["numpy", "PIL.Image", "transformers", "huggingface_hub", "pytest"]
+
+
+def cache_root(version: str) -> Path:
+    home = Path(os.environ.get("KVSPEC_HOME", Path.home() / ".cache" / "kvspec"))
+    return home / "vllm-tests" / version
+
+
+def tests_root(version: str, log=print) -> Path:
+    """The directory holding ``tests/`` of vLLM ``version``'s sdist (fetched on first use)."""
+    root = cache_root(version)
+    if (root / "tests").is_dir():
+        return root
+    log(f"fetching vLLM {version}'s tests from its sdist into {root} ...")
+    with tempfile.TemporaryDirectory(prefix="kvspec-sdist-") as tmp:
+        env = dict(os.environ, TMPDIR=tmp)
+        cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
+               "--no-binary", ":all:", "--no-build-isolation", "--no-clean", "-d",
+               str(Path(tmp) / "dl")]
+        # Expected to fail while building metadata (no torch here); the tree stays unpacked.
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        trees = [Path(t).parent for t in glob.glob(f"{tmp}/pip-*/vllm*/tests")]
+        trees = [t for t in trees if f"Version: {version}\n" in _read(t / "PKG-INFO")]
+        if not trees:
+            raise SystemExit(f"could not unpack vLLM {version}'s sdist:\n{proc.stderr[-2000:]}")
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(trees[0] / "tests", root / "tests")
+    return root
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+class _Outcomes:
+    """pytest plugin: every test's outcome (a failure in setup or teardown counts)."""
+
+    def __init__(self) -> None:
+        self.tests: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
+        self.first_failure = ""
+        self.collect_errors: list[str] = []
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.failed:
+            self.tests[report.nodeid] = "failed"
+            self.reasons.setdefault(report.nodeid, f"{report.when}: {_short(report)}")
+            if not self.first_failure:
+                self.first_failure = f"{report.nodeid}: {_short(report)}"
+        elif report.skipped and report.nodeid not in self.tests:
+            self.tests[report.nodeid] = "skipped"
+        elif report.when == "call" and report.passed:
+            self.tests.setdefault(report.nodeid, "passed")
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collect_errors.append(f"{report.nodeid}: {_short(report)}")
+
+
+class _PerTestCoverage:
+    """pytest plugin: the lines of the given files each test executes (setup, call and
+    teardown).  A test that never executes a mutated line cannot observe the mutation, so a
+    mutant inside a function only needs the tests that cover its lines (what mutmut and
+    cosmic-ray call covered tests); the unmutated run records them once."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files  # path of a served copy -> module name
+        self.current: set[tuple[str, int]] | None = None
+        self.lines: dict[str, set[tuple[str, int]]] = {}
+        self.durations: dict[str, float] = {}
+
+    def _local(self, frame, event, arg):
+        if event == "line" and self.current is not None:
+            self.current.add((frame.f_code.co_filename, frame.f_lineno))
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if frame.f_code.co_filename in self.files:
+            if self.current is not None:
+                self.current.add((frame.f_code.co_filename, frame.f_lineno))
+            return self._local
+        return None
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        import threading
+
+        self.current = self.lines.setdefault(nodeid, set())
+        sys.settrace(self._global)
+        threading.settrace(self._global)
+
+    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+        import threading
+
+        sys.settrace(None)
+        threading.settrace(None)
+        self.current = None
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+
+    def to_json(self) -> dict[str, dict[str, list[int]]]:
+        out: dict[str, dict[str, list[int]]] = {}
+        for nodeid, seen in self.lines.items():
+            per: dict[str, list[int]] = {}
+            for f, line in seen:
+                per.setdefault(self.files[f], []).append(line)
+            out[nodeid] = {k: sorted(v) for k, v in per.items()}
+        return out
+
+
+def _short(report) -> str:
+    text = str(report.longrepr) if report.longrepr is not None else ""
+    lines = [x for x in text.splitlines() if x.startswith("E ")]
+    return " ".join((lines[-1] if lines else text.splitlines()[-1] if text else "").split())[:240]
+
+
+def run(root: str, files: list[str], deselect: list[str], *, first_failure: bool,
+        coverage: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the files (or test node ids) with pytest here; ``first_failure`` stops at the
+    first failing test; ``coverage`` (copy path -> module) records each test's lines."""
+    import pytest
+
+    os.chdir(root)
+    sys.path.insert(0, root)  # the tests import ``tests.<...>`` helpers
+    args = [*files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--rootdir={root}",
+            "-W", "ignore::DeprecationWarning"]
+    args += [f"--deselect={d}" for d in deselect]
+    if first_failure:
+        args.append("-x")
+    plugin = _Outcomes()
+    plugins: list[Any] = [plugin]
+    cov = _PerTestCoverage(coverage) if coverage else None
+    if cov is not None:
+        plugins.append(cov)
+    start = time.perf_counter()
+    code = int(pytest.main(args, plugins=plugins))
+    counts: dict[str, int] = {}
+    for outcome in plugin.tests.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return {"exit_code": code, "seconds": time.perf_counter() - start, "counts": counts,
+            "tests": plugin.tests, "reasons": plugin.reasons, "first_failure": plugin.first_failure,
+            "collect_errors": plugin.collect_errors,
+            **({"coverage": cov.to_json(), "durations": cov.durations} if cov else {})}
