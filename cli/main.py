@@ -264,6 +264,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     out.print(f"[bold]Statement[/] ({inv.kind} invariant)")
     out.print(textwrap.indent(inspect.cleandoc(fn.__doc__ or inv.statement), "  "), markup=False)
     out.print(f"\n[bold]vLLM code it concerns[/]\n  {escape(inv.concerns)}")
+    out.print(f"\n[bold]Applies[/]\n  {escape(inv.applies_when())}")
     try:
         source = inspect.getsource(fn)
         where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"

@@ -49,14 +49,17 @@ Applies = Callable[[Config], "str | None"]
 
 
 def always(_config: Config) -> str | None:
+    """under every configuration"""
     return None
 
 
 def needs_window(config: Config) -> str | None:
+    """only with a sliding window"""
     return None if config.sliding_window is not None else "no sliding window"
 
 
 def needs_prefix_caching(config: Config) -> str | None:
+    """only with prefix caching on"""
     return None if config.prefix_caching else "prefix caching off"
 
 
@@ -76,6 +79,11 @@ class Invariant:
 
     def applies_to(self, config: Config) -> bool:
         return self.applies(config) is None
+
+    def applies_when(self) -> str:
+        """When it applies, in words: the ``applies`` function's docstring, else its name."""
+        doc = (self.applies.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else f"as {getattr(self.applies, '__qualname__', 'applies')} says"
 
 
 INVARIANTS: dict[str, Invariant] = {}

@@ -35,6 +35,19 @@ def test_bmc_proves_the_reference_and_catches_every_seeded_bug() -> None:
     assert "seeded bugs caught: 5/5" in result.twin
 
 
+def test_explain_lists_every_obligation_that_serves_an_invariant(capsys) -> None:
+    from kvspec.cli.main import main as kvspec
+
+    for inv_id, inv in INVARIANTS.items():
+        assert kvspec(["explain", inv_id]) == 0
+        shown = capsys.readouterr().out
+        assert inv.applies_when() in shown
+        for ob in OBLIGATIONS.values():
+            assert (ob.id in shown) == (inv_id in ob.serves), (inv_id, ob.id)
+    assert "refcount-exact/reference-bmc" in OBLIGATIONS
+    assert "conservation" in OBLIGATIONS["refcount-exact/reference-bmc"].serves
+
+
 def test_ids_name_spec_invariants_and_state_their_obligation() -> None:
     for ob in OBLIGATIONS.values():
         assert ob.serves and set(ob.serves) <= set(INVARIANTS), f"{ob.id} serves {ob.serves}"
