@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, HybridState, check_hybrid, group_state, pool_state
-from kvspec.spec.invariants import Violation, immutability
+from kvspec.spec.invariants import Violation, admission_soundness, immutability
 from kvspec.spec.kv_memory import ended_lifetimes, plan_step_writes
 from kvspec.spec.state import Device, SeqModel, Status
 
@@ -240,10 +240,9 @@ class SchedulerDriver:
             faults.extend(fs)
             for w in writes:
                 self.memory[w.cell] = w.kv
+        # Write facts carry no invariant ID: the spec functions say which one each breaks.
         self.pending.extend(immutability(faults))
-        self.pending.extend(
-            Violation(f.invariant, f.message) for f in faults if f.invariant != "immutability"
-        )
+        self.pending.extend(admission_soundness(unmapped=faults))
 
     def _discard(self, seq: SeqModel, positions: range) -> None:
         """A rejected draft's KV is garbage: its cells count as unwritten from now on."""
