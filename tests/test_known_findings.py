@@ -1,0 +1,151 @@
+"""Multi-bug runs, fingerprints, known findings and the scheduler-feature pins of ``kvspec
+check``, on kvspec's own reference (deliberately broken where a test needs a bug)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+from kvspec.cli.common import UsageError
+from kvspec.cli.run import config_strategy, features_from, parse_overrides
+from kvspec.cli.search import run_search
+from kvspec.reference.broken import LeakOnFree
+from kvspec.reference.manager import ReferenceManager
+from kvspec.spec.config import Config
+from kvspec.spec.interface import Capability
+from kvspec.spec.invariants import INVARIANTS
+from kvspec.testing import Driver, KVCacheMachine, RunStats
+from kvspec.testing.driver import OPS
+from kvspec.testing.known import (
+    CRASH,
+    SHIPPED,
+    Fingerprint,
+    KnownFinding,
+    KnownFindingsError,
+    fingerprint,
+    load_known,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CrashOnFork(LeakOnFree):
+    """Two bugs at once: leaks on free (LeakOnFree) and raises on every fork."""
+
+    name = "crash-on-fork"
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        raise KeyError(f"no such sequence {parent_id}")  # a target crash
+
+
+def _search(**kw):
+    return run_search(
+        CrashOnFork,
+        config_strategy("reference", {}),
+        profile="ci",
+        examples=40,
+        steps=20,
+        seed=None,
+        focus=None,
+        label="crash-on-fork",
+        **kw,
+    )
+
+
+def test_shipped_known_findings_name_real_invariants_operations_and_findings():
+    known = load_known([SHIPPED])
+    findings = (ROOT / "FINDINGS.md").read_text()
+    assert {"F1", "F2", "F4", "F6", "F12", "F3", "F9"} <= {k.id for k in known}
+    for k in known:
+        assert set(k.invariant) <= set(INVARIANTS) | {CRASH}, k
+        assert set(k.operation) <= set(OPS) - {"readmit"}, k  # the trace records readmit as admit
+        assert re.search(rf"^\| {re.escape(k.id)} \|", findings, re.M), f"{k.id} is not in FINDINGS.md"
+        assert k.impl and k.releases, f"{k.id}: a shipped fingerprint names its targets"
+
+
+def test_a_known_findings_file_with_an_unknown_field_is_refused(tmp_path):
+    bad = tmp_path / "known.toml"
+    bad.write_text('[[finding]]\nid = "X"\ninvariant = "no-leak"\noperation = "free"\nwhere = "?"\n')
+    with pytest.raises(KnownFindingsError, match="unknown field"):
+        load_known([bad])
+    bad.write_text('[[finding]]\nid = "X"\ninvariant = "no-leak"\n')
+    with pytest.raises(KnownFindingsError, match="invariant and operation"):
+        load_known([bad])
+
+
+def test_a_crash_is_fingerprinted_by_operation_exception_and_site():
+    driver = Driver(CrashOnFork(Config(block_size=1, num_blocks=4)))
+    driver.admit(0, (0,), 1)
+    with pytest.raises(KeyError) as caught:
+        driver.fork(0, 1)
+    fp = fingerprint(caught.value)
+    assert (fp.invariant, fp.operation, fp.exception) == (CRASH, "fork", "KeyError")
+    assert fp.location.endswith("test_known_findings.py:fork"), fp
+
+
+def test_one_run_reports_each_distinct_violation_once_each_shrunk():
+    search = _search(known=())
+    prints = [f.fingerprint for f in search.found]
+    assert len(prints) == len(set(prints)) >= 2, prints  # the run went on past the first
+    crash = [f for f in search.found if f.fingerprint.invariant == CRASH]
+    assert [f.fingerprint.operation for f in crash] == ["fork"], prints
+    assert [s.op for s in crash[0].outcome.trace][-1] == "step" or len(crash[0].outcome.trace) <= 4
+    assert any(f.fingerprint.invariant in ("no-leak", "refcount-exact") for f in search.found), prints
+    for found in search.found:  # each one shrunk on its own, to its own fingerprint
+        assert found.outcome.status in ("violated", "error")
+        assert len(found.outcome.trace) <= 8, found.outcome.trace
+    assert search.last.status == "holds"  # the last round ran its budget and found nothing new
+
+
+def test_a_known_finding_is_stepped_past_counted_then_reported_alone():
+    crash = KnownFinding("K1", "fork raises", invariant=(CRASH,), operation=("fork",))
+    counted = _search(known=[crash], report_known=False)
+    assert all(f.fingerprint.invariant != CRASH for f in counted.found), counted.found
+    assert counted.fired["K1"] > 0
+    reported = _search(known=[crash])
+    labelled = [f for f in reported.found if f.known is not None]
+    assert [(f.known.id, f.fingerprint) for f in labelled] == [
+        ("K1", Fingerprint(CRASH, "fork", "KeyError", labelled[0].fingerprint.location))
+    ]
+
+
+def test_config_pins_every_scheduler_feature():
+    pins = parse_overrides(["fork=off", "swap=off", "chunked_prefill=off", "window=on", "lookahead=on"])
+    features = features_from(pins)
+    assert (features.fork, features.swap, features.chunked_prefill) == (False, False, False)
+    seen: list = []
+
+    class Recording(ReferenceManager):
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            seen.append(config)
+
+        def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+            assert num_new_tokens >= len(tokens), "chunked prefill was pinned off"
+            return super().admit(seq_id, tokens, num_new_tokens, extra)
+
+    stats = RunStats()
+    watched = set(INVARIANTS) - {"progress"}
+    run_state_machine_as_test(
+        # Not the progress drain at teardown: it schedules on its own, after the rules.
+        lambda: KVCacheMachine(
+            Recording, config_strategy("reference", pins), stats=stats, features=features, focus=watched
+        ),
+        settings=settings(max_examples=40, stateful_step_count=20, database=None, derandomize=True),
+    )
+    assert seen and all(c.sliding_window is not None and c.max_lookahead >= 1 for c in seen)
+    assert not {"fork", "swap_out", "swap_in"} & set(stats.by_op), stats.by_op
+    assert stats.by_op.get("admit", 0) > 0
+
+
+def test_a_feature_pinned_on_that_the_target_lacks_is_refused():
+    features = features_from(parse_overrides(["chunked_prefill=on", "swap=on"]))
+    impl = ReferenceManager(Config(block_size=2, num_blocks=4, num_cpu_blocks=2))
+    assert features.unsupported(impl) is None
+    impl.capabilities = impl.capabilities - {Capability.CHUNKED_PREFILL}
+    assert "chunked_prefill" in (features.unsupported(impl) or "")
+    with pytest.raises(UsageError, match="num_cpu_blocks=0"):
+        parse_overrides(["swap=on", "num_cpu_blocks=0"])
