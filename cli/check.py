@@ -191,11 +191,12 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     check_impl_name(args.impl)
     overrides = parse_overrides(args.config or [])
     focus = check_invariant_ids(args.invariant)
-    for name in ("examples", "steps"):
-        value = getattr(args, name)
+    for name in ("examples", "steps", "max_violations"):
+        value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(
-                f"--{name} must be >= 1, got {value}", "a run that runs nothing proves nothing"
+                f"--{name.replace('_', '-')} must be >= 1, got {value}",
+                "a run that runs nothing proves nothing",
             )
     resolved = resolve(args, argv, args.impl)
     if isinstance(resolved, int):
