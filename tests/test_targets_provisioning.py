@@ -258,3 +258,10 @@ def test_venv_for_source_takes_a_folder_or_a_provisioned_release(tmp_path, monke
     assert t.engine == "legacy"
     with pytest.raises(UsageError, match="neither a folder nor a provisioned"):
         venv_for_source("0.5.4", {"legacy": True, "v1": False}, "0.9.1")
+
+
+def test_venv_without_a_checkout_is_bad_input(capsys):
+    from kvspec.cli.main import main
+
+    assert main(["check", "--venv", "0.5.4", "--impl", "legacy-v2"]) == 2
+    assert "--venv names the venv a --vllm-source checkout runs in" in capsys.readouterr().err
