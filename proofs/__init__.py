@@ -9,7 +9,8 @@ Modules: ``window`` (blocks a window touches; vLLM's window formulas), ``admissi
 soundness of the reference and of vLLM 0.6.3's managers), ``bmc`` (bounded model checking and
 k-induction of the reference's transition system), ``encode`` and ``vllm_formulas`` (the z3
 encodings, each conformance-tested against the Python it restates), ``coverage`` (z3-made
-configurations for every branch of the window and admission arithmetic).  An obligation serves
+configurations for every branch of the window and admission arithmetic), ``tenancy`` (which
+blocks' keys a multimodal feature reaches).  An obligation serves
 the invariant before the slash in its ID and any it names in ``also_serves``.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from . import admission, bmc, coverage, window  # noqa: F401  (registration)
+from . import admission, bmc, coverage, tenancy, window  # noqa: F401  (registration)
 from .core import OBLIGATIONS, Obligation, Result, select
 from .coverage import coverage_cases
 
