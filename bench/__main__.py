@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--findings", nargs="*", help="FINDINGS.md cases on vLLM 0.6.3 (default: "
                    "F1 F2 F3 F4 F9 F12; F1 is the seed bug)")
     c.add_argument("--max-examples", type=int, default=2000)
-    c.add_argument("--steps", type=int, default=25, help="stateful_step_count (the suite's)")
+    c.add_argument("--steps", type=int, default=40, help="stateful_step_count (the dev profile's)")
     c.add_argument("--explain", nargs="*", default=[], metavar="CASE",
                    help="also run these cases (variant names, or F1..) with hypothesis' "
                    "explain phase, which the profiles leave out")
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--list", action="store_true", help="only generate and count mutants")
     m.add_argument("--keep", action="store_true", help="keep the temporary work directory")
 
+    x = sub.add_parser("crosshair", parents=[common],
+                       help="hypothesis' CrossHair backend against random search, same properties")
+    x.add_argument("--examples", type=int, default=50, help="examples per case and backend")
+    x.add_argument("--limit", type=float, default=300.0, help="wall-clock seconds per case")
+    x.add_argument("--cases", nargs="*", help="e.g. spec:window-cover op:reference machine:...")
+
     r = sub.add_parser("render", parents=[common],
                        help="rewrite BENCHMARKS.md sections from saved bench/results/*.json")
     r.add_argument("names", nargs="*",
@@ -104,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from .proofcost import cmd_proofs
 
         cmd_proofs(args)
+    elif args.command == "crosshair":
+        from .crosshair import cmd_crosshair
+
+        cmd_crosshair(args)
     elif args.command == "mutate":
         from .mutation import cmd_mutate
 

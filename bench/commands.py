@@ -153,7 +153,12 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     "F9": ("F9: BlockSpaceManagerV1 forked-group refcounts", "legacy-v1@0.6.3",
            {"window": "none", "caching": "off", "max_blocks": 16}, ["refcount-exact"]),
     "F12": ("F12: BlockSpaceManagerV2 can_swap_out ignores lookahead blocks", "legacy-v2@0.6.3",
-            {"window": "none", "caching": "off", "max_blocks": 16}, ["admission-soundness"]),
+            {"window": "none", "caching": "off", "max_blocks": 16, "free_swapped": False},
+            ["admission-soundness"]),
+    # Pinned by its trace; here found from scratch: a crash, so every invariant is watched.
+    "F13": ("F13: BlockSpaceManagerV2 frees a swapped-out sequence into the wrong pool",
+            "legacy-v2@0.6.3", {"window": "none", "caching": "off", "max_blocks": 16,
+                                "max_lookahead": 0}, []),
 }
 
 
@@ -180,7 +185,7 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         for name, label, target, workload, focus in cases:
             for explain in ([False, True] if name in (args.explain or []) else [False]):
                 r = run_worker(target, "ttc", {
-                    "workload": workload, "focus": focus, "seeds": seeds,
+                    "workload": workload, "focus": focus or None, "seeds": seeds,
                     "max_examples": args.max_examples, "steps": args.steps,
                     "explain": explain,
                 })

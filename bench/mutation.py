@@ -696,10 +696,21 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
     tp = {"root": root, "files": files, "deselect": [], "coverage": True}
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None,
                 "kind": "vllm-tests", "timeout": 3600}
-    print(f"{target}: vLLM's own tests on the unmutated code ({', '.join(files)}) ...")
-    (res,) = _spawn_worker(target, "mutation-server", {
-        **params, "progress": None, "jobs": [identity], "jobs_max": 1, "timeout": 3600,
-        "tests": tp, "outdir": str(outdir)}, workdir / "tests-baseline.log", stream=True)
+    # The clean run with per-test coverage is the slow part: kept per (sources, test files).
+    digest = hashlib.sha1(json.dumps([files, sorted(
+        Path(path).read_text() for path in params["paths"].values())]).encode()).hexdigest()[:16]
+    cached = Path(root).parent / f"baseline-{digest}.json"
+    if cached.exists():
+        print(f"{target}: vLLM's own tests on the unmutated code: cached {cached}")
+        (res,) = json.loads(cached.read_text())
+    else:
+        print(f"{target}: vLLM's own tests on the unmutated code ({', '.join(files)}) ...")
+        results = _spawn_worker(target, "mutation-server", {
+            **params, "progress": None, "jobs": [identity], "jobs_max": 1, "timeout": 3600,
+            "tests": tp, "outdir": str(outdir)}, workdir / "tests-baseline.log", stream=True)
+        (res,) = results
+        if res.get("status") == "survived":
+            cached.write_text(json.dumps(results))
     tests = res.get("tests", {})
     failing = sorted(t for t, o in tests.items() if o == "failed")
     (workdir / "tests-coverage.json").write_text(json.dumps(res.pop("coverage", {})))

@@ -11,6 +11,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -232,8 +233,9 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _timed_machine(make, strat, focus, mark: dict[str, Any]):
+def _timed_machine(make, strat, focus, mark: dict[str, Any], options: dict[str, Any]):
     """A KVCacheMachine that notes when (and after how many examples) it first fails."""
+    from hypothesis.errors import HypothesisException, StopTest
     from hypothesis.stateful import invariant
     from kvspec.testing import KVCacheMachine, SpecViolation
 
@@ -247,7 +249,7 @@ def _timed_machine(make, strat, focus, mark: dict[str, Any]):
 
     class Timed(KVCacheMachine):
         def __init__(self) -> None:
-            super().__init__(make, strat, focus=focus, stats=None)
+            super().__init__(make, strat, focus=focus, stats=None, **options)
             mark["examples"] += 1
 
         @invariant()
@@ -259,6 +261,10 @@ def _timed_machine(make, strat, focus, mark: dict[str, Any]):
                 raise
 
         def teardown(self):
+            # In hypothesis' finally: an exception in flight is a rule that crashed the target.
+            crashed = sys.exc_info()[1]
+            if crashed is not None and not isinstance(crashed, HypothesisException | StopTest):
+                failure(self)
             try:
                 super().teardown()
             except SpecViolation:
@@ -282,7 +288,7 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for seed in p["seeds"]:
         mark: dict[str, Any] = {}
-        machine = _timed_machine(make, strat, focus, mark)
+        machine = _timed_machine(make, strat, focus, mark, machine_options(p["workload"]))
         extra: dict[str, Any] = {}
         if p.get("explain"):
             from hypothesis import Phase

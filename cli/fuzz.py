@@ -115,11 +115,12 @@ def machine_class(search: str):
 
 
 def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, Any] | None = None,
-                  step_past=None):
+                  step_past=None, replay_only: bool = False):
     """A zero-argument hypothesis test of the campaign under its database key; ``record``
     receives the last example's driver (after a failure: hypothesis' final replay of the
-    shrunk example) and the run's counts."""
-    from hypothesis import settings
+    shrunk example) and the run's counts.  ``replay_only``: run only what the database holds
+    under the key (hypothesis' reuse phase), nothing new."""
+    from hypothesis import Phase, settings
     from hypothesis.stateful import get_state_machine_test
     from kvspec.testing import profiles  # noqa: F401  (registers the profiles)
 
@@ -147,9 +148,11 @@ def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, An
     def make():
         return Recorded(factory, strategy, **kwargs)
 
+    profile = settings.get_profile("dev")
+    phases = [Phase.explicit, Phase.reuse] if replay_only else profile.phases
     test = get_state_machine_test(make, settings=settings(
-        settings.get_profile("dev"), max_examples=max_examples,
-        stateful_step_count=campaign.steps, derandomize=False, print_blob=False,
+        profile, max_examples=max_examples, stateful_step_count=campaign.steps,
+        derandomize=False, print_blob=False, report_multiple_bugs=False, phases=phases,
         database=open_database(campaign.database)))
     test._hypothesis_internal_database_key = campaign.key()
 
@@ -353,8 +356,8 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _write_pytest(folder: Path, campaign: Campaign) -> Path:
-    """A plain pytest file: the campaign's test under its key, so the stored failure replays
-    first (hypothesis' reuse phase)."""
+    """A plain pytest file: the campaign's test under its key, running only what the
+    database stores (hypothesis' reuse phase): it fails while a stored failure reproduces."""
     text = (
         f'"""Replays the failures the kvspec fuzz campaign in this folder stored in its example\n'
         f'database ({campaign.database}); run it in the target\'s venv: python -m pytest -q."""\n\n'
@@ -364,7 +367,7 @@ def _write_pytest(folder: Path, campaign: Campaign) -> Path:
         "CAMPAIGN = Campaign.from_json(json.loads((Path(__file__).parent / 'campaign.json')"
         ".read_text()))\n\n\n"
         "def test_fuzz_campaign():\n"
-        "    campaign_test(CAMPAIGN, max_examples=1)()\n"
+        "    campaign_test(CAMPAIGN, max_examples=1, replay_only=True)()\n"
     )
     path = folder / "test_fuzz_replay.py"
     path.write_text(text)
