@@ -27,6 +27,8 @@ from rich.table import Table
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .failures import add_limit_args
+from .fuzz import add_parser as add_fuzz_parser
+from .fuzz import cmd_fuzz
 from .run import CONFIG_HELP, PROFILES
 from .search import MAX_VIOLATIONS
 from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
@@ -185,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true", help="larger bounds, longer timeouts")
     p.add_argument("--list", action="store_true", help="list the obligations and exit")
 
+    _target_args(add_fuzz_parser(sub))
+
     sub.add_parser("targets", help="list pinned, known and provisioned vLLM releases")
 
     p = sub.add_parser("provision", help="create or reuse the venv of vLLM releases")
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"one of: {', '.join(PROFILES)}",
                     )
             return cmd_check(args, argv)
+        if args.command == "fuzz":
+            return cmd_fuzz(args, argv)
         if args.command == "replay":
             return cmd_replay(args, argv)
         if args.command == "explain":
