@@ -168,9 +168,9 @@ def target_json(here: VllmHere | None, impl: str) -> dict[str, Any]:
             "venv_release": None,
             "python": sys.executable,
             "engine": None,
-            "code_digest": code_digest(None),
+            "code_digest": code_digest(None, impl),
         }
-    return {**here.to_json(), "engine": current_engine(impl), "code_digest": code_digest(here.path)}
+    return {**here.to_json(), "engine": current_engine(impl), "code_digest": code_digest(here.path, impl)}
 
 
 def describe_target(here: VllmHere | None, impl: str) -> str:
@@ -376,7 +376,14 @@ def report_outcome(
     for i, s in enumerate(o.trace, 1):
         out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
     out_dir = out_dir or output_dir(args, impl)
-    repro_info = write_reproducer(args, o, here, impl, out_dir)
+    if o.status in STOPPED_BY_TARGET:
+        # A standalone file re-runs the trace: on a hang or a runaway it would do it again, and
+        # a nondeterministic target may not fail again.
+        reason = f"the outcome is {o.status}; the JSON report and `kvspec replay` (under the same limits) reproduce it"
+        out.print(f"[yellow]no standalone reproducer[/]: {escape(reason)}")
+        repro_info: dict[str, Any] = {"status": "not-available", "reason": reason, "path": None}
+    else:
+        repro_info = write_reproducer(args, o, here, impl, out_dir)
     report = build_report(
         outcome=o.status,
         impl=impl,

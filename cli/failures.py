@@ -148,30 +148,34 @@ def _inner(error: BaseException) -> BaseException | None:
 def print_failure(o: Any) -> None:
     """The headline of a crash, hang, memory runaway or nondeterminism, and what explains it."""
     where = f" ({escape(o.config.describe())})" if o.config is not None else ""
-    out.print(f"\n[bold red]{HEADLINE.get(o.status, o.status)}[/]{where}:")
+    _say(f"\n[bold red]{HEADLINE.get(o.status, o.status)}[/]{where}:")
     crash: Crash | None = getattr(o, "crash", None)
     if o.status == "nondeterministic":
-        out.print(f"  {escape(o.error or '')}", soft_wrap=True)
+        _say(f"  {escape(o.error or '')}")
         difference = getattr(o, "difference", None)
         if difference is not None:
-            out.print(f"  {escape(difference.describe())}", soft_wrap=True)
+            _say(f"  {escape(difference.describe())}")
         else:
-            out.print(
+            _say(
                 "  re-running the trace gave the recorded answers every time: which operation differs is not known",
             )
         return
     if crash is not None:
         step = len(o.trace) if o.trace and o.trace[-1].crash is not None else 0
         at = f"step {step} ({crash.call})" if step else _outside(crash.call)
-        out.print(f"  in {at}: {escape(crash.describe())}", soft_wrap=True)
+        _say(f"  in {at}: {escape(crash.describe())}")
     else:
-        out.print(f"  {escape(o.error or '')}", soft_wrap=True)
+        _say(f"  {escape(o.error or '')}")
     lines = getattr(o, "traceback", None) or []
     if lines and o.status == "error":
         shown = lines[-TRACEBACK_LINES:]
-        out.print("  traceback (the target's innermost frames):", markup=False)
+        _say("  traceback (the target's innermost frames):", markup=False)
         for line in shown:
-            out.print(f"    {line}", markup=False, soft_wrap=True)
+            _say(f"    {line}", markup=False)
+
+
+def _say(text: str, **kw: Any) -> None:
+    out.print(text, soft_wrap=True, **kw)  # long lines stay whole: logs and tests grep them
 
 
 def _outside(call: str) -> str:
@@ -207,17 +211,18 @@ def recorded_crash(report: Mapping[str, Any], trace: Iterable[TraceStep]) -> tup
 # ------------------------------------------------------------------------------ same code?
 
 
-def code_digest(vllm_path: Path | None) -> dict[str, str]:
-    """SHA-256 over the Python sources a verdict depends on: the target's block managers
-    (``vllm/core``, ``vllm/v1/core``; none for kvspec's own implementations) and kvspec's
-    driver, spec, adapters and reference.  Equal digests: a replay runs the same code."""
+def code_digest(vllm_path: Path | None, impl: str) -> dict[str, str]:
+    """The implementation's name and SHA-256 over the Python sources a verdict depends on: the
+    target's block managers (``vllm/core``, ``vllm/v1/core``; none for kvspec's own
+    implementations) and kvspec's driver, spec, adapters and reference.  Equal digests: a
+    replay runs the same code."""
     import kvspec.adapters
     import kvspec.reference
     import kvspec.spec
     import kvspec.testing
 
     roots = [Path(next(iter(m.__path__))) for m in (kvspec.spec, kvspec.testing, kvspec.adapters, kvspec.reference)]
-    digest = {"kvspec": _digest(roots)}
+    digest = {"impl": impl, "kvspec": _digest(roots)}
     if vllm_path is not None:
         digest["target"] = _digest([vllm_path / "core", vllm_path / "v1" / "core"])
     return digest
@@ -261,59 +266,59 @@ def replay_verdict(
         at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)
         if recorded is not None and recorded[0] == step and recorded[1].type == result.crash.type:
             moved = f" (recorded at {recorded[1].location})" if recorded[1].location != result.crash.location else ""
-            out.print(
+            _say(
                 f"[bold red]the recorded crash reproduces[/] in {at}: {escape(result.crash.describe())}{escape(moved)}"
             )
         else:
             was = f"in step {recorded[0]}: {recorded[1].describe()}" if recorded else "no crash"
-            out.print(f"[bold red]the target crashed[/] in {at}: {escape(result.crash.describe())}")
-            out.print(f"  the report recorded {escape(was)}", soft_wrap=True)
+            _say(f"[bold red]the target crashed[/] in {at}: {escape(result.crash.describe())}")
+            _say(f"  the report recorded {escape(was)}")
             if same is not False:
-                out.print(f"  [yellow]nondeterministic[/]: a different outcome {unchanged[same]}")
+                _say(f"  [yellow]nondeterministic[/]: a different outcome {unchanged[same]}")
         if result.error is not None and result.crash.type not in ("TargetHung", "TargetExceededMemory"):
-            out.print("  traceback (the target's innermost frames):", markup=False)
+            _say("  traceback (the target's innermost frames):", markup=False)
             for line in crash_traceback(result.error)[-TRACEBACK_LINES:]:
-                out.print(f"    {line}", markup=False, soft_wrap=True)
+                _say(f"    {line}", markup=False)
         return EXIT_FOUND
     if result.unapplied is not None:
         said = f": {difference.describe()}" if difference is not None else ""
         if same is not False:
-            out.print(f"[yellow]nondeterministic[/]: the target answered differently {unchanged[same]}{escape(said)}")
+            _say(f"[yellow]nondeterministic[/]: the target answered differently {unchanged[same]}{escape(said)}")
         else:
-            out.print(f"[yellow]the trace diverged[/]{escape(said)}")
-        out.print(f"  {escape(result.unapplied)}; nothing is claimed either way", soft_wrap=True)
+            _say(f"[yellow]the trace diverged[/]{escape(said)}")
+        _say(f"  {escape(result.unapplied)}; nothing is claimed either way")
         return EXIT_FOUND
     if recorded is not None:
         what = f"step {recorded[0]}: {recorded[1].describe()}" if recorded[0] else _outside(recorded[1].call)
         if same is not False:
-            out.print(
+            _say(
                 f"[yellow]nondeterministic[/]: the recorded crash ({escape(what)}) did not recur "
                 f"{unchanged[same]}" + (f"; {escape(difference.describe())}" if difference else "")
             )
             return EXIT_FOUND
-        out.print(f"the recorded crash ({escape(what)}) does not occur on this code")
+        _say(f"the recorded crash ({escape(what)}) does not occur on this code")
     found = result.violations
     if not found:
         if recorded_ids and same is True:
-            out.print(
+            _say(
                 f"[yellow]nondeterministic[/]: the recorded {', '.join(sorted(recorded_ids))} did not "
                 "recur on the same code" + (f"; {escape(difference.describe())}" if difference else "")
             )
             return EXIT_FOUND
-        out.print(
+        _say(
             "[green]no violation[/]: every invariant holds through the trace and after "
             "freeing every sequence"
             + (f" (the report recorded {', '.join(sorted(recorded_ids))})" if recorded_ids else "")
         )
         return EXIT_OK
     for v in found:
-        out.print(f"  [red]{escape(str(v))}[/]")
+        _say(f"  [red]{escape(str(v))}[/]")
     found_ids = {v.invariant for v in found}
     if recorded_ids and recorded_ids <= found_ids:
         extra = sorted(found_ids - recorded_ids)
-        out.print("the recorded violation reproduces" + (f" (and {', '.join(extra)})" if extra else ""))
+        _say("the recorded violation reproduces" + (f" (and {', '.join(extra)})" if extra else ""))
     else:
-        out.print(f"violations differ from the report's ({', '.join(sorted(recorded_ids)) or 'none'})")
+        _say(f"violations differ from the report's ({', '.join(sorted(recorded_ids)) or 'none'})")
     return EXIT_FOUND
 
 

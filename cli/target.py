@@ -34,6 +34,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.targets.registry import Target, TargetError, home, target
 from kvspec.testing import implementations
+from kvspec.testing.guard import DEFAULT_MEMORY_CAP_GIB, Guard, GuardTripped, Limits
 from kvspec.testing.implementations import Factory, by_manager
 
 from .common import UsageError, captured_fds, err, first_lines
@@ -442,15 +443,32 @@ def _legacy_call(here: VllmHere, name: str) -> Any:
 
 def probe(here: VllmHere, impl: str) -> None:
     """Build the implementation once on a small configuration: vLLM imports, and the adapter
-    understands this release's API.  Bad news is bad input (exit 2), with the first lines."""
-    factory = factory_for(impl)
-    with captured_fds() as noise:
+    understands this release's API.  Bad news is bad input (exit 2), with the first lines.
+    A constructor that raises, hangs or runs away once vLLM has imported is the target's
+    fault, not bad input: the guarded run meets it again and reports it as a crash."""
+    guard = Guard(Limits(PROBE_TIMEOUT, DEFAULT_MEMORY_CAP_GIB))
+    factory = guard.wrap(factory_for(impl))
+    with captured_fds() as noise, guard.armed():
         try:
             factory(Config(block_size=16, num_blocks=16))
             return
+        except GuardTripped:
+            return
         except Exception as error:
+            if not _import_failed(error):
+                return
             failure = error
     raise import_failure(here, failure, noise)
+
+
+PROBE_TIMEOUT = 600.0  # seconds: the first build imports vLLM and torch
+
+
+def _import_failed(error: BaseException) -> bool:
+    """Whether ``error`` is an import failing (rather than code running after the import)."""
+    if isinstance(error, ImportError | SyntaxError | Unsupported | ConfigError):
+        return True
+    return any(f.filename.startswith("<frozen importlib") for f in traceback.extract_tb(error.__traceback__))
 
 
 def import_failure(here: VllmHere, error: BaseException, noise: list[str]) -> UsageError:
