@@ -16,7 +16,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import kvspec
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.targets.lock import read_record, record_path
 from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, Target, TargetError, shipped, target
@@ -24,11 +23,14 @@ from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
+import kvspec
+
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .failures import add_limit_args
 from .fuzz import add_parser as add_fuzz_parser
 from .fuzz import cmd_fuzz
+from .pr import cmd_bisect, cmd_pr
 from .run import CONFIG_HELP, PROFILES
 from .search import MAX_VIOLATIONS
 from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
@@ -132,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"check only this invariant (repeatable): {', '.join(INVARIANTS)}",
     )
     e.add_argument("--config", action="append", metavar="KEY=VALUE", help=CONFIG_HELP)
+    e.add_argument(
+        "--no-shapes",
+        action="store_true",
+        help="V1 targets: skip the run of vLLM's own scheduler in production shapes (hybrid "
+        "groups, async, spec decode, token budget, startup-minimum pools) after the search",
+    )
     k = p.add_argument_group(
         "distinct violations and known findings",
         "The search goes on after a violation and reports every distinct one (by invariant, "
@@ -161,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"stop after N distinct violations (default {MAX_VIOLATIONS})",
     )
+    b = p.add_argument_group(
+        "PR mode",
+        "With --baseline, the same search runs on HEAD (--vllm-source PATH or --vllm X) and on "
+        "BASE; the exit code says whether HEAD violates something BASE does not (each such "
+        "violation is replayed on BASE before it counts as a regression).",
+    )
+    b.add_argument("--baseline", metavar="VERSION|PATH", help="the release or checkout HEAD is compared with")
     o = p.add_argument_group("output")
     o.add_argument(
         "--out",
@@ -186,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("selection", nargs="*", metavar="ID", help="obligation IDs or ID prefixes")
     p.add_argument("--deep", action="store_true", help="larger bounds, longer timeouts")
     p.add_argument("--list", action="store_true", help="list the obligations and exit")
+
+    p = sub.add_parser("bisect", help="replay a report across provisioned releases: first bad, first fixed")
+    p.add_argument("report", metavar="REPORT.json")
+    p.add_argument("--releases", required=True, metavar="A..B", help="the range of releases (either end may be empty)")
 
     _target_args(add_fuzz_parser(sub))
 
@@ -227,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"KVSPEC_PROFILE={args.profile} is not a profile",
                         f"one of: {', '.join(PROFILES)}",
                     )
+            if args.baseline:
+                return cmd_pr(args, argv)
             return cmd_check(args, argv)
+        if args.command == "bisect":
+            return cmd_bisect(args)
         if args.command == "fuzz":
             return cmd_fuzz(args, argv)
         if args.command == "replay":

@@ -19,6 +19,7 @@ reuse, with placeholders flagged.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import shutil
 import subprocess
@@ -163,9 +164,16 @@ def _run(cmd: list[str], progress: Progress, what: str, *, timeout: float, cwd: 
 # ------------------------------------------------------------------------------ kvspec in the venv
 
 
+def kvspec_stamp() -> str:
+    """Which checkout is installed, and with which requirements (a new dependency in
+    pyproject.toml must reach every target venv)."""
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    return f"{REPO}\npyproject {digest}"
+
+
 def kvspec_is_current(t: Target) -> bool:
     marker = t.venv / "kvspec-source.txt"
-    return marker.exists() and marker.read_text().strip() == str(REPO)
+    return marker.exists() and marker.read_text().strip() == kvspec_stamp()
 
 
 def install_kvspec(t: Target, progress: Progress) -> None:
@@ -180,7 +188,7 @@ def install_kvspec(t: Target, progress: Progress) -> None:
         "installing kvspec",
         timeout=INSTALL_TIMEOUT_S,
     )
-    (t.venv / "kvspec-source.txt").write_text(str(REPO))
+    (t.venv / "kvspec-source.txt").write_text(kvspec_stamp())
 
 
 # ------------------------------------------------------------------------------ checks
