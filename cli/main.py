@@ -395,7 +395,7 @@ def print_installed(t: Target) -> None:
         return
     from kvspec.targets.provision import newer_than_release, unexpected_for_release
 
-    how = record.method + (f", dependencies as of {record.cutoff}" if record.method.startswith("uv") else "")
+    how = f"uv, dependencies as of {record.cutoff}" if record.method.startswith("uv") else record.method
     out.print(f"vLLM {t.version} ({how}): {record.summary()}", markup=False)
     out.print(f"  installed versions and hashes: {record_path(t.venv)}", markup=False)
     if record.lockfile:

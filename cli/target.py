@@ -297,7 +297,7 @@ def ensure_provisioned(version: str, *, recheck: bool = False) -> Target:
         raise UsageError(
             str(error), "kvspec targets lists the known and provisioned releases"
         ) from None
-    if t.is_provisioned() and _kvspec_in(t) and not recheck:
+    if not recheck and t.is_provisioned() and _kvspec_in(t):
         return t
     from kvspec.targets.provision import provision
 
