@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the oracle watches only these invariants (default: every one)")
     m.add_argument("--search", choices=("default", "swarm"), default="default",
                    help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
+    m.add_argument("--no-replay", action="store_true",
+                   help="do not replay a survivor on the baseline's traces (the evidence for "
+                   "'suspected equivalent'; it doubles a survivor's cost)")
     m.add_argument("--no-vllm-tests", action="store_true",
                    help="skip vLLM's own unit tests (from the release's sdist) on the mutants")
     m.add_argument("--examples", type=int, default=80, help="hypothesis examples per mutant")

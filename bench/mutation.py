@@ -368,7 +368,7 @@ def _run_child(p: dict[str, Any], job: dict[str, Any], out_path: str) -> None:
     res = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
                   focus=p.get("focus"), search=p.get("search", "default"))
     _check_loaded(p["paths"])
-    if res["status"] == "survived":
+    if res["status"] == "survived" and p.get("replay", True):
         diff = _equivalence(res["_make"], p["replays_file"])
         res["replay"] = diff
         if not diff:
@@ -598,7 +598,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
     progress.write_text("")
     params = {"paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
               "examples": args.examples, "steps": 40, "progress": str(progress),
-              "focus": args.invariants, "search": args.search,
+              "focus": args.invariants, "search": args.search, "replay": not args.no_replay,
               "replays_file": str(workdir / "replays.json")}
     print(f"{target}: baseline (unmutated copies through the import hook, with coverage) ...")
     base = _spawn_worker(target, "mutation-baseline", params, workdir / "baseline.log")
@@ -851,7 +851,9 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
         parts.append(
             f"Oracle budget per mutant: {s['examples']} hypothesis examples (ci profile: "
             f"derandomized, 40 steps, no shrinking), wall-clock limit {s['timeout']:.0f} s, "
-            f"{s['jobs']} mutants at a time; workload {json.dumps(r['workload'])}. "
+            f"{s['jobs']} mutant(s) at a time; workload {json.dumps(r['workload'])}; machine "
+            f"{'SwarmMachine' if s.get('search') == 'swarm' else 'KVCacheMachine'}; invariants "
+            f"{', '.join(s['invariants']) if s.get('invariants') else 'all'}. "
             + (f"vLLM's tests per mutant: of {', '.join(vt['files'])}, the tests whose clean "
                "run executed a line of the mutant (all of them for module-level code), "
                "stopping at the first failure, limit 3x their clean time + 60 s; a mutant no "
@@ -869,8 +871,8 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
             parts.append(
                 f"vLLM's tests on the unmutated code: {vt['passed']} passed, "
                 f"{len(vt['skipped'])} skipped, {len(vt['deselected'])} failing and deselected "
-                f"for every mutant, in {vb['seconds']:.0f} s; identity through the fork server: "
-                f"{(r.get('identity_vllm_tests') or {}).get('status', '-')}.")
+                f"for every mutant, in {vb['seconds']:.0f} s (through the fork server, with "
+                "per-test line coverage).")
             if vt["deselected"]:
                 parts += ["", "Deselected (fail on the unmutated release here):", "",
                           table(["test", "why"], [[d["test"], " ".join(d["why"].split())[:140]]
