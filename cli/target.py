@@ -307,8 +307,9 @@ def ensure_provisioned(version: str, *, recheck: bool = False) -> Target:
     except TargetError as error:
         raise UsageError(
             f"provisioning vLLM {version} failed: {first_lines(str(error), 8)}",
-            "check network access to PyPI and free disk under $KVSPEC_HOME "
-            "(default ~/.cache/kvspec)",
+            "the first line says which step failed: resolving and downloading need PyPI, a venv "
+            "needs 8-11 GiB under $KVSPEC_HOME (default ~/.cache/kvspec), and a release whose "
+            "block managers do not import is removed again",
         ) from None
 
 

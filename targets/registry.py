@@ -1,8 +1,9 @@
 """Which vLLM releases kvspec knows how to drive, and where their environments live.
 
-A target is a released vLLM installed with plain ``pip install vllm==X`` into its own
-virtualenv under ``$KVSPEC_HOME/venvs`` (default ``~/.cache/kvspec``), outside any checkout,
-and reused.  kvspec is installed into it and its machines run there.
+A target is a released vLLM installed into its own virtualenv under ``$KVSPEC_HOME/venvs``
+(default ``~/.cache/kvspec``), outside any checkout, and reused (``provision.py`` makes it,
+``lock.py`` records what it holds).  kvspec is installed into it and its machines run there.
+``SHIPPED`` says which block managers each release ships, read from the releases' code.
 """
 
 from __future__ import annotations
