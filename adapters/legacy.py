@@ -99,6 +99,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
+from kvspec.spec.admission import AdmissionPolicy
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
@@ -306,6 +307,7 @@ class LegacyAdapter:
         # those tokens as scheduled; the answer is kept here until admit.
         self._cached_api = config.prefix_caching and hasattr(self.mgr, "get_num_cached_tokens")
         self._admission_cached: dict[int, int] = {}
+        self.admission_policy = self._policy()
         # The sequence swapped in by the last operation: its next reserve skips
         # can_append_slots, as _schedule_swapped appends right after swap_in in the same
         # schedule() call.  Any other operation in between (a fork, an admission) cannot
@@ -389,6 +391,31 @@ class LegacyAdapter:
         return []
 
     # ------------------------------------------------------------ admission
+
+    def _policy(self) -> AdmissionPolicy:
+        """What this manager keeps back (file:line of 0.6.3 unless named): the room
+        ``admission-completeness``, ``reserve-completeness`` and ``hit-completeness`` leave it."""
+        v1 = self.is_v1
+        sources = [
+            ("watermark_blocks", "block_manager_v2.py:91,139-145; block_manager_v1.py:260,309-315"),
+            ("whole_prompt", "block_manager_v2.py:117-121; block_manager_v1.py:295-300"),
+            ("step_checks_group", "block_manager_v2.py:216-229; block_manager_v1.py:384-385"),
+            (
+                "step_block_per_sequence" if v1 else "step_counts_touched",
+                "block_manager_v1.py:381-385" if v1 else "block_manager_v2.py:202-229",
+            ),
+        ]
+        if not self._cached_api:
+            sources.append(("hits_with_window", "worker/model_runner.py:505-559"))
+        return AdmissionPolicy(
+            watermark_blocks=int(getattr(self.mgr, "watermark_blocks", 0)),
+            whole_prompt=True,
+            step_counts_touched=not v1,
+            step_block_per_sequence=v1,
+            step_checks_group=True,
+            hits_with_window=self._cached_api,
+            sources=tuple(sources),
+        )
 
     def can_admit(
         self, seq_id: int, tokens: Sequence[int], num_new_tokens: int, extra: tuple = ()
