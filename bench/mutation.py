@@ -881,6 +881,9 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
             parts += ["", f"**No score: {r['error']}**"]
         if "mutants" not in r:
             continue
+        if r["mutants"] and "covered" not in r["mutants"][0]:
+            parts += ["", "(A result of the earlier covered-only method: re-run this target.)"]
+            continue
         muts = [m for m in r["mutants"] if m["status"] != "missing"]
         argued = [m for m in muts if m["key"] in eqs]
         live = [m for m in muts if m["key"] not in eqs]

@@ -40,6 +40,10 @@ SUITES: dict[str, list[str]] = {
     ],
 }
 
+# Test-only requirements of a release's tests/conftest.py that its venv lacks: installed with
+# ``pip install --target`` beside the tests (the provisioned venv is not touched).
+TEST_DEPS: dict[str, list[str]] = {"0.33.0": ["tblib"], "0.6.3": []}
+
 # Third-party modules vLLM's tests/conftest.py imports; the fork server imports them once
 # (none of them imports vLLM's block managers), so a mutant's child only imports vLLM's own.
 CONFTEST_PREIMPORT = ["numpy", "PIL.Image", "transformers", "huggingface_hub", "pytest"]
@@ -53,6 +57,10 @@ def cache_root(version: str) -> Path:
 def tests_root(version: str, log=print) -> Path:
     """The directory holding ``tests/`` of vLLM ``version``'s sdist (fetched on first use)."""
     root = cache_root(version)
+    deps = TEST_DEPS.get(version, [])
+    if deps and not (root / "deps").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(root / "deps"), *deps], check=True, timeout=600)
     if (root / "tests").is_dir():
         return root
     log(f"fetching vLLM {version}'s tests from its sdist into {root} ...")
@@ -169,6 +177,7 @@ def run(root: str, files: list[str], deselect: list[str], *, first_failure: bool
 
     os.chdir(root)
     sys.path.insert(0, root)  # the tests import ``tests.<...>`` helpers
+    sys.path.append(os.path.join(root, "deps"))  # TEST_DEPS, after the venv's own packages
     args = [*files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--rootdir={root}",
             "-W", "ignore::DeprecationWarning"]
     args += [f"--deselect={d}" for d in deselect]
