@@ -2,8 +2,9 @@
 
 Hypothesis ends a search at its first failure and shrinks it (multi-bug mode stops looking 10 s
 after the first bug, too soon for a real target).  So the search runs in rounds, each a full
-``run_machine``: a round steps past (discards) every failure whose fingerprint
-(``kvspec.testing.known``) an earlier round reported, and every known finding; its first new
+``run_machine``: a round steps past (discards) every failure whose identity (the known finding
+it matches, else its fingerprint: ``kvspec.testing.known``) an earlier round reported, and every
+known finding; its first new
 failure ends it, and while that one shrinks, failures of any other fingerprint are discarded
 too, so each is shrunk on its own.  The rounds end when one runs its whole budget without a
 new failure.  Then each known finding that fired is searched for once more with every other
@@ -15,8 +16,10 @@ with the discards earlier rounds added.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -38,30 +41,38 @@ RETRIES_PER_KNOWN = 3  # rounds spent re-finding one known finding (new bugs may
 _FAILED = ("violated", "error")
 
 
+Identity = Fingerprint | str
+"""What makes failures one bug: the id of the known finding they match, else their fingerprint."""
+
+
 @attrs.define
 class Sieve:
     """The step-past policy of one round (``KVCacheMachine(step_past=...)``)."""
 
-    reported: frozenset[Fingerprint]
-    known: Sequence[KnownFinding]
-    target: Fingerprint | None = None  # the round's new failure, once seen
+    reported: frozenset[Identity]
+    known: Sequence[KnownFinding]  # every known finding of the target: they name failures
+    stepped: frozenset[str]  # the known findings this round steps past
+    target: Identity | None = None  # the round's new failure, once seen
+    last: Fingerprint | None = None  # the fingerprint of the last failure let through
     fired: Counter[str] = attrs.Factory(Counter)  # known id -> examples stepped past
-    repeats: int = 0  # examples stepped past on an already reported fingerprint
-    first_known: dict[str, Fingerprint] = attrs.Factory(dict)
+    repeats: int = 0  # examples stepped past on an already reported identity
 
     def __call__(self, error: BaseException, driver: Driver) -> bool:
         fp = fingerprint(error, driver.trace)
+        known = which_known(self.known, fp, message_of(error), driver.config)
+        identity: Identity = known.id if known is not None else fp
         if self.target is not None:
-            return fp != self.target  # shrinking: only the round's own failure counts
-        if fp in self.reported:
+            if identity != self.target:
+                return True  # shrinking: only the round's own failure counts
+            self.last = fp
+            return False
+        if known is not None and known.id in self.stepped:
+            self.fired[known.id] += 1
+            return True
+        if identity in self.reported:
             self.repeats += 1
             return True
-        known = which_known(self.known, fp, message_of(error), driver.config)
-        if known is not None:
-            self.fired[known.id] += 1
-            self.first_known.setdefault(known.id, fp)
-            return True
-        self.target = fp
+        self.target, self.last = identity, fp
         return False
 
 
@@ -72,6 +83,10 @@ class Found:
     fingerprint: Fingerprint
     outcome: Outcome
     known: KnownFinding | None = None
+
+    @property
+    def identity(self) -> Identity:
+        return self.known.id if self.known is not None else self.fingerprint
 
 
 @attrs.define
@@ -115,7 +130,8 @@ def run_search(
     search = Search([], [], Counter(), known)
 
     def one_round(stepped_past: Sequence[KnownFinding], tag: str) -> tuple[Outcome, Sieve]:
-        sieve = Sieve(frozenset(f.fingerprint for f in search.found), stepped_past)
+        reported = frozenset(f.identity for f in search.found)
+        sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
         outcome = run_machine(
             factory,
             strategy,
@@ -129,9 +145,9 @@ def run_search(
             step_past=sieve,
         )
         search.rounds.append(outcome)
-        if outcome.status in _FAILED and sieve.target is not None:
-            hit = which_known(known, sieve.target, _message(outcome), outcome.config)
-            search.found.append(Found(sieve.target, outcome, hit))
+        if outcome.status in _FAILED and sieve.last is not None:
+            hit = next((k for k in known if k.id == sieve.target), None)
+            search.found.append(Found(sieve.last, outcome, hit))
         return outcome, sieve
 
     # Exploration: known findings stepped past, every new fingerprint reported.
@@ -168,12 +184,6 @@ def run_search(
 
 def _reported(search: Search, ident: str) -> bool:
     return any(f.known is not None and f.known.id == ident for f in search.found)
-
-
-def _message(outcome: Outcome) -> str:
-    if outcome.status == "violated":
-        return "\n".join(str(v) for v in outcome.violations)
-    return outcome.error or ""
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -282,3 +292,13 @@ def summary_json(search: Search, entries: list[dict[str, Any]], overrides: Mappi
         "stopped": search.stopped,
         "run": last.run_json(overrides),
     }
+
+
+def run_index(out_dir: Path) -> list[dict[str, Any]]:
+    """The violations a run wrote into ``out_dir`` (its ``summary.json``), in the order found;
+    a run that wrote a single report (no distinct violation) gives that one."""
+    summary = out_dir / "summary.json"
+    if summary.exists():
+        return list(json.loads(summary.read_text(encoding="utf-8"))["violations"])
+    single = out_dir / "report.json"
+    return [{"report": str(single), "fingerprint": None, "known_finding": None}] if single.exists() else []

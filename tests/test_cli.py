@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvspec.cli.main import main
+from kvspec.cli.search import run_index
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.targets.registry import TargetError
@@ -70,7 +71,11 @@ def test_broken_variant_is_violated_with_a_replayable_report(seed_report):
     proc, out = seed_report
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "VIOLATED" in proc.stdout
-    report = json.loads((out / "report.json").read_text())
+    index = run_index(out)
+    # the variant's bug; other invariants (completeness) may be reported beside it
+    (entry,) = [e for e in index if e["fingerprint"]["invariant"] == "admission-soundness"]
+    path = Path(entry["report"])
+    report = json.loads(path.read_text())
     assert report["format"] == FORMAT
     assert report["outcome"] == "violated"
     assert report["impl"] == "broken:window-capped-admission"
@@ -84,9 +89,14 @@ def test_broken_variant_is_violated_with_a_replayable_report(seed_report):
     # kvspec's own variants are not vLLM: no standalone file, and the output says why
     assert report["reproducer"]["status"] == "not-available"
     assert "no standalone reproducer" in proc.stdout
-    assert list(out.iterdir()) == [out / "report.json"]  # nothing else, no temp files
+    # one folder per distinct violation, nothing else, no temp files
+    assert sorted(out.iterdir()) == sorted([out / "summary.json", *(Path(e["report"]).parent for e in index)])
+    for e in index:
+        files = list(Path(e["report"]).parent.iterdir())
+        assert Path(e["report"]) in files and not [f for f in files if f.name.startswith(".")], files
+    assert report["fingerprint"] == entry["fingerprint"]
 
-    replayed = kvspec("replay", str(out / "report.json"))
+    replayed = kvspec("replay", str(path))
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr
     assert "the recorded violation reproduces" in replayed.stdout
     for inv in violated:
@@ -95,7 +105,8 @@ def test_broken_variant_is_violated_with_a_replayable_report(seed_report):
 
 def test_replay_on_the_reference_finds_nothing(seed_report, capsys):
     _, out = seed_report
-    code = main(["replay", str(out / "report.json"), "--impl", "reference"])
+    (entry,) = [e for e in run_index(out) if e["fingerprint"]["invariant"] == "admission-soundness"]
+    code = main(["replay", entry["report"], "--impl", "reference"])
     assert code == 0
     assert "no violation" in capsys.readouterr().out
 
@@ -104,11 +115,13 @@ def test_same_seed_same_trace(tmp_path):
     runs = []
     for name in ("a", "b"):
         proc = kvspec("check", "--impl", "broken:leak-on-free", "--profile", "dev",
-                      "--seed", "12345", "--examples", "40", "--out", str(tmp_path / name))
+                      "--seed", "12345", "--examples", "40", "--max-violations", "2",
+                      "--out", str(tmp_path / name))
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        runs.append(json.loads((tmp_path / name / "report.json").read_text()))
-    assert runs[0]["run"]["seed"] == 12345
-    assert runs[0]["trace"] == runs[1]["trace"]
+        index = run_index(tmp_path / name)
+        runs.append([json.loads(Path(e["report"]).read_text()) for e in index])
+    assert runs[0][0]["run"]["seed"] == 12345
+    assert [r["trace"] for r in runs[0]] == [r["trace"] for r in runs[1]]  # every violation
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -313,11 +326,11 @@ def test_a_crashing_target_is_reported_not_passed(monkeypatch, capsys, tmp_path)
 
     monkeypatch.setattr(check, "factory_for", lambda impl: Crashes)
     code = main(["check", "--impl", "reference", "--profile", "ci", "--examples", "20",
-                 "--out", str(tmp_path)])
+                 "--max-violations", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
     assert "the target crashed" in out and "boom in free" in out
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads(Path(run_index(tmp_path)[0]["report"]).read_text())
     assert report["outcome"] == "error" and "RuntimeError: boom in free" in report["error"]
     assert report["trace"] and report["trace"][-1]["op"] in ("free", "preempt")
     assert report["reproducer"]["status"] == "not-available"

@@ -1,0 +1,65 @@
+"""A held-out-style self check: the default ``kvspec check`` search on vLLM 0.6.3 (every
+invariant, the default configuration space, the ci profile's budget) finds each pinned
+FINDINGS.md entry from scratch, with the shipped known-findings file stepping past the others,
+and reports it as its own distinct violation.  A change that blinds the search, the rounds or
+the fingerprints fails here."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from kvspec.cli.run import config_strategy, parse_overrides
+from kvspec.cli.search import Search, run_search
+from kvspec.cli.target import factory_for
+from kvspec.testing.known import SHIPPED, load_known
+
+from .conftest import VLLM, requires_vllm
+
+pytestmark = requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
+
+# impl -> the pinned findings its default search must report (FINDINGS.md "Pinned" column).
+PINNED = {"legacy-v2": ("F1", "F2", "F4", "F6"), "legacy-v1": ("F3",)}
+# Pinned findings the default configuration space does not reach within the ci budget, with the
+# narrowest --config pins under which the same search (same budget) does.
+NEEDS_PINS = {("legacy-v2", "F12"): ("lookahead=on", "swap=on")}
+
+_runs: dict[tuple[str, tuple[str, ...]], Search] = {}
+
+
+def _search(impl: str, pins: tuple[str, ...] = ()) -> Search:
+    if (impl, pins) not in _runs:
+        known = [k for k in load_known([SHIPPED]) if k.concerns(impl, VLLM)]
+        _runs[impl, pins] = run_search(
+            factory_for(impl),
+            config_strategy(impl, parse_overrides(pins)),
+            profile="ci",
+            examples=None,  # the profile's budget
+            steps=None,
+            seed=None,
+            focus=None,
+            label=impl,
+            known=known,
+        )
+    return _runs[impl, pins]
+
+
+def _assert_reported(search: Search, ident: str) -> None:
+    labelled = {f.known.id: f for f in search.found if f.known is not None}
+    assert ident in labelled, (
+        f"{ident} not reported; found {[f.fingerprint.describe() for f in search.found]}, "
+        f"fired {dict(search.fired)}, missed {search.missed}"
+    )
+    found = labelled[ident]
+    assert found.outcome.trace, found
+    assert len(search.found) == len({f.identity for f in search.found})
+
+
+@pytest.mark.parametrize(("impl", "ident"), [(i, f) for i, ids in PINNED.items() for f in ids])
+def test_default_search_reports_the_pinned_finding(impl, ident):
+    assert settings.get_profile("ci").max_examples == 150  # the budget this file claims
+    _assert_reported(_search(impl), ident)
+
+
+@pytest.mark.parametrize(("impl", "ident"), sorted(NEEDS_PINS))
+def test_pinned_finding_needs_only_feature_pins(impl, ident):
+    _assert_reported(_search(impl, NEEDS_PINS[impl, ident]), ident)
