@@ -426,8 +426,9 @@ class VLLMV1Adapter:
                 features.append(mm.MultiModalFeatureSpec(**fields))
             return {"mm_features": features}
         if "multi_modal_hashes" in params:
-            return {
+            return {  # 0.9.x calls the per-item inputs multi_modal_inputs, 0.10.x _kwargs
                 "multi_modal_inputs": [None] * len(ranges),
+                "multi_modal_kwargs": [None] * len(ranges),
                 "multi_modal_hashes": [f.identifier for f in extra.mm],
                 "multi_modal_placeholders": ranges,
             }
