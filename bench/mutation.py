@@ -699,7 +699,7 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
     # The clean run with per-test coverage is the slow part: kept per (sources, test files).
     digest = hashlib.sha1(json.dumps([files, sorted(
         Path(path).read_text() for path in params["paths"].values())]).encode()).hexdigest()[:16]
-    cached = Path(root).parent / f"baseline-{digest}.json"
+    cached = Path(root) / f"baseline-{digest}.json"
     if cached.exists():
         print(f"{target}: vLLM's own tests on the unmutated code: cached {cached}")
         (res,) = json.loads(cached.read_text())
