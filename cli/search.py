@@ -17,12 +17,14 @@ with the discards earlier rounds added.
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
@@ -128,6 +130,9 @@ def run_search(
 ) -> Search:
     """Rounds of ``run_machine`` until a round finds nothing new (see the module docstring)."""
     search = Search([], [], Counter(), known)
+    if seed is None and not Settings.get_profile(profile).derandomize:
+        # One seed for every round: each replays the same example sequence (and is recorded).
+        seed = random.SystemRandom().randrange(2**32)
 
     def one_round(stepped_past: Sequence[KnownFinding], tag: str) -> tuple[Outcome, Sieve]:
         reported = frozenset(f.identity for f in search.found)
@@ -254,7 +259,7 @@ def print_known(search: Search) -> None:
     table = Table(title="Known findings of this target (stepped past while exploring)", title_justify="left")
     table.add_column("id", no_wrap=True)
     table.add_column("fired", justify="right")
-    table.add_column("reported", no_wrap=True)
+    table.add_column("reported", overflow="fold", max_width=40)
     table.add_column("finding", overflow="fold", max_width=70)
     for k in search.known:
         n = next((i for i, f in enumerate(search.found, 1) if f.known is not None and f.known.id == k.id), None)
@@ -264,6 +269,8 @@ def print_known(search: Search) -> None:
             shown = "[yellow]not re-found[/]"
         elif search.fired[k.id]:
             shown = "counted only"
+        elif k.reach:
+            shown = f"[dim]not reached[/] (reached with {escape(k.reach)})"
         else:
             shown = "[dim]not reached[/]"
         table.add_row(k.id, str(search.fired[k.id]), shown, escape(k.title))

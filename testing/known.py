@@ -136,6 +136,7 @@ _KEYS = {
     "impl",
     "releases",
     "requires",
+    "reach",
 }
 
 
@@ -163,6 +164,7 @@ class KnownFinding:
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
     requires: tuple[str, ...] = ()  # FEATURES the configuration must have
+    reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
 
     @classmethod
     def from_toml(cls, entry: Mapping[str, Any]) -> KnownFinding:
@@ -198,6 +200,7 @@ class KnownFinding:
             impl=_strings(entry, "impl"),
             releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
             requires=requires,
+            reach=str(entry.get("reach", "")),
         )
 
     def concerns(self, impl: str, version: str | None) -> bool:
