@@ -168,10 +168,20 @@ def print_failure(o: Any) -> None:
         _say(f"  {escape(o.error or '')}")
     lines = getattr(o, "traceback", None) or []
     if lines and o.status == "error":
-        shown = lines[-TRACEBACK_LINES:]
+        shown = _whole_frames(lines[-TRACEBACK_LINES:])
         _say("  traceback (the target's innermost frames):", markup=False)
         for line in shown:
             _say(f"    {line}", markup=False)
+
+
+def _whole_frames(lines: list[str]) -> list[str]:
+    """Lines cut from a traceback, starting at a frame's first line."""
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("File ")), 0)
+    return lines[start:]
+
+
+def _kind(crash: Crash) -> str:
+    return {"TargetHung": "hang", "TargetExceededMemory": "memory runaway"}.get(crash.type, "crash")
 
 
 def _say(text: str, **kw: Any) -> None:
@@ -267,7 +277,8 @@ def replay_verdict(
         if recorded is not None and recorded[0] == step and recorded[1].type == result.crash.type:
             moved = f" (recorded at {recorded[1].location})" if recorded[1].location != result.crash.location else ""
             _say(
-                f"[bold red]the recorded crash reproduces[/] in {at}: {escape(result.crash.describe())}{escape(moved)}"
+                f"[bold red]the recorded {_kind(result.crash)} reproduces[/] in {at}: "
+                f"{escape(result.crash.describe())}{escape(moved)}"
             )
         else:
             was = f"in step {recorded[0]}: {recorded[1].describe()}" if recorded else "no crash"
@@ -277,7 +288,7 @@ def replay_verdict(
                 _say(f"  [yellow]nondeterministic[/]: a different outcome {unchanged[same]}")
         if result.error is not None and result.crash.type not in ("TargetHung", "TargetExceededMemory"):
             _say("  traceback (the target's innermost frames):", markup=False)
-            for line in crash_traceback(result.error)[-TRACEBACK_LINES:]:
+            for line in _whole_frames(crash_traceback(result.error)[-TRACEBACK_LINES:]):
                 _say(f"    {line}", markup=False)
         return EXIT_FOUND
     if result.unapplied is not None:
