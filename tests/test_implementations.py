@@ -12,7 +12,7 @@ from kvspec.adapters.legacy import MANAGERS
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import BROKEN
 from kvspec.spec.config import Config
-from kvspec.targets.registry import PINNED, target
+from kvspec.targets.registry import PINNED, SHIPPED, target
 from kvspec.testing import implementations as impls
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +48,13 @@ def test_every_manager_a_release_ships_is_in_the_table(version):
     t = target(version)
     for name in t.managers:
         assert impls.lookup(name).engine == t.engine, (version, name)
+
+
+def test_the_release_table_names_the_same_implementations():
+    """targets.registry.SHIPPED says which releases ship each vLLM manager; this table says how
+    to build it.  Both key on the same names with the same engine."""
+    shipped = {s.impl: s.engine for s in SHIPPED}
+    assert shipped == {i.name: i.engine for i in impls.VLLM}
 
 
 def test_unknown_names_say_what_exists():
