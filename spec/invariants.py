@@ -55,7 +55,7 @@ def always(_config: Config) -> str | None:
 
 def needs_window(config: Config) -> str | None:
     """only with a sliding window"""
-    return None if config.sliding_window is not None else "no sliding window"
+    return None if config.sliding_window is not None else "full attention (no sliding window)"
 
 
 def needs_prefix_caching(config: Config) -> str | None:

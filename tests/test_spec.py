@@ -109,7 +109,7 @@ def test_each_state_invariant_reports_its_violation(invariant, change):
 
 def test_an_invariant_says_when_it_does_not_apply():
     plain = Config(block_size=2, num_blocks=4)
-    assert INVARIANTS["window-bound"].inapplicable(plain) == "no sliding window"
+    assert INVARIANTS["window-bound"].inapplicable(plain) == "full attention (no sliding window)"
     assert INVARIANTS["prefix-cache-consistency"].inapplicable(plain) == "prefix caching off"
     assert INVARIANTS["conservation"].applies_to(plain)
     both = Config(block_size=2, num_blocks=4, sliding_window=3, prefix_caching=True)
