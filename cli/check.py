@@ -50,7 +50,7 @@ from .failures import (
     replay_verdict,
     same_code,
 )
-from .run import Outcome, applicable, config_strategy, features_from, parse_overrides
+from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, print_found, print_known, run_search, summary_json
 from .target import (
     VllmHere,
@@ -598,4 +598,4 @@ def _op_text(step: TraceStep) -> str:
     return step.describe().rsplit(" -> ", 1)[0]
 
 
-__all__ = ["applicable", "cmd_check", "cmd_replay"]
+__all__ = ["cmd_check", "cmd_replay"]

@@ -167,11 +167,6 @@ def config_strategy(impl: str, overrides: Mapping[str, Any]) -> st.SearchStrateg
     return strategy
 
 
-def applicable(inv_id: str, config: Config) -> bool:
-    """Whether an invariant can say anything under a configuration (its own ``applies``)."""
-    return INVARIANTS[inv_id].applies_to(config)
-
-
 # ------------------------------------------------------------------------------ the run
 
 
