@@ -17,8 +17,10 @@ refcount-exact is a real property.  Which free or evictable block an allocation 
 the solver (a spec freedom; the reference's FIFO/LRU choice is one of them).  Shadow memory
 ``wr[b][o]`` records written cells; a block's content dies when it is allocated again.
 
-Properties: refcount-exact, conservation, window-bound (state); immutability and
-admission-soundness (transition: a step that was answered OK and then found too few blocks).
+Properties: refcount-exact, conservation, window-bound (state; tests/test_proofs_bmc_properties.py
+checks each against the spec function of the same ID on concrete states); immutability and
+admission-soundness (transition: a step that was answered OK and then found too few blocks; the
+write flag is stronger than the spec's write faults, see ``_writes``).
 BMC proves them for every run of length <= depth.  k-induction tries to close them for every
 depth: the invariants plus auxiliary ones (table shape, dropped prefix, shadow memory agreeing
 with the computed positions, cached blocks full) are checked to be inductive.
@@ -392,7 +394,15 @@ class Effect:
 
 def _writes(b: Bounds, pool: Pool, slots, lo, hi) -> tuple[Pool, z3.BoolRef]:
     """The worker writes positions lo..hi-1 through ``slots``; returns the new memory and
-    whether any write breaks immutability (cell already written, shared or cached block)."""
+    whether any write breaks immutability (cell already written, shared or cached block).
+
+    This flag is stronger than the spec's write faults (``kv_memory.plan_step_writes``, which
+    ``immutability`` and ``admission-soundness`` read): any rewrite of a written cell, a block
+    with refcount other than 1, any cached block and an unmapped position all count, where the
+    spec forbids only a rewrite with other KV, a block shared by several slots, a write that
+    contradicts the cached key, and (under admission-soundness) an unmapped position.  Every
+    spec fault is therefore flagged here, so proving this flag never raised proves both spec
+    properties for the reference's writes."""
     N, B = b.num_blocks, b.block_size
     out = pool.copy()
     bad = []
