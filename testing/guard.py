@@ -289,6 +289,8 @@ class Guard:
         op = self._op
         if op is None:
             return
+        if self.tripped is not None:
+            raise self.tripped  # the target swallowed it (a bare except): raised again until it lets go
         timeout = self.limits.op_timeout
         elapsed = time.monotonic() - self._start
         if timeout is not None and elapsed >= timeout:
@@ -300,9 +302,7 @@ class Guard:
                 self._trip(TargetExceededMemory(op, cap, grown))
 
     def _trip(self, trip: GuardTripped) -> None:
-        self._op = None
-        if self._timer:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        # The timer keeps ticking until the call returns (``call``'s ``finally`` stops it).
         if isinstance(trip, TargetExceededMemory):
             self._release_memory_limit()
         self.tripped = trip

@@ -87,6 +87,21 @@ def test_guard_interrupts_a_python_loop_and_restores_the_process():
     assert resource.getrlimit(resource.RLIMIT_AS) == limit
 
 
+def test_a_target_that_swallows_the_limit_is_stopped_again():
+    def swallow_once() -> None:
+        try:
+            while True:
+                pass
+        except BaseException:  # what broken target code does
+            pass
+        while True:
+            pass
+
+    guard = Guard(Limits(op_timeout=0.2, memory_cap_gib=None))
+    with guard.armed(), pytest.raises(TargetHung):
+        guard.call("free", None, swallow_once)
+
+
 def test_guard_stops_a_runaway_allocation():
     guard = Guard(Limits(op_timeout=30, memory_cap_gib=0.25))
     hoard: list[bytearray] = []
