@@ -231,10 +231,14 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         "under `@seed(n)`, n = 0..seeds-1), the machine watching the listed invariants "
         "(`focus`). *Discovery*: wall time from the start of the run to the first failing "
         "example (before shrinking); *total*: until hypothesis has shrunk and raised "
-        "`SpecViolation`. Broken variants: block sizes 1-4, N <= 8 (the suite's "
-        "configuration). F1-F9: the findings FINDINGS.md pins, on the real managers of vLLM "
-        "0.6.3, with the configurations and focus of their pinned tests "
-        "(tests/targets/test_stateful_legacy.py: N <= 16, window or not, caching or not).",
+        "`SpecViolation` (a crash of the target counts as found: F13). Every broken variant "
+        "of reference/broken.py: block sizes 1-4, N <= 8 (the suite's configuration). F1-F13: "
+        "every finding FINDINGS.md pins, on the real managers of vLLM 0.6.3, with the "
+        "configurations and focus of their pinned tests (tests/targets/test_stateful_legacy.py:"
+        " N <= 16, window or not, caching or not; F13, pinned by its trace there, is searched "
+        "from scratch with every invariant watched). Steps per example: the dev (default) "
+        f"profile's {data['results'][0].get('steps', 40) if data['results'] else 40}; "
+        "examples capped at the command's --max-examples.",
         "",
         table(["case", "focus", "found", "median discovery s", "discovery range s",
                "examples to discovery, median (range)", "median total s", "max total s",

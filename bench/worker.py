@@ -326,6 +326,8 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
         "focus": focus,
         "explain": bool(p.get("explain")),
         "workload": p["workload"],
+        "steps": p["steps"],
+        "max_examples": p["max_examples"],
         "rows": rows,
         "found": len(found),
         "median_discovery": statistics.median(found) if found else None,
