@@ -10,7 +10,7 @@ command line reports with the trace up to the operation that misbehaved:
   Python code the target is running);
 * a run whose resident memory grows past ``Limits.memory_cap_gib`` beyond what the process held
   when the guard was armed raises ``TargetExceededMemory``: sampled by the same timer while a
-  call runs and checked after every call; a soft ``RLIMIT_AS`` above the cap stops a single
+  call runs and checked every few calls; a soft ``RLIMIT_AS`` above the cap stops a single
   allocation too large to sample (it fails with ``MemoryError``, turned into the same outcome),
   so a runaway target never takes the machine's memory.
 
@@ -44,6 +44,7 @@ GIB = 1024**3
 DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
 DEFAULT_MEMORY_CAP_GIB = 4.0
 TICK = 0.05  # seconds between samples while a call runs
+MEMORY_CHECK_EVERY = 8  # calls between two checks of the memory a run has added
 # Address space the run may reserve beyond its memory cap before an allocation fails outright:
 # thread stacks and malloc arenas reserve far more address space than they touch.
 ADDRESS_SLACK = GIB
@@ -214,6 +215,7 @@ class Guard:
         self._baseline = 0
         self._armed = False
         self._timer = False
+        self._calls = 0
 
     # ------------------------------------------------------------ arming
 
@@ -228,7 +230,11 @@ class Guard:
             self._timer = False
             self.notes.append("the time limit is off: signals reach only the main thread")
         if self._timer:
+            # One periodic timer for the whole run (no system call per target call): a tick
+            # outside a call returns at once.
             previous_handler = signal.signal(signal.SIGALRM, self._tick)
+            interval = min(TICK, self.limits.op_timeout or TICK)
+            signal.setitimer(signal.ITIMER_REAL, interval, interval)
         previous_limit = self._limit_address_space()
         try:
             yield self
@@ -302,7 +308,7 @@ class Guard:
                 self._trip(TargetExceededMemory(op, cap, grown))
 
     def _trip(self, trip: GuardTripped) -> None:
-        # The timer keeps ticking until the call returns (``call``'s ``finally`` stops it).
+        # The timer keeps ticking: should the target swallow the trip, the next tick raises it again.
         if isinstance(trip, TargetExceededMemory):
             self._release_memory_limit()
         self.tripped = trip
@@ -318,9 +324,6 @@ class Guard:
             return fn(*args, **kw)
         self._start = time.monotonic()
         self._op = op
-        if self._timer:
-            interval = min(TICK, self.limits.op_timeout or TICK)
-            signal.setitimer(signal.ITIMER_REAL, interval, interval)
         try:
             result = fn(*args, **kw)
         except GuardTripped as trip:
@@ -340,9 +343,8 @@ class Guard:
             raise
         finally:
             self._op = None
-            if self._timer:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        grown = self.over_cap()
+        self._calls += 1
+        grown = self.over_cap() if self._calls % MEMORY_CHECK_EVERY == 0 else None
         if grown is not None:
             trip = TargetExceededMemory(op, self.limits.memory_cap_gib or 0.0, grown)
             self.failure = Failure(op, config, trip)
