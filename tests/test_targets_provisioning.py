@@ -265,3 +265,23 @@ def test_venv_without_a_checkout_is_bad_input(capsys):
 
     assert main(["check", "--venv", "0.5.4", "--impl", "legacy-v2"]) == 2
     assert "--venv names the venv a --vllm-source checkout runs in" in capsys.readouterr().err
+
+
+def test_a_kept_resolution_is_reused_and_a_stale_one_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
+    compiled: list[list[str]] = []
+
+    def fake_run(cmd, progress, what, *, timeout, cwd=None):
+        compiled.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_text("vllm==0.5.4\n")
+
+    monkeypatch.setattr(prov, "_run", fake_run)
+    t = target("0.5.4")
+    when = datetime(2024, 8, 6, 23, 46, 58, tzinfo=UTC)
+    lock, dropped = prov.resolve(t, when, progress=lambda msg: None)
+    assert len(compiled) == 1 and lock.read_text().startswith(prov.recipe("0.5.4", when) + "\n")
+    assert [d.split(":")[0] for d in dropped] == sorted(KNOWN_PLACEHOLDERS)
+    assert prov.resolve(t, when, progress=lambda msg: None)[0] == lock
+    assert len(compiled) == 1  # same recipe: the kept lock is installed again, not re-resolved
+    prov.resolve(t, datetime(2024, 8, 7, tzinfo=UTC), progress=lambda msg: None)
+    assert len(compiled) == 2  # another cut-off: made again
