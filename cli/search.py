@@ -28,8 +28,9 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
-from kvspec.testing.driver import Driver
+from kvspec.testing.driver import Driver, SpecViolation
 from kvspec.testing.known import Fingerprint, KnownFinding, fingerprint, message_of, which_known
+from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
 
@@ -59,18 +60,26 @@ class Sieve:
     fired: Counter[str] = attrs.Factory(Counter)  # known id -> examples stepped past
     repeats: int = 0  # examples stepped past on an already reported identity
 
-    def __call__(self, error: BaseException, driver: Driver) -> bool:
+    def __call__(self, error: BaseException, driver: Driver) -> bool | str:
         fp = fingerprint(error, driver.trace)
         known = which_known(self.known, fp, message_of(error), driver.config)
+        if known is not None and known.go_on and isinstance(error, SpecViolation):
+            # Gone past only if nothing else broke with it: the rest is judged on its own.
+            rest = [v for v in error.violations if v.invariant not in known.invariant]
+            if rest:
+                return self(SpecViolation(rest, error.trace), driver)
         identity: Identity = known.id if known is not None else fp
+        # A known finding stepped past by going on is gone past the same way while shrinking,
+        # so that the examples hypothesis replays behave as they did when generated.
+        past = CONTINUE if known is not None and known.go_on else True
         if self.target is not None:
             if identity != self.target:
-                return True  # shrinking: only the round's own failure counts
+                return past if known is not None and known.id in self.stepped else True
             self.last = fp
             return False
         if known is not None and known.id in self.stepped:
             self.fired[known.id] += 1
-            return True
+            return past
         if identity in self.reported:
             self.repeats += 1
             return True

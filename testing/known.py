@@ -137,6 +137,7 @@ _KEYS = {
     "releases",
     "requires",
     "reach",
+    "go_on",
 }
 
 
@@ -164,6 +165,7 @@ class KnownFinding:
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
     requires: tuple[str, ...] = ()  # FEATURES the configuration must have
+    go_on: bool = False  # stepped past by going on with the example (state violations only)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
 
     @classmethod
@@ -201,6 +203,7 @@ class KnownFinding:
             releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
             requires=requires,
             reach=str(entry.get("reach", "")),
+            go_on=bool(entry.get("go_on", False)),
         )
 
     def concerns(self, impl: str, version: str | None) -> bool:

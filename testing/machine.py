@@ -40,9 +40,12 @@ from .progress import drain
 from .strategies import ALPHABET, admission_bytes, configs, extra_from, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
-StepPast = Callable[[BaseException, Driver], bool]
+CONTINUE = "continue"
+StepPast = Callable[[BaseException, Driver], bool | str]
 """Asked about every failure (a SpecViolation, or an exception the target raised) before it
-ends the example: True discards the example (``reject``) so the search goes on past it."""
+ends the example: True discards the example (``reject``) so the search goes on past it;
+``CONTINUE`` lets the example go on as if nothing was found (a SpecViolation only: after a
+target's exception there is nothing to go on with, so it is discarded); False fails it."""
 
 
 @attrs.frozen
@@ -357,14 +360,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         found = self.d.check()
         if found:
             error = SpecViolation(found, self.d.trace)
-            self._failing(error)
-            raise error
+            if not self._failing(error):
+                raise error
 
-    def _failing(self, error: BaseException) -> None:
-        """A failure: the step-past policy may discard the example instead."""
+    def _failing(self, error: BaseException) -> bool:
+        """A failure: the step-past policy may discard the example instead, or (True) let it
+        go on past a violation."""
+        verdict = self.step_past(error, self.d) if self.step_past is not None else False
+        if verdict == CONTINUE and isinstance(error, SpecViolation):
+            return True
         self.failed = True
-        if self.step_past is not None and self.step_past(error, self.d):
+        if verdict:
             reject()
+        return False
 
     def teardown(self):
         if self.driver is None:
@@ -379,8 +387,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             found = drain(self.d)
             if found:
                 error = SpecViolation(found, self.d.trace)
-                self._failing(error)
-                raise error
+                if not self._failing(error):
+                    raise error
         try:
             found = self.d.free_all()
         except SpecViolation:
@@ -390,5 +398,5 @@ class KVCacheMachine(RuleBasedStateMachine):
             raise
         if found:
             error = SpecViolation(found, self.d.trace)
-            self._failing(error)
-            raise error
+            if not self._failing(error):
+                raise error

@@ -149,3 +149,30 @@ def test_a_feature_pinned_on_that_the_target_lacks_is_refused():
     assert "chunked_prefill" in (features.unsupported(impl) or "")
     with pytest.raises(UsageError, match="num_cpu_blocks=0"):
         parse_overrides(["swap=on", "num_cpu_blocks=0"])
+
+
+def test_a_violation_stepped_past_by_going_on_lets_the_example_continue():
+    """CONTINUE: the example goes on after the violation (it is not ended, not discarded), and
+    a policy that says False instead fails it, so the test can tell the two apart."""
+    from hypothesis import strategies as st
+    from kvspec.reference.broken import OffByOneWindow
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.machine import CONTINUE
+    from kvspec.testing.strategies import configs
+
+    windowed = configs(block_sizes=st.just(1), max_blocks=8, require_window=True, swap=False)
+    went_on: list[int] = []
+
+    def go_on(error, driver):
+        assert isinstance(error, SpecViolation) and error.violations[0].invariant == "window-bound"
+        went_on.append(len(driver.trace))
+        return CONTINUE
+
+    def machine(policy):
+        return lambda: KVCacheMachine(OffByOneWindow, windowed, focus={"window-bound"}, step_past=policy)
+
+    budget = settings(max_examples=30, stateful_step_count=15, database=None, derandomize=True)
+    run_state_machine_as_test(machine(go_on), settings=budget)
+    assert went_on and max(went_on) > min(went_on)  # later operations of one run were checked too
+    with pytest.raises(SpecViolation):
+        run_state_machine_as_test(machine(lambda error, driver: False), settings=budget)
