@@ -74,6 +74,7 @@ TINY_MODEL = {
 HEAD_SIZE = 64
 LAYER_FULL = "model.layers.0.self_attn.attn"
 LAYER_SWA = "model.layers.1.self_attn.attn"
+MAX_NUM_SEQS = 16  # running requests at most (SchedulerConfig asks the budget to be >= it)
 NGRAM_LOOKUP = 2  # prompt_lookup_max of the ngram proposer (required by SpeculativeConfig)
 
 
@@ -130,8 +131,8 @@ class VLLMV1SchedulerAdapter:
         )
         vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
         cls = async_mod.AsyncScheduler if shape.async_scheduling else sched_mod.Scheduler
-        self.scheduler = _build(
-            cls,
+        # The parameters of Scheduler.__init__ (AsyncScheduler takes *args, **kwargs).
+        self.scheduler = cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=so_mod.StructuredOutputManager(vllm_config),
@@ -170,18 +171,18 @@ class VLLMV1SchedulerAdapter:
     # ------------------------------------------------------------------ construction
 
     def _vllm_config(self, shape: Shape) -> Any:
+        # The config classes are pydantic dataclasses (0.11+): built with the arguments
+        # vLLM's own tests/v1/core/utils.py create_scheduler passes, and no others.
         c = self._v.config
-        model_config = _build(
-            c.ModelConfig,
+        model_config = c.ModelConfig(
             model=str(_tiny_model_dir()),
             skip_tokenizer_init=True,
             max_model_len=shape.max_model_len,
             dtype="float16",
             seed=0,
         )
-        scheduler_config = _build(
-            c.SchedulerConfig,
-            max_num_seqs=16,
+        scheduler_config = c.SchedulerConfig(
+            max_num_seqs=min(MAX_NUM_SEQS, shape.max_num_batched_tokens),
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=shape.max_model_len,
             is_encoder_decoder=False,
@@ -189,26 +190,22 @@ class VLLMV1SchedulerAdapter:
             async_scheduling=shape.async_scheduling,
             scheduler_reserve_full_isl=shape.full_sequence_must_fit,
         )
-        cache_config = _build(
-            c.CacheConfig,
-            block_size=shape.block_size,
-            enable_prefix_caching=shape.prefix_caching,
+        cache_config = c.CacheConfig(
+            block_size=shape.block_size, enable_prefix_caching=shape.prefix_caching
         )
         speculative_config = None
         if shape.num_spec_tokens:
-            speculative_config = _build(
-                c.SpeculativeConfig,
+            speculative_config = c.SpeculativeConfig(
                 method="ngram",
                 num_speculative_tokens=shape.num_spec_tokens,
                 prompt_lookup_max=NGRAM_LOOKUP,
                 prompt_lookup_min=1,
             )
-        return _build(
-            c.VllmConfig,
+        return c.VllmConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            device_config=_build(c.DeviceConfig, device="cpu"),
+            device_config=c.DeviceConfig(device="cpu"),
             speculative_config=speculative_config,
         )
 

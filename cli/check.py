@@ -52,6 +52,7 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, print_found, print_known, run_search, summary_json
+from .shapes import run_v1_shapes, shapes_exit
 from .target import (
     VllmHere,
     check_impl_name,
@@ -227,6 +228,9 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
         err.print(f"note: {note}", markup=False)
     summary = aggregate(search)
     print_table(summary)
+    # vLLM's own V1 scheduler in production shapes (cli/shapes.py): hybrid groups, async,
+    # spec decode, token budget, startup-minimum pools.
+    shaped = run_v1_shapes(args, impl, here, focus)
     if not search.found:
         if search.fired and search.last.status == "holds":
             out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
@@ -234,7 +238,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
             return EXIT_FOUND  # a known bug of this target is still a violation
         code = report_outcome(args, argv, search.last, here, impl, overrides)
         print_known(search)
-        return code
+        return shapes_exit(code, shaped)
     base = output_dir(args, impl)
     entries = []
     for n, found in enumerate(search.found, 1):

@@ -89,7 +89,8 @@ def plan_step_writes(
     into it must go through copy-on-write first).  Rewriting a slot with the very KV it
     holds (same position, same token: a recompute) changes nothing and is allowed, and so is
     filling an empty slot of a cached block with exactly the KV its key claims (legacy vLLM
-    and V1 register a block's key when they allocate it, before the worker computes it).
+    and V1 register a block's key when they allocate it, before the worker computes it),
+    shared or not (V1 shares such a block with a request of the same step).
     "Registered" means registered before the step and still the same block after it
     (``before``, when given; ``dead``: ``ended_lifetimes(before, state)`` if already known).
     """
@@ -128,7 +129,13 @@ def plan_step_writes(
                 )
             )
         refcount = pool.refcounts.get(block, 0) if pool is not None else 0
-        if refcount > 1:
+        claimed = _claimed(cached.get(block), off, block_size)
+        # Filling an empty slot of a shared block with exactly what its cache key claims is
+        # no change to what any sharer reads: V1's scheduler hands a block it cached at
+        # allocation to a second request of the same step, which reads it after the step's
+        # KV writes (Scheduler.schedule -> KVCacheManager.allocate_slots caching up to the
+        # scheduled tokens, vllm/v1/core/kv_cache_manager.py).
+        if refcount > 1 and not (cell not in memory and claimed == kv):
             faults.append(
                 WriteFault(
                     SHARED_WRITE,
@@ -136,7 +143,6 @@ def plan_step_writes(
                     f"{refcount} slots (missed copy-on-write)",
                 )
             )
-        claimed = _claimed(cached.get(block), off, block_size)
         if claimed is not None and claimed != kv:
             faults.append(
                 WriteFault(

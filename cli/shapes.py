@@ -1,0 +1,209 @@
+"""``kvspec check`` on a V1 release: vLLM's own scheduler in the shapes production runs.
+
+After the block-manager search, ``kvspec check`` on a V1 target runs the scheduler machine
+(testing/scheduler_machine.py) over vLLM's own ``Scheduler``/``AsyncScheduler``
+(adapters/v1_scheduler.py): hybrid KV-cache groups, async scheduling, speculative decoding,
+token-budget chunking, ``full_sequence_must_fit`` on and off, pools at vLLM's startup
+minimum.  The summary gives the examples and operations run in each shape, and names a shape
+no example reached.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from hypothesis import seed as hypothesis_seed
+from hypothesis import settings as Settings
+from hypothesis.errors import FailedHealthCheck, Unsatisfiable
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import get_state_machine_test
+from kvspec.spec.errors import ConfigError
+from kvspec.spec.groups import SHAPE_TAGS, Shape
+from kvspec.spec.invariants import Violation
+from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.scheduler_driver import ShapeCounts
+from kvspec.testing.scheduler_machine import SchedulerMachine
+from rich.markup import escape
+
+from .common import out
+
+# The scheduler machine's share of a profile: each example builds vLLM's scheduler (a few
+# tens of milliseconds once imported), and runs fewer, longer-lived steps than the
+# block-manager machine.
+EXAMPLES_SHARE = 3  # a third of the profile's examples
+
+
+@attrs.define
+class ShapesOutcome:
+    status: str  # holds | violated | error | no-examples
+    counts: ShapeCounts
+    examples: int = 0
+    operations: int = 0
+    seconds: float = 0.0
+    violations: list[Violation] = attrs.Factory(list)
+    trace: list[TraceStep] = attrs.Factory(list)
+    shape: Shape | None = None
+    error: str | None = None
+    rejected: list[str] = attrs.Factory(list)
+
+
+def scheduler_factory() -> Callable[[Shape], Any]:
+    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+
+    return VLLMV1SchedulerAdapter
+
+
+def run_shapes(
+    factory: Callable[[Shape], Any],
+    *,
+    profile: str,
+    examples: int | None,
+    steps: int | None,
+    seed: int | None,
+    focus: tuple[str, ...] | None,
+) -> ShapesOutcome:
+    base = Settings.get_profile(profile)
+    requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
+    chosen = Settings(
+        base,
+        max_examples=requested,
+        stateful_step_count=steps if steps is not None else base.stateful_step_count,
+        report_multiple_bugs=False,
+        database=None,
+        print_blob=False,
+        deadline=None,
+    )
+    if seed is None and not base.derandomize:
+        seed = random.SystemRandom().randrange(2**32)
+    outcome = ShapesOutcome("holds", ShapeCounts())
+    last: dict[str, Any] = {}
+
+    def build(shape: Shape) -> Any:
+        try:
+            return factory(shape)
+        except ConfigError as error:
+            if len(outcome.rejected) < 20:
+                outcome.rejected.append(str(error))
+            raise
+
+    class Machine(SchedulerMachine):
+        def __init__(self) -> None:
+            super().__init__(
+                build, counts=outcome.counts, focus=frozenset(focus) if focus else None
+            )
+
+        def teardown(self):
+            if self.driver is not None:
+                last["trace"] = list(self.d.trace)
+                last["shape"] = self.shape
+                if not outcome.violations:
+                    outcome.examples += 1
+                    outcome.operations += len(self.d.trace)
+            super().teardown()
+
+    test = get_state_machine_test(Machine, settings=chosen)
+    if seed is not None:
+        test = hypothesis_seed(seed)(test)
+    start = time.perf_counter()
+    try:
+        with with_reporter(lambda _text: None):
+            test()
+    except SpecViolation as found:
+        outcome.status = "violated"
+        outcome.violations = list(found.violations)
+        outcome.trace = list(found.trace)
+        outcome.shape = last.get("shape")
+    except (Unsatisfiable, FailedHealthCheck) as error:
+        outcome.status = "no-examples"
+        outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    except Exception as error:  # the target crashed under a valid protocol
+        outcome.status = "error"
+        outcome.error = f"{type(error).__name__}: {error}"
+        outcome.trace = list(last.get("trace", []))
+        outcome.shape = last.get("shape")
+    outcome.seconds = time.perf_counter() - start
+    if outcome.status == "holds" and outcome.examples == 0:
+        outcome.status = "no-examples"
+    return outcome
+
+
+def print_shapes(o: ShapesOutcome) -> None:
+    out.rule("vLLM's own V1 scheduler, production shapes")
+    out.print(
+        f"{o.examples} examples, {o.operations} operations, {o.seconds:.1f}s: "
+        + {
+            "holds": "[green]every invariant holds per group and over the shared pool[/]",
+            "violated": "[bold red]VIOLATED[/]",
+            "error": "[bold red]the scheduler crashed[/]",
+            "no-examples": "[yellow]nothing ran[/]",
+        }[o.status]
+    )
+    for tag in SHAPE_TAGS:
+        ex, ops = o.counts.examples.get(tag, 0), o.counts.operations.get(tag, 0)
+        if ex:
+            out.print(f"  {tag:<20} {ex:>5} examples {ops:>7} operations", markup=False)
+        else:
+            out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
+    if o.rejected:
+        out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
+    if o.error:
+        out.print(f"  {escape(o.error)}")
+    if o.status in ("violated", "error"):
+        if o.shape is not None:
+            out.print(f"shape: {escape(o.shape.describe())}")
+        for v in o.violations:
+            out.print(f"  {escape(str(v))}")
+        out.print("trace (what the worker did -> what the scheduler planned):")
+        for i, s in enumerate(o.trace, 1):
+            out.print(f"  {i}. {escape(s.describe())}", soft_wrap=True)
+
+
+def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
+    return {
+        "status": o.status,
+        "examples": o.examples,
+        "operations": o.operations,
+        "seconds": round(o.seconds, 2),
+        "per_shape": {
+            t: [o.counts.examples.get(t, 0), o.counts.operations.get(t, 0)] for t in SHAPE_TAGS
+        },
+        "violations": [{"invariant": v.invariant, "message": v.message} for v in o.violations],
+        "trace": [s.to_json() for s in o.trace],
+        "shape": attrs.asdict(o.shape) if o.shape is not None else None,
+        "error": o.error,
+    }
+
+
+def run_v1_shapes(args: Any, impl: str, here: Any, focus: tuple[str, ...] | None) -> ShapesOutcome | None:
+    """The scheduler-shapes run of ``kvspec check``: on a V1 target checked as ``v1`` (the
+    default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply."""
+    if here is None or impl != "v1" or getattr(args, "no_shapes", False):
+        return None
+    try:
+        factory = scheduler_factory()
+    except ImportError as error:
+        out.print(f"[yellow]scheduler shapes not run[/]: {escape(str(error))}")
+        return None
+    o = run_shapes(
+        factory,
+        profile=args.profile,
+        examples=None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE),
+        steps=args.steps,
+        seed=args.seed,
+        focus=focus,
+    )
+    print_shapes(o)
+    return o
+
+
+def shapes_exit(code: int, o: ShapesOutcome | None) -> int:
+    """The exit code of a check whose block-manager search ended with ``code``."""
+    if o is None or o.status in ("holds",):
+        return code
+    from .common import EXIT_FOUND
+
+    return max(code, EXIT_FOUND) if o.status in ("violated", "error") else code

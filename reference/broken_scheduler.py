@@ -1,0 +1,113 @@
+"""Deliberately broken variants of the reference scheduler, one per production shape.
+
+Each breaks one thing that only shows in its shape (the scheduler machine's shapes,
+spec/groups.py ``SHAPE_TAGS``), so that the suite shows the per-group and scheduler-driven
+checks can fail there.  They take a ``Shape`` rather than a ``Config``, which is why they are
+not in ``reference/broken.py``'s ``BROKEN`` (whose variants the block-manager machine builds
+from configurations).
+"""
+
+from __future__ import annotations
+
+import attrs
+from kvspec.spec.groups import Scheduled, Shape
+
+from .scheduler import ReferenceScheduler, _Req
+
+
+class AliasedGroupTables(ReferenceScheduler):
+    """Hybrid: the sliding-window group's table points at the full-attention group's blocks
+    (slot for slot) instead of blocks of its own -- two groups, one block, one refcount."""
+
+    name = "aliased-group-tables"
+
+    def _grow(self, req: _Req, end: int) -> None:
+        super()._grow(req, end)
+        if len(req.tables) < 2:
+            return
+        full, other = req.tables[0], req.tables[1]
+        for i, block in enumerate(other):
+            if block is not None and i < len(full) and full[i] is not None and block != full[i]:
+                self._decref(block)
+                other[i] = full[i]
+
+
+class UnreservedPlaceholders(ReferenceScheduler):
+    """Async: reserves a step's slots as if the outputs in flight (placeholders) were not
+    there, so the worker's positions past them have no slot."""
+
+    name = "unreserved-placeholders"
+
+    def _grow(self, req: _Req, end: int) -> None:
+        super()._grow(req, end - req.placeholders)
+
+
+class NoDraftRollback(ReferenceScheduler):
+    """Speculative decoding: rejected drafts are not rolled back; the computed count keeps
+    positions whose KV the worker discarded."""
+
+    name = "no-draft-rollback"
+
+    def _roll_back(self, req: _Req, rejected: int) -> None:
+        return
+
+
+class ShortBudgetChunk(ReferenceScheduler):
+    """Token budget: a prefill chunk that ``max_num_batched_tokens`` cuts short (a prompt
+    longer than the whole budget) gets slots for one token fewer than it computes."""
+
+    name = "short-budget-chunk"
+
+    def _schedule_one(self, req: _Req, budget: int):
+        remaining = req.known() - req.computed
+        whole = budget == self.shape.max_num_batched_tokens  # the step's budget, not a remnant
+        if whole and 1 < budget < remaining and req.outputs == 0:
+            self._grow(req, req.computed + budget - 1)
+            start, req.computed = req.computed, req.computed + budget
+            req.in_flight += budget
+            return Scheduled(req.seq_id, start, budget, 0, ())
+        return super()._schedule_one(req, budget)
+
+
+class ExactFitReuse(ReferenceScheduler):
+    """Startup sizing: in a pool of exactly the startup minimum, the allocation that would
+    take the last free block hands out one already in use (an off-by-one at the edge that
+    only a pool sized at the minimum reaches)."""
+
+    name = "exact-fit-reuse"
+
+    def _allocate(self) -> int:
+        at_edge = self.num_blocks == self.minimum_blocks and len(self.free) == 1
+        if at_edge and self._last is not None and self.refcounts[self._last] > 0:
+            return self._last  # the last free block stays free; an in-use one goes out again
+        block = super()._allocate()
+        self._last = block
+        return block
+
+    def __init__(self, shape: Shape) -> None:
+        self._last: int | None = None
+        super().__init__(shape)
+
+
+@attrs.frozen
+class BrokenScheduler:
+    cls: type[ReferenceScheduler]
+    shape: str  # the SHAPE_TAGS entry whose examples reach the bug
+    catches: frozenset[str]  # invariant IDs that report it
+
+
+BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
+    AliasedGroupTables.name: BrokenScheduler(
+        AliasedGroupTables, "hybrid", frozenset({"refcount-exact"})
+    ),
+    UnreservedPlaceholders.name: BrokenScheduler(
+        UnreservedPlaceholders, "async", frozenset({"admission-soundness"})
+    ),
+    NoDraftRollback.name: BrokenScheduler(NoDraftRollback, "spec-decode", frozenset({"kv-readback"})),
+    ShortBudgetChunk.name: BrokenScheduler(
+        ShortBudgetChunk, "budget-chunked", frozenset({"admission-soundness"})
+    ),
+    ExactFitReuse.name: BrokenScheduler(ExactFitReuse, "startup-min", frozenset({"refcount-exact"})),
+}
+
+__all__ = ["BROKEN_SCHEDULERS", "BrokenScheduler"]
