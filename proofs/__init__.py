@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from . import admission, bmc, coverage, tenancy, window  # noqa: F401  (registration)
+from . import admission, bmc, completeness, coverage, tenancy, window  # noqa: F401  (registration)
 from .core import OBLIGATIONS, Obligation, Result, select
 from .coverage import coverage_cases
 
