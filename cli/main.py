@@ -1,7 +1,8 @@
 """The ``kvspec`` command line.
 
 Exit codes: 0 every applicable invariant holds and every requested example ran (or the
-subcommand succeeded); 1 a violation, a crash of the target, or an incomplete run; 2 bad
+subcommand succeeded); 1 a violation, a crash of the target (or a hang, a memory runaway,
+nondeterministic answers: cli/failures.py), or an incomplete run; 2 bad
 input (unknown version or invariant, not a vLLM checkout, a vLLM that does not import,
 provisioning failure, unsupported engine generation, invalid configuration).
 """
@@ -45,7 +46,7 @@ project -- vLLM's own CI, another engine -- can run it on its block manager:
     run_state_machine_as_test(lambda: KVCacheMachine(MyAdapter))
 
 Exit codes: 0 all applicable invariants hold and every requested example ran; 1 violation,
-crash or incomplete run; 2 bad input.
+crash, hang, memory runaway, nondeterminism or incomplete run; 2 bad input.
 """
 
 
