@@ -215,7 +215,22 @@ def recorded_crash(report: Mapping[str, Any], trace: Iterable[TraceStep]) -> tup
     data = report.get("crash")
     if isinstance(data, dict):
         return int(data.get("step") or 0), Crash.from_json(data)
+    error = report.get("error")
+    if report.get("outcome") == "error" and isinstance(error, str) and error:
+        # A report from before crashes were recorded on their step: its trace ends with the
+        # crashing operation recorded as answered (fork, free, ...) or stops just before it
+        # (an admission or a step that raised); the error names the exception's type.
+        kind, _, message = error.partition(": ")
+        return len(steps), Crash("?", kind.strip(), message.strip(), "?")
     return None
+
+
+def _same_crash(recorded: tuple[int, Crash], report: Mapping[str, Any], step: int, crash: Crash) -> bool:
+    if recorded[1].type != crash.type:
+        return False
+    if recorded[1].location == "?" and "crash" not in report:  # an older report (above)
+        return step in (recorded[0], recorded[0] + 1)
+    return recorded[0] == step
 
 
 # ------------------------------------------------------------------------------ same code?
@@ -274,8 +289,12 @@ def replay_verdict(
     if result.crash is not None:
         step = result.crash_step or 0
         at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)
-        if recorded is not None and recorded[0] == step and recorded[1].type == result.crash.type:
-            moved = f" (recorded at {recorded[1].location})" if recorded[1].location != result.crash.location else ""
+        if recorded is not None and _same_crash(recorded, report, step, result.crash):
+            moved = (
+                f" (recorded at {recorded[1].location})"
+                if recorded[1].location not in ("?", result.crash.location)
+                else ""
+            )
             _say(
                 f"[bold red]the recorded {_kind(result.crash)} reproduces[/] in {at}: "
                 f"{escape(result.crash.describe())}{escape(moved)}"

@@ -244,3 +244,19 @@ def test_a_nondeterministic_report_replays_as_nondeterministic(run, capsys):
     assert main(["replay", str(path)]) == 1
     said = capsys.readouterr().out
     assert "nondeterministic" in said and "step 1 (admit)" in said
+
+
+def test_a_crash_report_from_before_crashes_were_recorded_replays_as_the_crash(run, capsys, tmp_path):
+    """Older reports recorded the crashing operation as answered ("-> ok") and kept only the
+    error text: replay still reproduces the crash rather than calling it a divergence."""
+    _, _, report, _ = run("keyerror-in-free")
+    del report["crash"]
+    for step in report["trace"]:
+        step.pop("crash", None)
+    report["trace"][-1]["outcome"] = "ok"
+    old = tmp_path / "old-report.json"
+    old.write_text(json.dumps(report))
+    assert main(["replay", str(old)]) == 1
+    said = capsys.readouterr().out
+    assert "the recorded crash reproduces" in said and "KeyError" in said
+    assert "diverged" not in said and "holds" not in said
