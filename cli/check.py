@@ -461,7 +461,11 @@ def write_reproducer(
 ) -> dict[str, Any]:
     """Write the standalone reproducer if one can be made *and* it fails on this target."""
     assert o.config is not None
-    meta = {"kvspec_version": kvspec.__version__, "vllm_version": here.version if here else None}
+    meta = {
+        "kvspec_version": kvspec.__version__,
+        "vllm_version": here.version if here else None,
+        "focus": list(o.focus) if o.focus is not None else None,
+    }
     made = generate(impl, o.config, o.trace, o.violations, meta)
     if isinstance(made, NotReproducible):
         out.print(f"[yellow]no standalone reproducer[/]: {escape(made.reason)}")

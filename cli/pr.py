@@ -29,7 +29,7 @@ from kvspec.targets.registry import TargetError, parse
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FOUND, EXIT_OK, UsageError, out
+from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, out
 from .target import provisioned_targets
 
 # What a `kvspec replay` printed when the trace could not be applied as recorded.
@@ -101,14 +101,17 @@ def _kvspec(args: list[str], *, capture: bool = False) -> subprocess.CompletedPr
     )
 
 
-def replays_on(report: Path, flags: list[str]) -> str:
-    """'reproduces', 'holds' or 'diverged': ``kvspec replay`` of ``report`` on a target."""
+def replays_on(report: Path, flags: list[str], *, unusable_ok: bool = False) -> str:
+    """'reproduces', 'holds' or 'diverged' (or, with ``unusable_ok``, 'cannot run': the target
+    lacks the report's manager or configuration): ``kvspec replay`` of ``report`` on a target."""
     proc = _kvspec(["replay", str(report), *flags], capture=True)
     text = proc.stdout + proc.stderr
     if proc.returncode == EXIT_OK:
         return "holds"
     if proc.returncode == EXIT_FOUND:
         return "diverged" if any(d in text for d in DIVERGED) else "reproduces"
+    if unusable_ok and proc.returncode == EXIT_USAGE:
+        return "cannot run"
     raise UsageError(f"kvspec replay {report} {' '.join(flags)} failed (exit {proc.returncode}):\n{text[-2000:]}")
 
 
@@ -212,7 +215,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     verdicts: list[tuple[str, str]] = []
     for version in releases_between(args.releases):
         out.print(f"replaying on vLLM {version} ...", markup=False)
-        verdicts.append((version, replays_on(report, ["--vllm", version])))
+        verdicts.append((version, replays_on(report, ["--vllm", version], unusable_ok=True)))
     table = Table(title=f"{report} across releases", title_justify="left")
     table.add_column("release")
     table.add_column("verdict")

@@ -86,7 +86,7 @@ def generate(
 ) -> Reproducer | NotReproducible:
     """A standalone reproducer for a violation found on ``impl`` (a kvspec impl name)."""
     if impl in LEGACY_MANAGERS:
-        return _straight_line_legacy(impl, config, trace, meta)
+        return _straight_line_legacy(impl, config, trace, violations, meta)
     if impl == "v1":
         family, template = "v1", _V1
     else:
@@ -126,9 +126,16 @@ def generate(
 
 
 def _straight_line_legacy(
-    impl: str, config: Config, trace: Sequence[TraceStep], meta: Mapping[str, Any]
+    impl: str,
+    config: Config,
+    trace: Sequence[TraceStep],
+    violations: Sequence[Violation],
+    meta: Mapping[str, Any],
 ) -> Reproducer | NotReproducible:
-    """The legacy managers' reproducer: the adapter's own calls, recorded (``straight_line``)."""
+    """The legacy managers' reproducer: the adapter's own calls, recorded (``straight_line``).
+
+    The replay watches what the run watched (``meta["focus"]``; a crash found under a focus
+    may lie behind violations of invariants the run did not watch), else the violated ones."""
     from kvspec.adapters.legacy import LegacyAdapter
 
     from . import straight_line
@@ -137,7 +144,10 @@ def _straight_line_legacy(
         return LegacyAdapter(config, manager=LEGACY_MANAGERS[impl], recorder=recorder)
 
     try:
-        recording = straight_line.record(build, trace)
+        focus = meta.get("focus")
+        if focus is None and violations:
+            focus = sorted({v.invariant for v in violations})
+        recording = straight_line.record(build, trace, focus)
         title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}."
         text, checks = straight_line.write(recording, trace, title=title, config=config)
     except straight_line.NotStraightLine as why:

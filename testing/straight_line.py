@@ -33,8 +33,13 @@ from .driver import Driver, TraceStep, apply_step
 
 CRASH = "crash"
 
-# Invariants a straight-line file can check without kvspec's shadow KV memory.
-COUNT_CHECKS = frozenset({"refcount-exact", "no-leak", "window-bound"})
+# Invariants a straight-line file can check: the count-based ones from the manager's own
+# counts; immutability (an overwrite within one sequence) and prefix-cache-consistency (a
+# block marked computed that nothing computed) from the slot mapping and the computed marks,
+# with kvspec's shadow memory reduced to the few facts the check needs, written as literals.
+STRAIGHT_CHECKS = frozenset(
+    {"refcount-exact", "no-leak", "window-bound", "immutability", "prefix-cache-consistency"}
+)
 
 
 @attrs.frozen
@@ -110,10 +115,10 @@ def write(
         else:
             body.append(line.code)
     else:
-        state_checks, needed = _state_checks(recording)
+        state_checks, needed, named = _state_checks(recording)
         body.extend(state_checks)
         helpers.extend(needed)
-        checks.extend(_ids(recording.violations, COUNT_CHECKS))
+        checks.extend(named)
     if not checks:
         raise NotStraightLine(_why_not(recording))
     name = "test_" + re.sub(r"\W", "_", checks[0])
@@ -181,14 +186,16 @@ def _live_gpu_tables(recording: Recording) -> list[TableView]:
     ]
 
 
-def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., Any]]]:
-    """Checks of the manager's own counts at the failing operation, with kvspec's expectation
-    written in as literals (computed by the spec, not restated here)."""
-    ids = _ids(recording.violations, COUNT_CHECKS)
+def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., Any]], list[str]]:
+    """Checks of the manager's own state at the failing operation, with kvspec's expectation
+    written in as literals (computed by the spec, not restated here); and the IDs checked."""
+    ids = _ids(recording.violations, STRAIGHT_CHECKS)
     lines: list[str] = []
     helpers: list[Callable[..., Any]] = []
+    named: list[str] = []
     d = recording.driver
     if "refcount-exact" in ids:
+        named.append("refcount-exact")
         holders: Counter[int] = Counter()
         for table in _live_gpu_tables(recording):
             holders.update(table.held())
@@ -204,6 +211,7 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
         message = next(v.message for v in recording.violations if v.invariant == "window-bound")
         m = re.match(r"seq (\d+) holds (\d+) blocks .* needs at most (\d+)", message)
         if m:
+            named.append("window-bound")
             seq, bound = int(m.group(1)), int(m.group(3))
             helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids]
             lines += [
@@ -212,14 +220,61 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
                 f'    pytest.fail(f"[window-bound] seq {seq}: expected at most {bound} blocks, '
                 f'observed {{len(held)}} ({{held}})")',
             ]
+    for inv, check in (("immutability", _overwrite_check), ("prefix-cache-consistency", _uncomputed_hit_check)):
+        written = check(recording, helpers) if inv in ids else []
+        if written:
+            named.append(inv)
+            lines += written
     if "no-leak" in ids:
+        named.append("no-leak")
         helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts]
         lines += [
             "in_use = {b: rc for b, rc in gpu_refcounts(mgr).items() if rc}",
             "if in_use:  # every sequence is freed",
             '    pytest.fail(f"[no-leak] expected no block in use, observed refcounts {in_use}")',
         ]
-    return lines, helpers
+    return lines, helpers, named
+
+
+OVERWRITE = re.compile(r"seq (\d+): writing position (\d+) into block (\d+) slot (\d+) overwrites position (\d+)")
+UNWRITTEN_HIT = re.compile(r"gpu block (\d+) can be handed out as a cache hit for (\[[\d, ]*\])")
+
+
+def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]]) -> list[str]:
+    """Two positions of one sequence mapped to one slot: the later write destroys the earlier."""
+    for v in recording.violations:
+        m = OVERWRITE.match(v.message) if v.invariant == "immutability" else None
+        if m is None:
+            continue
+        seq, new, _, _, old = (int(g) for g in m.groups())
+        helpers += [legacy_harness.is_v1_manager, legacy_harness.slot_of]
+        B = recording.driver.config.block_size
+        return [
+            f"new, old = slot_of(mgr, {seq}, {new}, {B}), slot_of(mgr, {seq}, {old}, {B})",
+            "if new == old:  # the worker writes through this mapping",
+            f'    pytest.fail(f"[immutability] seq {seq}: expected position {new} in a slot of its own, '
+            f'observed it written over position {old} at (block, offset) {{new}}")',
+        ]
+    return []
+
+
+def _uncomputed_hit_check(recording: Recording, helpers: list[Callable[..., Any]]) -> list[str]:
+    """A block the allocator marks computed although no sequence has computed its positions."""
+    d = recording.driver
+    for v in recording.violations:
+        m = UNWRITTEN_HIT.match(v.message) if v.invariant == "prefix-cache-consistency" else None
+        if m is None:
+            continue
+        block, tokens = int(m.group(1)), m.group(2)
+        computed = ", ".join(f"seq {s} {d.seqs[s].num_computed}" for s in sorted(d.seqs))
+        helpers += [legacy_harness.is_v1_manager, legacy_harness.marked_computed]
+        return [
+            f"# tokens computed by the worker so far: {computed}; none wrote block {block}",
+            f"if marked_computed(mgr, {block}):",
+            f'    pytest.fail("[prefix-cache-consistency] block {block} (tokens {tokens}): expected not '
+            f'computed, observed marked computed, so a prefix lookup can hand out KV nothing wrote")',
+        ]
+    return []
 
 
 def _why_not(recording: Recording) -> str:

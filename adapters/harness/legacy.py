@@ -195,3 +195,26 @@ def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
     null = getattr(mgr.block_allocator, "_null_block", None)
     null_id = null.block_id if null is not None else None
     return [b for b in table.physical_block_ids if b is not None and b != null_id]
+
+
+def slot_of(mgr: Any, seq_id: int, position: int, block_size: int) -> tuple[int | None, int]:
+    """The (block, offset) the worker writes ``position`` of ``seq_id`` into, through the
+    block table the manager hands the worker (BlockSpaceManagerV1's sliding-window tables
+    repeat blocks: entry i is physical block ``i % block_sliding_window``)."""
+    table = mgr.block_tables[seq_id]
+    index, offset = divmod(position, block_size)
+    if is_v1_manager(mgr):
+        return table[index].block_number, offset
+    return table.physical_block_ids[index], offset
+
+
+def marked_computed(mgr: Any, block: int) -> bool:
+    """Whether the prefix cache may hand ``block`` out as a hit: the allocator counts its KV
+    as computed (V2 ``block_is_computed``, BlockSpaceManagerV1 ``PhysicalTokenBlock.computed``)."""
+    if is_v1_manager(mgr):
+        allocator = mgr.gpu_allocator
+        blocks = [*allocator.cached_blocks.values(), *allocator.evictor.free_table.values()]
+        return any(b.block_number == block and b.computed for b in blocks)
+    from vllm.utils import Device
+
+    return bool(mgr.block_allocator._allocators[Device.GPU].block_is_computed(block))
