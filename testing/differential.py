@@ -107,6 +107,10 @@ class Lockstep:
             prefill,
             self.target.config.prefix_caching,
             self.target.refusal_window_drops > 0,
+            within_declared_reserve=not any(
+                v.invariant == "admission-completeness" for v in self.target.pending
+            ),
+            earlier_difference=bool(self.allowed or self.untracked),
         )
         why = explained(m, self.known)
         if why is not None:
@@ -247,6 +251,8 @@ class DifferentialMachine(KVCacheMachine):
         if self.lockstep is None or self.failed:
             return
         self.stats.add(self.driver)
+        for _, why in self.lockstep.allowed:
+            self.stats.divergences[why.id] = self.stats.divergences.get(why.id, 0) + 1
         found = self.lockstep.free_all()
         if found:
             raise SpecViolation(found, self.driver.trace)

@@ -25,6 +25,12 @@ class Mismatch:
     prefill: bool  # the sequence had uncomputed prompt tokens at the time
     caching: bool = False  # prefix caching on
     dropped_on_refusal: bool = False  # a refusal earlier in the run released window blocks
+    # The target's own driver judged this refusal within the reserve the target declares
+    # (its admission-completeness check passed): spec/admission.py AdmissionPolicy.
+    within_declared_reserve: bool = False
+    # An allowed difference (or a sequence no longer compared) came earlier in the run: only
+    # after one can the two prefix caches hold different blocks.
+    earlier_difference: bool = False
 
 
 @attrs.frozen
@@ -57,8 +63,9 @@ KNOWN: tuple[Divergence, ...] = (
     ),
     Divergence(
         "conservative-admission",
-        "an implementation may refuse an admission whose exact need fits (policy freedom, "
-        "spec/admission.py): legacy can_allocate keeps watermark_blocks back; V1 0.33's "
+        "an implementation may refuse an admission whose exact need fits only within the reserve "
+        "it declares (spec/admission.py AdmissionPolicy, judged by admission-completeness): "
+        "legacy can_allocate keeps watermark_blocks back and counts the whole prompt; V1 0.33's "
         "allocate_slots(full_sequence_must_fit=True) admits only if the whole request fits",
         "vllm/core/block_manager_v2.py can_allocate (0.6.3); "
         "vllm/v1/core/kv_cache_manager.py allocate_slots full_sequence_must_fit (0.33.0)",
@@ -67,6 +74,7 @@ KNOWN: tuple[Divergence, ...] = (
             and m.op in ("admit", "readmit")
             and m.target is False
             and m.reference is True
+            and m.within_declared_reserve
         ),
     ),
     Divergence(
@@ -87,12 +95,18 @@ KNOWN: tuple[Divergence, ...] = (
     Divergence(
         "cache-hit-policy",
         "with prefix caching, which cached blocks survive is eviction policy (and V1 keeps "
-        "duplicate cached blocks), so an implementation may find more of a prompt cached than "
-        "the reference (or less), share differently, and so admit or step where the "
-        "reference's pool is full (or the other way round): with caching on, outcomes are "
-        "policy",
+        "duplicate cached blocks), so once an allowed difference has made the two pools "
+        "differ, an implementation may find more of a prompt cached than the reference (or "
+        "less), share differently, and so admit or step where the reference's pool is full "
+        "(or the other way round); before any recorded difference the two caches are equal "
+        "and outcomes must agree (hit-completeness judges each lookup on its own)",
         "vllm/v1/core/block_pool.py (eviction order, NOTE #1 on duplicates)",
-        lambda m: m.caching and m.mode == "outcomes" and m.op in ("admit", "readmit", "step"),
+        lambda m: (
+            m.caching
+            and m.earlier_difference
+            and m.mode == "outcomes"
+            and m.op in ("admit", "readmit", "step")
+        ),
     ),
 )
 

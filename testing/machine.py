@@ -103,6 +103,8 @@ class RunStats:
     # Admissions per kind of extra key ("cache_salt", "lora", "mm"), and KV-cache events seen.
     extras: dict[str, int] = attrs.Factory(dict)
     events: int = 0
+    # Allowed divergences a differential run used, by ID (testing/divergences.py).
+    divergences: dict[str, int] = attrs.Factory(dict)
 
     def add(self, driver: Driver) -> None:
         self.examples += 1

@@ -44,3 +44,16 @@ def test_known_divergences_are_documented():
     for d in KNOWN:
         assert d.reason and d.upstream and callable(d.applies), d.id
     assert len({d.id for d in KNOWN}) == len(KNOWN)
+
+
+def test_stateful_differential_refuses_a_manager_that_admits_nothing():
+    """A manager that answers LATER to everything (no reserve declared) is not an allowed
+    divergence: conservative-admission covers only refusals within the declared reserve."""
+    from kvspec.reference.broken import RefuseAll
+
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(
+            lambda: DifferentialMachine(RefuseAll, mode=Mode.OUTCOMES, focus={"kv-readback"}),
+            settings=settings(settings(), report_multiple_bugs=False),
+        )
+    assert {v.invariant for v in caught.value.violations} == {"differential/outcomes"}

@@ -108,3 +108,67 @@ def test_v1_full_sequence_must_fit_is_needed():
     assert _found(impl, trace, "admission-completeness", None) == []
     alarms = _found(_v1(config), trace, "admission-completeness", "full_sequence_must_fit")
     assert alarms and "refused" in alarms[0], alarms
+
+
+# ---------------------------------------------------------------- divergences are needed
+
+
+def _lockstep_found(impl, trace, drop: str | None, monkeypatch):
+    from kvspec.reference import ReferenceManager
+    from kvspec.testing import differential
+
+    monkeypatch.setattr(differential, "note", lambda _msg: None)  # no hypothesis test here
+    from kvspec.testing.differential import Lockstep, Mode
+    from kvspec.testing.divergences import KNOWN
+    from kvspec.testing.driver import Driver
+
+    known = tuple(d for d in KNOWN if d.id != drop)
+    ls = Lockstep(Driver(impl), Driver(ReferenceManager(impl.config)), Mode.RENAMING, known)
+    found = []
+    for op in trace:
+        a = op["args"]
+        if op["op"] == "admit":
+            ls.admit(a["seq"], a["tokens"], a["num_new_tokens"])
+        else:
+            ls.step(a["seq"], a["num_new_tokens"])
+        found += [v for v in ls.check() if v.invariant.startswith("differential/")]
+    return [str(v) for v in found], [d.id for _, d in ls.allowed]
+
+
+LEGACY_DIVERGENCES = [
+    # The watermark refusal of the freedom test above: the reference admits.
+    (
+        "conservative-admission",
+        Config(block_size=2, num_blocks=4),
+        {"watermark": 0.5},
+        [_admit(0, [1]), _admit(1, [2, 2, 2])],
+    ),
+    # allocate() takes all three prompt blocks for a one-token first chunk.
+    (
+        "legacy-whole-prompt-allocation",
+        Config(block_size=2, num_blocks=8),
+        {},
+        [_admit(0, [1, 2, 3, 4, 5], 1)],
+    ),
+]
+
+
+@requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
+@pytest.mark.parametrize(
+    ("divergence", "config", "kw", "trace"), LEGACY_DIVERGENCES, ids=[c[0] for c in LEGACY_DIVERGENCES]
+)
+def test_legacy_divergence_is_needed(divergence, config, kw, trace, monkeypatch):
+    clean, used = _lockstep_found(_legacy("v2", config, **kw), trace, None, monkeypatch)
+    assert clean == [] and divergence in used, (clean, used)
+    alarms, _ = _lockstep_found(_legacy("v2", config, **kw), trace, divergence, monkeypatch)
+    assert alarms, f"without {divergence} the lockstep comparison should object"
+
+
+@requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
+def test_conservative_admission_stops_at_the_declared_reserve(monkeypatch):
+    """The same refusal with the watermark left out of the declared policy is a completeness
+    violation of the target, and no longer an allowed divergence."""
+    impl = _legacy("v2", Config(block_size=2, num_blocks=4), watermark=0.5)
+    impl.admission_policy = attrs.evolve(impl.admission_policy, watermark_blocks=0)
+    alarms, used = _lockstep_found(impl, [_admit(0, [1]), _admit(1, [2, 2, 2])], None, monkeypatch)
+    assert alarms and "conservative-admission" not in used, (alarms, used)
