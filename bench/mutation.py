@@ -549,8 +549,10 @@ def _spawn_worker(target: str, task: str, params: dict[str, Any], log_path: Path
     params_file = log_path.with_suffix(".params.json")
     params_file.write_text(json.dumps({**params, "target": target}))
     out = log_path.with_suffix(".out.json")
+    # Offline: a test that needs a model download fails at once instead of retrying the hub
+    # with back-off sleeps (it is then deselected as failing on the unmutated code).
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("CI", None)
     cmd = [python, "-m", "bench", "_worker", task, str(params_file), str(out)]
     with open(log_path, "w") as log:
