@@ -78,6 +78,18 @@ MAX_NUM_SEQS = 16  # running requests at most (SchedulerConfig asks the budget t
 NGRAM_LOOKUP = 2  # prompt_lookup_max of the ngram proposer (required by SpeculativeConfig)
 
 
+def _hash_fn(name: str) -> Any:
+    """The release's prefix-cache hash function by name (it moved in 0.11)."""
+    for module in ("vllm.utils.hashing", "vllm.utils"):
+        try:
+            fn = getattr(importlib.import_module(module), "get_hash_fn_by_name", None)
+        except ImportError:
+            continue
+        if fn is not None:
+            return fn(name)
+    raise ConfigError("this vLLM release has no get_hash_fn_by_name")
+
+
 def _tiny_model_dir() -> Path:
     root = Path(tempfile.gettempdir()) / "kvspec-tiny-llama"
     root.mkdir(parents=True, exist_ok=True)
@@ -115,9 +127,6 @@ class VLLMV1SchedulerAdapter:
             for name, spec in specs
         ]
         # vLLM's startup check at its edge: one request of max_model_len fits exactly.
-        plan = importlib.import_module("vllm.v1.core.kv_cache_planning")
-        if not hasattr(plan, "max_memory_usage_bytes"):
-            raise ConfigError(f"vLLM {v.version}: no kv_cache_planning.max_memory_usage_bytes")
         self.minimum_blocks = sum(
             -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes) for _, spec in specs
         )
@@ -152,9 +161,8 @@ class VLLMV1SchedulerAdapter:
         self.num_lookahead_tokens: int = self.scheduler.num_lookahead_tokens
         self._hasher = None
         if shape.prefix_caching:
-            hashing = importlib.import_module("vllm.utils.hashing")
             algo = _config_default(v.config.CacheConfig, "prefix_caching_hash_algo", "sha256")
-            hash_fn = hashing.get_hash_fn_by_name(algo)
+            hash_fn = _hash_fn(algo)
             from . import v1 as _v1
 
             if not _v1._NONE_HASH_SEEDED:
@@ -288,7 +296,7 @@ class VLLMV1SchedulerAdapter:
             scheduled.append(
                 Scheduled(self._seq_of[req_id], starts[req_id], n, len(drafts), drafts)
             )
-        preempted = tuple(self._seq_of[r] for r in (so.preempted_req_ids or ()))
+        preempted = tuple(self._seq_of[r] for r in (getattr(so, "preempted_req_ids", None) or ()))
         finished = tuple(self._seq_of[r] for r in so.finished_req_ids if r in self._seq_of)
         for r in self._req.values():
             self._learn(r)
@@ -365,7 +373,12 @@ class VLLMV1SchedulerAdapter:
                 raise RuntimeError(f"a block is cached under a hash no request produced ({h!r})")
             entries = entry.values() if isinstance(entry, dict) else (entry,)
             per_group[group].extend((key, b.block_id) for b in entries)
-        cached_all = tuple(e for g in per_group for e in g)
+        # A block may be cached under several keys of one group (0.33 registers a block
+        # under each hash-block boundary it holds, for fine-grained hits): listed by block and
+        # key length, so that its longest key is the one ``PoolView.cached_key_of`` keeps
+        # whatever order vLLM's map iterates in.
+        per_group = [sorted(g, key=lambda e: (e[1], len(e[0].chain))) for g in per_group]
+        cached_all = tuple(sorted((e for g in per_group for e in g), key=lambda e: (e[1], len(e[0].chain))))
         gpu = PoolView(
             ids=ids,
             refcounts={b.block_id: b.ref_cnt for b in blocks},
