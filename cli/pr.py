@@ -147,7 +147,9 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     out.rule(f"HEAD: {' '.join(head_flags)}")
     searched("HEAD", _kvspec([*common, *head_flags, *extra, "--out", str(head_out)]), head_out)
     out.rule(f"BASE: {' '.join(base_flags)}")
-    searched("BASE", _kvspec([*common, *base_flags, "--out", str(base_out)]), base_out)
+    # A checkout BASE runs like HEAD: in the same venv, as the same release.
+    base_extra = extra if base_flags[0] == "--vllm-source" else []
+    searched("BASE", _kvspec([*common, *base_flags, *base_extra, "--out", str(base_out)]), base_out)
     head, base = findings(head_out), findings(base_out)
     base_keys = {f.key for f in base}
     head_keys = {f.key for f in head}
@@ -157,7 +159,7 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         if f.key in base_keys:
             rows.append(("on both", f, "-"))
             continue
-        verdict = replays_on(f.report, [*base_flags])
+        verdict = replays_on(f.report, [*base_flags, *base_extra])
         kind = {"holds": "REGRESSION", "diverged": "REGRESSION (BASE takes another path)"}.get(
             verdict, "on both (BASE's search missed it)"
         )

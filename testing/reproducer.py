@@ -148,7 +148,7 @@ def _straight_line_legacy(
         if focus is None and violations:
             focus = sorted({v.invariant for v in violations})
         recording = straight_line.record(build, trace, focus)
-        title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}."
+        title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}:"
         text, checks = straight_line.write(recording, trace, title=title, config=config)
     except straight_line.NotStraightLine as why:
         return NotReproducible(str(why))
