@@ -32,6 +32,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .lock import (
     KNOWN_PLACEHOLDERS,
     Flag,
@@ -176,11 +178,11 @@ def kvspec_is_current(t: Target) -> bool:
     return marker.exists() and marker.read_text().strip() == kvspec_stamp()
 
 
-def install_kvspec(t: Target, progress: Progress) -> None:
-    """(Re)install this checkout of kvspec into the target venv, editable.  uv keeps every
-    installed distribution that satisfies kvspec's requirements as it is."""
+def install_kvspec(t: Target, progress: Progress) -> bool:
+    """(Re)install this checkout of kvspec into the target venv, editable; whether it did.  uv
+    keeps every installed distribution that satisfies kvspec's requirements as it is."""
     if kvspec_is_current(t):
-        return
+        return False
     progress(f"installing kvspec from {REPO} into {t.venv}")
     _run(
         _uv("pip", "install", "--python", str(t.python), "-e", str(REPO)),
@@ -189,6 +191,7 @@ def install_kvspec(t: Target, progress: Progress) -> None:
         timeout=INSTALL_TIMEOUT_S,
     )
     (t.venv / "kvspec-source.txt").write_text(kvspec_stamp())
+    return True
 
 
 # ------------------------------------------------------------------------------ checks
@@ -382,8 +385,12 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
     t = target(version, engine)
     if t.is_provisioned():
         progress(f"vLLM {version}: reusing {t.venv}")
-        install_kvspec(t, progress)
-        report(ensure_record(t, progress), t.venv, progress)
+        reinstalled = install_kvspec(t, progress)
+        record = ensure_record(t, progress)
+        if reinstalled:  # kvspec's own requirements may have brought distributions in
+            record = attrs.evolve(record, packages=scan(t.venv))
+            write_record(t.venv, record)
+        report(record, t.venv, progress)
         return t
     cutoff = cutoff_for(version)
     check_disk(t)
