@@ -217,7 +217,11 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     verdicts: list[tuple[str, str]] = []
     for version in releases_between(args.releases):
         out.print(f"replaying on vLLM {version} ...", markup=False)
-        verdicts.append((version, replays_on(report, ["--vllm", version], unusable_ok=True)))
+        verdict = replays_on(report, ["--vllm", version], unusable_ok=True)
+        if verdict == "cannot run" and json.loads(report.read_text()).get("impl") == "legacy-v2":
+            # SelfAttnBlockSpaceManager is BlockSpaceManagerV2 renamed (0.6.3.post1 on).
+            verdict = replays_on(report, ["--vllm", version, "--impl", "legacy-self-attn"], unusable_ok=True)
+        verdicts.append((version, verdict))
     table = Table(title=f"{report} across releases", title_justify="left")
     table.add_column("release")
     table.add_column("verdict")
