@@ -19,7 +19,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing.driver import TraceStep
-from kvspec.testing.guard import Guard
+from kvspec.testing.guard import Guard, GuardTripped
 from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.machine import RunStats
 from kvspec.testing.report import (
@@ -52,7 +52,7 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, print_found, print_known, run_search, summary_json
-from .shapes import run_v1_shapes, shapes_exit
+from .shapes import ShapesOutcome, run_v1_shapes, shapes_exit
 from .target import (
     VllmHere,
     check_impl_name,
@@ -230,7 +230,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     print_table(summary)
     # vLLM's own V1 scheduler in production shapes (cli/shapes.py): hybrid groups, async,
     # spec decode, token budget, startup-minimum pools.
-    shaped = run_v1_shapes(args, impl, here, focus)
+    shaped = _guarded_shapes(args, impl, here, focus, guard)
     if not search.found:
         if search.fired and search.last.status == "holds":
             out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
@@ -238,7 +238,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
             return EXIT_FOUND  # a known bug of this target is still a violation
         code = report_outcome(args, argv, search.last, here, impl, overrides)
         print_known(search)
-        return shapes_exit(code, shaped)
+        return shapes_exit(code, shaped) if guard.tripped is None else max(code, EXIT_FOUND)
     base = output_dir(args, impl)
     entries = []
     for n, found in enumerate(search.found, 1):
@@ -262,6 +262,24 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     path = write_report(base / "summary.json", summary_json(search, entries, overrides))
     out.print(f"summary: {path}", markup=False, soft_wrap=True)
     return EXIT_FOUND
+
+
+def _guarded_shapes(
+    args: argparse.Namespace,
+    impl: str,
+    here: VllmHere | None,
+    focus: tuple[str, ...] | None,
+    guard: Guard,
+) -> ShapesOutcome | None:
+    """The scheduler-shapes run under the run's limits; a hang or runaway there is reported."""
+    if guard.tripped is not None:
+        return None  # the target already hung or ran away: its scheduler is not run again
+    try:
+        with guard.armed():
+            return run_v1_shapes(args, impl, here, focus, guard=guard)
+    except GuardTripped as trip:
+        out.print(f"[bold red]scheduler shapes: {escape(trip.message)}[/]", soft_wrap=True)
+        return None
 
 
 def known_for(args: argparse.Namespace, impl: str, here: VllmHere | None) -> list[KnownFinding]:

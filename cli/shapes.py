@@ -178,9 +178,12 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
     }
 
 
-def run_v1_shapes(args: Any, impl: str, here: Any, focus: tuple[str, ...] | None) -> ShapesOutcome | None:
+def run_v1_shapes(
+    args: Any, impl: str, here: Any, focus: tuple[str, ...] | None, guard: Any = None
+) -> ShapesOutcome | None:
     """The scheduler-shapes run of ``kvspec check``: on a V1 target checked as ``v1`` (the
-    default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply."""
+    default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply.
+    ``guard`` (``testing.guard.Guard``, armed by the caller) limits every scheduler call."""
     if here is None or impl != "v1" or getattr(args, "no_shapes", False):
         return None
     try:
@@ -188,6 +191,8 @@ def run_v1_shapes(args: Any, impl: str, here: Any, focus: tuple[str, ...] | None
     except ImportError as error:
         out.print(f"[yellow]scheduler shapes not run[/]: {escape(str(error))}")
         return None
+    if guard is not None:
+        factory = guard.wrap(factory)
     o = run_shapes(
         factory,
         profile=args.profile,
