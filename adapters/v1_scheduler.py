@@ -41,6 +41,7 @@ and are refused with ``ConfigError`` naming what is missing (``_build``), not gu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -112,15 +113,26 @@ class VLLMV1SchedulerAdapter:
         async_mod = importlib.import_module("vllm.v1.core.sched.async_scheduler")
         self._outputs = importlib.import_module("vllm.v1.outputs")
         so_mod = importlib.import_module("vllm.v1.structured_output")
-        if "block_size" not in _params(sched_mod.Scheduler.__init__):
-            raise ConfigError(f"vLLM {v.version}: Scheduler takes no block_size; adapter unaware")
 
         groups = shape.groups()
         B = shape.block_size
         if any(B % g.block_size for g in groups):
             raise ConfigError(f"group block sizes must divide the scheduler's block size {B}")
         self.hash_block_size = math.gcd(*(g.block_size for g in groups))
-        vllm_config = self._vllm_config(shape)
+        self._sched_params = _params(sched_mod.Scheduler.__init__)
+        if self.hash_block_size != B and "hash_block_size" not in self._sched_params:
+            raise ConfigError(
+                f"vLLM {v.version}: one block size for every KV-cache group (the Scheduler "
+                "takes no hash_block_size)"
+            )
+        fields = {f.name for f in dataclasses.fields(v.config.SchedulerConfig)}
+        self._has_full_isl = "scheduler_reserve_full_isl" in fields
+        if shape.full_sequence_must_fit and not self._has_full_isl:
+            raise ConfigError(f"vLLM {v.version}: no SchedulerConfig.scheduler_reserve_full_isl")
+        try:
+            vllm_config = self._vllm_config(shape)
+        except ValueError as err:  # pydantic's ValidationError: the release refuses the shape
+            raise ConfigError(f"vLLM {v.version} refuses the shape: {str(err).splitlines()[-2:]}") from err
         specs = self._specs(shape)
         kcg = [
             _build(v.kci.KVCacheGroupSpec, layer_names=[name], kv_cache_spec=spec)
@@ -141,13 +153,14 @@ class VLLMV1SchedulerAdapter:
         vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
         cls = async_mod.AsyncScheduler if shape.async_scheduling else sched_mod.Scheduler
         # The parameters of Scheduler.__init__ (AsyncScheduler takes *args, **kwargs).
+        # Before 0.11 the Scheduler read its block size off the cache config.
+        extra = {"block_size": B, "hash_block_size": self.hash_block_size}
         self.scheduler = cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=so_mod.StructuredOutputManager(vllm_config),
-            block_size=B,
-            hash_block_size=self.hash_block_size,
             log_stats=False,
+            **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self.manager = self.scheduler.kv_cache_manager
         self.group_specs = groups
@@ -165,10 +178,11 @@ class VLLMV1SchedulerAdapter:
             hash_fn = _hash_fn(algo)
             from . import v1 as _v1
 
-            if not _v1._NONE_HASH_SEEDED:
+            if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
-            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+            if hasattr(v.kcu, "get_request_block_hasher"):  # 0.10.1+; before, the manager hashes
+                self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
         self._epochs: dict[int, int] = {}
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
@@ -196,7 +210,11 @@ class VLLMV1SchedulerAdapter:
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
             async_scheduling=shape.async_scheduling,
-            scheduler_reserve_full_isl=shape.full_sequence_must_fit,
+            **(
+                {"scheduler_reserve_full_isl": shape.full_sequence_must_fit}
+                if self._has_full_isl
+                else {}
+            ),
         )
         cache_config = c.CacheConfig(
             block_size=shape.block_size, enable_prefix_caching=shape.prefix_caching
@@ -340,6 +358,8 @@ class VLLMV1SchedulerAdapter:
         a multiple of the hash block uses the hash at its block's end (``BlockHashListWith
         BlockSize``, vllm/v1/core/kv_cache_utils.py:1157)."""
         hashes = getattr(request, "block_hashes", None)
+        if not hashes and hasattr(self.manager, "req_to_block_hashes"):
+            hashes = self.manager.req_to_block_hashes.get(request.request_id)  # before 0.10.1
         if not hashes:
             return
         tokens = tuple(request.all_token_ids)
@@ -366,8 +386,10 @@ class VLLMV1SchedulerAdapter:
         raw = pool.cached_block_hash_to_block
         raw = getattr(raw, "_cache", raw)
         for vkey, entry in raw.items():
-            group = kcu.get_group_id(vkey)
-            h = kcu.get_block_hash(vkey)
+            if hasattr(kcu, "get_group_id"):  # 0.11+: hash bytes + a 4-byte group id
+                group, h = kcu.get_group_id(vkey), kcu.get_block_hash(vkey)
+            else:  # 0.9-0.10: BlockHashWithGroupId(block_hash, group_id)
+                group, h = vkey.group_id, vkey.block_hash
             key = self._keys.get(h)
             if key is None:
                 raise RuntimeError(f"a block is cached under a hash no request produced ({h!r})")

@@ -34,7 +34,7 @@ from .common import out
 # The scheduler machine's share of a profile: each example builds vLLM's scheduler (a few
 # tens of milliseconds once imported), and runs fewer, longer-lived steps than the
 # block-manager machine.
-EXAMPLES_SHARE = 3  # a third of the profile's examples
+EXAMPLES_SHARE = 1  # as many examples as the block-manager search
 
 
 @attrs.define
