@@ -322,11 +322,11 @@ def replay_verdict(
         what = f"step {recorded[0]}: {recorded[1].describe()}" if recorded[0] else _outside(recorded[1].call)
         if same is not False:
             _say(
-                f"[yellow]nondeterministic[/]: the recorded crash ({escape(what)}) did not recur "
+                f"[yellow]nondeterministic[/]: the recorded {_kind(recorded[1])} ({escape(what)}) did not recur "
                 f"{unchanged[same]}" + (f"; {escape(difference.describe())}" if difference else "")
             )
             return EXIT_FOUND
-        _say(f"the recorded crash ({escape(what)}) does not occur on this code")
+        _say(f"the recorded {_kind(recorded[1])} ({escape(what)}) does not occur on this code")
     found = result.violations
     if not found:
         if recorded_ids and same is True:
