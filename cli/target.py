@@ -447,7 +447,7 @@ def probe(here: VllmHere, impl: str) -> None:
     understands this release's API.  Bad news is bad input (exit 2), with the first lines.
     A constructor that raises, hangs or runs away once vLLM has imported is the target's
     fault, not bad input: the guarded run meets it again and reports it as a crash."""
-    guard = Guard(Limits(PROBE_TIMEOUT, DEFAULT_MEMORY_CAP_GIB))
+    guard = Guard(Limits(PROBE_TIMEOUT, DEFAULT_MEMORY_CAP_GIB), address_limit=False)
     factory = guard.wrap(factory_for(impl))
     with captured_fds() as noise, guard.armed():
         try:
