@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the oracle watches only these invariants (default: every one)")
     m.add_argument("--search", choices=("default", "swarm"), default="default",
                    help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
+    m.add_argument("--keys", nargs="*", metavar="KEY",
+                   help="run exactly these mutants (module:site:op:variant) instead of a sample")
     m.add_argument("--no-replay", action="store_true",
                    help="do not replay a survivor on the baseline's traces (the evidence for "
                    "'suspected equivalent'; it doubles a survivor's cost)")

@@ -619,6 +619,9 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
     covered = {m.key for m in mutants if _covered(m, cov_import, cov_run)}
     chosen = sample(mutants, args.max_mutants)
+    if args.keys:  # a re-run of chosen mutants (say, the survivors under another search)
+        wanted = set(args.keys)
+        chosen = [m for m in mutants if m.key in wanted]
     outdir = workdir / "mutants"
     outdir.mkdir(exist_ok=True)
     tests = None
