@@ -101,6 +101,7 @@ TARGETS: dict[str, dict[str, Any]] = {
 }
 
 SAMPLE_SEED = 20240601
+PER_TEST_LIMIT = 8  # seconds a vLLM test may take on the clean run (bench.vllm_tests)
 
 
 # ---------------------------------------------------------------- the import hook
@@ -387,7 +388,8 @@ def _run_vllm_tests(p: dict[str, Any], mutation: dict[str, Any] | None, out_path
     if mutation is None:
         by_file = {path: name for name, path in p["paths"].items()}
         res = vllm_tests.run(t["root"], t["files"], t["deselect"], first_failure=False,
-                             coverage=by_file if t.get("coverage") else None)
+                             coverage=by_file if t.get("coverage") else None,
+                             per_test_limit=t.get("per_test_limit"))
     else:
         res = vllm_tests.run(t["root"], mutation.get("tests") or t["files"], t["deselect"],
                              first_failure=True)
@@ -698,7 +700,8 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
     assert version is not None
     files = SUITES[version]
     root = str(tests_root(version))
-    tp = {"root": root, "files": files, "deselect": [], "coverage": True}
+    tp = {"root": root, "files": files, "deselect": [], "coverage": True,
+          "per_test_limit": PER_TEST_LIMIT}
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None,
                 "kind": "vllm-tests", "timeout": 3600}
     # The clean run with per-test coverage is the slow part: kept per (sources, test files).

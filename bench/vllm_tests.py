@@ -23,6 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:
+    from pytest import hookimpl as pytest_hookimpl
+except ImportError:  # the core venv without pytest: only the fetch side is used there
+    def pytest_hookimpl(**_kw):
+        return lambda f: f
+
 # The unit tests of the modules under mutation, per release (paths inside the sdist).
 SUITES: dict[str, list[str]] = {
     "0.33.0": [
@@ -202,6 +208,35 @@ class _PerTestCoverage:
         return out
 
 
+class TestTooSlow(Exception):
+    """A test ran past the clean run's per-test limit."""
+
+
+class _PerTestLimit:
+    """pytest plugin for the clean run: a test past ``seconds`` fails (and is then deselected
+    for every mutant, and listed).  On 0.33.0 the tests that build a model config spawn
+    ``python -m vllm.model_executor.models.registry`` per model and, offline, fail after
+    minutes of it; the limit keeps the clean run within a benchmark's budget."""
+
+    def __init__(self, seconds: int) -> None:
+        self.seconds = seconds
+
+    def _alarm(self, signum, frame):
+        raise TestTooSlow(f"over {self.seconds} s on the clean run")
+
+    @pytest_hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        import signal
+
+        previous = signal.signal(signal.SIGALRM, self._alarm)
+        signal.alarm(self.seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+
 def _short(report) -> str:
     text = str(report.longrepr) if report.longrepr is not None else ""
     lines = [x for x in text.splitlines() if x.startswith("E ")]
@@ -209,7 +244,8 @@ def _short(report) -> str:
 
 
 def run(root: str, files: list[str], deselect: list[str], *, first_failure: bool,
-        coverage: dict[str, str] | None = None) -> dict[str, Any]:
+        coverage: dict[str, str] | None = None, per_test_limit: int | None = None
+        ) -> dict[str, Any]:
     """Run the files (or test node ids) with pytest here; ``first_failure`` stops at the
     first failing test; ``coverage`` (copy path -> module) records each test's lines."""
     import pytest
@@ -232,6 +268,8 @@ def run(root: str, files: list[str], deselect: list[str], *, first_failure: bool
             cov = _PerTestCoverage(coverage)
     if cov is not None:
         plugins.append(cov)
+    if per_test_limit:
+        plugins.append(_PerTestLimit(per_test_limit))
     start = time.perf_counter()
     code = int(pytest.main(args, plugins=plugins))
     counts: dict[str, int] = {}
