@@ -282,11 +282,21 @@ class VLLMV1Adapter:
             watermark_when_idle=False,
             full_sequence_must_fit=self.full_sequence_must_fit,
             hit_drops_last_block=use_eagle,
+            window_retains_reachable_only=hasattr(
+                importlib.import_module("vllm.v1.core.single_type_kv_cache_manager"),
+                "SlidingWindowManager",
+            )
+            and hasattr(
+                importlib.import_module("vllm.v1.core.single_type_kv_cache_manager")
+                .SlidingWindowManager,
+                "reachable_block_mask",
+            ),
             sources=(
                 ("watermark_blocks", "v1/core/kv_cache_manager.py:210,518-525 (0.33.0)"),
                 ("watermark_when_idle", "v1/core/kv_cache_manager.py:520-525 (0.33.0)"),
                 ("full_sequence_must_fit", "v1/core/kv_cache_manager.py:530-548 (0.33.0)"),
                 ("hit_drops_last_block", "KVCacheManager(use_eagle=True)"),
+                ("window_retains_reachable_only", "single_type_kv_cache_manager.py:1067-1145"),
             ),
         )
 

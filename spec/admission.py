@@ -91,6 +91,11 @@ class AdmissionPolicy:
     hits_with_window         whether a sliding-window sequence gets prefix hits at all (legacy
                              up to 0.6.3: the worker skips cached blocks only without a window,
                              worker/model_runner.py:505-559).
+    window_retains_reachable_only  a sliding-window sequence's computed blocks are published
+                             only where a later hit can use them: the ``ceil((W-1)/B)`` blocks
+                             before each alignment boundary, none at all when that is 0 (V1
+                             0.33.0 ``SlidingWindowManager.reachable_block_mask``,
+                             single_type_kv_cache_manager.py:1067-1145, 956-966).
     """
 
     watermark_blocks: int = 0
@@ -102,6 +107,7 @@ class AdmissionPolicy:
     step_checks_group: bool = False
     hit_drops_last_block: bool = False
     hits_with_window: bool = True
+    window_retains_reachable_only: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -205,6 +211,15 @@ def reserve_refusal_allowed(
     if policy.step_block_per_sequence:
         bound = max(bound, group_running)
     return bound > available
+
+
+def publication_required(window: int | None, block_size: int, policy: AdmissionPolicy) -> bool:
+    """Whether a computed full block must become findable by its key (``hit-completeness``):
+    always, except for a sliding window of which no earlier block can serve a hit
+    (``ceil((W-1)/B) == 0``) under ``window_retains_reachable_only``."""
+    if window is None or not policy.window_retains_reachable_only:
+        return True
+    return blocks_for_tokens(window - 1, block_size) > 0
 
 
 def min_hit_blocks(expected: int, window: int | None, policy: AdmissionPolicy) -> int:

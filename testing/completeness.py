@@ -23,6 +23,7 @@ from kvspec.spec.admission import (
     admission_reserve,
     blocks_held_alone,
     min_hit_blocks,
+    publication_required,
     step_need,
     step_touched,
 )
@@ -191,6 +192,8 @@ class CompletenessObserver:
         if not config.prefix_caching:
             return []
         B = config.block_size
+        if not publication_required(config.sliding_window, B, self.policy):
+            return []
         state = self.driver.state
         model = self.driver.seqs.get(seq_id)
         table = state.tables.get(seq_id)
