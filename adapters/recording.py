@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,7 @@ QUERIES = frozenset(
         "hash_of_block",
         "get_num_computed_tokens",
         "get_block_table",
+        "take_events",
     }
 )
 
@@ -65,6 +67,7 @@ class Recorder:
         self.names: dict[int, str] = {}
         self._keep: list[Any] = []  # named objects stay alive so their ids stay unique
         self.imports: dict[str, set[str]] = {}
+        self.modules: set[str] = set()  # plain ``import X``
         self.op_index = 0
         self._counters: dict[str, int] = {}
 
@@ -105,8 +108,19 @@ class Recorder:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{self.render(k)}: {self.render(v)}" for k, v in value.items()) + "}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+            fields = {
+                f.name: getattr(value, f.name)
+                for f in dataclasses.fields(value)
+                if f.init and not _is_default(f, getattr(value, f.name))
+            }
             return f"{self.imported(type(value))}({self.arguments((), fields)})"
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            self.modules.add("torch")
+            return str(value)  # torch.float16
+        if (inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.isclass(value)) and (
+            "<" not in getattr(value, "__qualname__", "<")
+        ):
+            return self.imported(value)
         if type(value).__module__.startswith("vllm") and _default_constructed(value):
             return f"{self.imported(type(value))}()"
         raise Unrecordable(f"cannot write {type(value).__qualname__} as a literal")
@@ -138,10 +152,23 @@ class Recorder:
             raise
         if method in ANSWERS:
             line.answer = self.render(result)
-        elif result is not None and _is_object(result):
+        elif _is_object(result) and id(result) not in self.names:  # a known object keeps its name
             label = self.name(result, PREFIXES.get(type(result).__name__, "r"))
             line.code = f"{label} = {expr}"
+        elif isinstance(result, tuple) and any(_is_object(v) for v in result) and id(result) not in self.names:
+            # e.g. get_computed_blocks -> (blocks, hit): the tuple is named, its objects by index
+            label = self.name(result, "r")
+            for i, v in enumerate(result):
+                if _is_object(v) and v is not None:
+                    self.names.setdefault(id(v), f"{label}[{i}]")
+                    self._keep.append(v)
+            line.code = f"{label} = {expr}"
         return self.wrap(result)
+
+    def note(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Write ``fn(*args)`` without calling it: process-wide set-up the adapter already did
+        (once per process) that a fresh reproducer process must do itself."""
+        self.lines.append(Line(f"{self.imported(fn)}({self.arguments(args, {})})", self.op_index))
 
     def assign(self, owner: str, attr: str, value: Any) -> None:
         self.lines.append(Line(f"{owner}.{attr} = {self.render(value)}", self.op_index))
@@ -194,6 +221,22 @@ class Recorded:
         self._rec.assign(self._label, attr, value)
         setattr(self._real, attr, _unwrap(value))
 
+    # Reads through containers the adapter iterates (a request's token list): not recorded.
+    def __iter__(self) -> Any:
+        return iter(self._real)
+
+    def __len__(self) -> int:
+        return len(self._real)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._real[key]
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._real
+
+    def __bool__(self) -> bool:
+        return bool(self._real)
+
     def __eq__(self, other: object) -> bool:
         return self._real == _unwrap(other)
 
@@ -222,7 +265,20 @@ def _unwrap(value: Any) -> Any:
 
 
 def _is_object(value: Any) -> bool:
-    return not isinstance(value, bool | int | float | str | bytes | list | tuple | dict | set | frozenset)
+    return value is not None and not isinstance(
+        value, bool | int | float | str | bytes | list | tuple | dict | set | frozenset
+    )
+
+
+def _is_default(field: dataclasses.Field, value: Any) -> bool:
+    try:
+        if field.default is not dataclasses.MISSING:
+            return bool(value == field.default)
+        if field.default_factory is not dataclasses.MISSING:
+            return bool(value == field.default_factory())
+    except Exception:
+        return False
+    return False
 
 
 def _default_constructed(value: Any) -> bool:

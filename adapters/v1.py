@@ -90,6 +90,8 @@ from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey, as_extra, key_of
 from kvspec.spec.state import Device, KVState, PoolView, TableView
 
+from .recording import Recorder, real
+
 # The NONE_HASH seed is process-global in vLLM; seeding it again would change the hashes of
 # every manager already alive in this process, so it is seeded once, like the engine core does.
 _NONE_HASH_SEEDED = False
@@ -140,8 +142,9 @@ def _config_default(cls: Any, name: str, fallback: Any) -> Any:
     return param.default
 
 
-def _build(cls: Any, **candidates: Any) -> Any:
-    """Construct a vLLM dataclass/class passing only the keyword arguments it accepts.
+def _build(cls: Any, recorder: Recorder | None = None, prefix: str = "", **candidates: Any) -> Any:
+    """Construct a vLLM dataclass/class passing only the keyword arguments it accepts (through
+    ``recorder`` when given: the call is written down as ``prefix<n> = cls(...)``).
 
     A required parameter no candidate supplies is an API change this adapter does not know:
     fail loudly rather than guess.
@@ -158,6 +161,8 @@ def _build(cls: Any, **candidates: Any) -> Any:
     ]
     if missing:
         raise ConfigError(f"{cls.__name__} of this vLLM release needs {missing}; adapter unaware")
+    if recorder is not None:
+        return recorder.construct(cls, kwargs, prefix)
     return cls(**kwargs)
 
 
@@ -197,8 +202,10 @@ class VLLMV1Adapter:
         admit_lookahead: int | None = None,
         hash_algo: str | None = None,
         int_event_hashes: bool | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.config = config
+        self._rec = recorder
         self.int_event_hashes = (
             config.num_blocks % 2 == 0 if int_event_hashes is None else int_event_hashes
         )
@@ -244,12 +251,18 @@ class VLLMV1Adapter:
             if not _NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _NONE_HASH_SEEDED = True
-            self._block_hasher = _build(v.kcu.get_request_block_hasher, block_size=B,
-                                        hash_block_size=B, caching_hash_fn=hash_fn)
+            if recorder is not None and hasattr(v.kcu, "init_none_hash"):
+                recorder.note(v.kcu.init_none_hash, hash_fn)  # a fresh process seeds it too
+            self._block_hasher = _build(v.kcu.get_request_block_hasher, recorder, "hasher",
+                                        block_size=B, hash_block_size=B, caching_hash_fn=hash_fn)
 
         # ------------------------------------------------ the manager, as the scheduler builds it
+        # ``_manager`` is what the protocol calls (recorded when a recorder is given); ``_raw``
+        # is what observation reads, never recorded.
         self._manager = _build(
             v.kcm.KVCacheManager,
+            recorder,
+            "mgr",
             kv_cache_config=kv_cache_config,
             max_model_len=max_model_len,
             enable_caching=config.prefix_caching,
@@ -262,6 +275,7 @@ class VLLMV1Adapter:
             max_in_flight_tokens=max_in_flight_tokens,
             pcp_world_size=1,
         )
+        self._raw = real(self._manager)
         self.max_model_len = max_model_len
         self.use_eagle = use_eagle
         self._count_allocations()
@@ -332,7 +346,7 @@ class VLLMV1Adapter:
         like the same block, and its new writes like overwrites.
         """
         self._epochs: Counter[int] = Counter()
-        pool = self._manager.block_pool
+        pool = self._raw.block_pool
         allocate = pool.get_new_blocks
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -464,7 +478,7 @@ class VLLMV1Adapter:
         """Translate what ``take_events`` hands the engine into spec events, in order."""
         if Capability.KV_EVENTS not in self.capabilities:
             return
-        for event in self._manager.block_pool.take_events():
+        for event in self._raw.block_pool.take_events():
             kind = type(event).__name__
             if kind == "AllBlocksCleared":
                 self._events.append(CacheEvent(EventKind.CLEARED))
@@ -496,7 +510,11 @@ class VLLMV1Adapter:
         for cap, used in wanted.items():
             if used and cap not in self.capabilities:
                 raise Unsupported(f"vLLM {self.vllm_version}: requests take no {cap.value}")
-        sampling = v.sampling.SamplingParams(max_tokens=self.max_model_len)
+        sampling_args = {"max_tokens": self.max_model_len}
+        if self._rec is not None:
+            sampling = self._rec.construct(v.sampling.SamplingParams, sampling_args, "sampling")
+        else:
+            sampling = v.sampling.SamplingParams(**sampling_args)
         fields: dict[str, Any] = dict(
             multi_modal_inputs=None,
             multi_modal_kwargs=None,
@@ -507,6 +525,8 @@ class VLLMV1Adapter:
         fields.update(self._mm_fields(extra, req_params))
         return _build(
             v.request.Request,
+            self._rec,
+            "req",
             request_id=f"seq{seq_id}-{next(self._ids)}",
             prompt=None,
             prompt_token_ids=list(tokens),
@@ -528,8 +548,8 @@ class VLLMV1Adapter:
     def _learn_hashes(self, seq_id: int, request: Any) -> None:
         """Map the release's hash of every full block of the request to its PrefixKey."""
         hashes = getattr(request, "block_hashes", None)
-        if not hashes and hasattr(self._manager, "req_to_block_hashes"):
-            hashes = self._manager.req_to_block_hashes.get(request.request_id)
+        if not hashes and hasattr(self._raw, "req_to_block_hashes"):
+            hashes = self._raw.req_to_block_hashes.get(real(request).request_id)
         if not hashes:
             return
         tokens = tuple(request.all_token_ids)
@@ -547,7 +567,7 @@ class VLLMV1Adapter:
                 self.hash_collisions.append((h, old, key))
 
     def _group_blocks(self, request_id: str) -> list[Any]:
-        m = self._manager
+        m = self._raw
         if hasattr(m, "coordinator"):
             return list(m.coordinator.get_blocks(request_id)[0])
         if hasattr(m, "single_type_manager"):
@@ -715,7 +735,7 @@ class VLLMV1Adapter:
 
     def observe(self) -> KVState:
         self._drain_events()
-        pool = self._manager.block_pool
+        pool = self._raw.block_pool
         null = pool.null_block
         blocks = [b for b in pool.blocks if b is not null]
         ids = tuple(b.block_id for b in blocks)

@@ -86,8 +86,12 @@ def generate(
 ) -> Reproducer | NotReproducible:
     """A standalone reproducer for a violation found on ``impl`` (a kvspec impl name)."""
     if impl in LEGACY_MANAGERS:
-        return _straight_line_legacy(impl, config, trace, violations, meta)
+        return _straight_line(impl, config, trace, violations, meta)
     if impl == "v1":
+        made = _straight_line(impl, config, trace, violations, meta)
+        if isinstance(made, Reproducer):
+            return made
+        # Not recordable as literals (e.g. multimodal feature objects): the trace interpreter.
         family, template = "v1", _V1
     else:
         return NotReproducible(
@@ -125,32 +129,39 @@ def generate(
     return Reproducer(name, text, tuple(checks))
 
 
-def _straight_line_legacy(
+def _straight_line(
     impl: str,
     config: Config,
     trace: Sequence[TraceStep],
     violations: Sequence[Violation],
     meta: Mapping[str, Any],
 ) -> Reproducer | NotReproducible:
-    """The legacy managers' reproducer: the adapter's own calls, recorded (``straight_line``).
+    """The reproducer as the adapter's own calls, recorded (``straight_line``).
 
     The replay watches what the run watched (``meta["focus"]``; a crash found under a focus
     may lie behind violations of invariants the run did not watch), else the violated ones."""
-    from kvspec.adapters.legacy import LegacyAdapter
+    from kvspec.adapters.recording import Unrecordable
 
     from . import straight_line
 
     def build(recorder):
+        if impl == "v1":
+            from kvspec.adapters.v1 import VLLMV1Adapter
+
+            return VLLMV1Adapter(config, recorder=recorder)
+        from kvspec.adapters.legacy import LegacyAdapter
+
         return LegacyAdapter(config, manager=LEGACY_MANAGERS[impl], recorder=recorder)
 
     try:
         focus = meta.get("focus")
         if focus is None and violations:
             focus = sorted({v.invariant for v in violations})
-        recording = straight_line.record(build, trace, focus)
+        engine = "v1" if impl == "v1" else "legacy"
+        recording = straight_line.record(build, trace, focus, engine)
         title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}:"
         text, checks = straight_line.write(recording, trace, title=title, config=config)
-    except straight_line.NotStraightLine as why:
+    except (straight_line.NotStraightLine, Unrecordable) as why:
         return NotReproducible(str(why))
     except ModuleNotFoundError as err:
         return NotReproducible(f"writing it replays the trace on vLLM, which does not import here ({err})")

@@ -23,7 +23,8 @@ from typing import Any
 
 import attrs
 from kvspec.adapters.harness import legacy as legacy_harness
-from kvspec.adapters.recording import Line, Recorder
+from kvspec.adapters.harness import v1 as v1_harness
+from kvspec.adapters.recording import Line, Recorder, Unrecordable
 from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError, NoFreeBlocks
 from kvspec.spec.invariants import INVARIANTS, Violation
@@ -51,6 +52,7 @@ class Recording:
     crash: BaseException | None
     failed_at: int  # 1-based operation index; len(trace) + 1 for the final free-all
     driver: Driver
+    engine: str = "legacy"  # which harness module's readers the checks use: legacy or v1
 
 
 class NotStraightLine(KVSpecError):
@@ -58,26 +60,35 @@ class NotStraightLine(KVSpecError):
 
 
 def record(
-    build: Callable[[Recorder], Any], trace: Sequence[TraceStep], focus: Sequence[str] | None = None
+    build: Callable[[Recorder], Any],
+    trace: Sequence[TraceStep],
+    focus: Sequence[str] | None = None,
+    engine: str = "legacy",
 ) -> Recording:
     """Replay ``trace`` through the adapter ``build(recorder)`` makes, recording every call."""
     recorder = Recorder()
     driver = Driver(build(recorder), focus=focus)
+    return _replay(recorder, driver, trace, engine)
+
+
+def _replay(recorder: Recorder, driver: Driver, trace: Sequence[TraceStep], engine: str) -> Recording:
     for index, step in enumerate(trace, 1):
         recorder.op_index = index
         try:
             apply_step(driver, step)
+        except Unrecordable:
+            raise
         except Exception as err:  # the target crashed under the protocol
-            return Recording(recorder, (), err, index, driver)
+            return Recording(recorder, (), err, index, driver, engine)
         found = driver.check()
         if found:
-            return Recording(recorder, tuple(found), None, index, driver)
+            return Recording(recorder, tuple(found), None, index, driver, engine)
     recorder.op_index = len(trace) + 1
     try:
         found = driver.free_all()
     except Exception as err:
-        return Recording(recorder, (), err, len(trace) + 1, driver)
-    return Recording(recorder, tuple(found), None, len(trace) + 1, driver)
+        return Recording(recorder, (), err, len(trace) + 1, driver, engine)
+    return Recording(recorder, tuple(found), None, len(trace) + 1, driver, engine)
 
 
 # ---------------------------------------------------------------- writing the file
@@ -168,7 +179,7 @@ def _asserted(line: Line) -> str:
 def _failure(line: Line, last_answer: Line | None, recording: Recording) -> tuple[str, str]:
     err = line.raised
     assert err is not None
-    if legacy_harness.is_out_of_blocks(err) or isinstance(err, NoFreeBlocks):
+    if legacy_harness.is_out_of_blocks(err) or isinstance(err, NoFreeBlocks) or _v1_out_of_blocks(err):
         if last_answer is not None and last_answer.op_index == line.op_index:
             asked = last_answer.target.split("(")[0].rsplit(".", 1)[-1]
             said = f"{asked} answered {last_answer.answer}"
@@ -176,6 +187,31 @@ def _failure(line: Line, last_answer: Line | None, recording: Recording) -> tupl
             said = "the scheduler was told the slots fit"
         return "admission-soundness", f"{said}, so expected {line.call} to succeed; observed it raise"
     return CRASH, f"expected {line.call} to return; observed it raise"
+
+
+def _v1_out_of_blocks(err: BaseException) -> bool:
+    """V1 ``BlockPool.get_new_blocks``: "Cannot get N free blocks from the pool" after
+    ``allocate_slots`` decided the request fits (it returns None when it does not)."""
+    return isinstance(err, ValueError) and "free blocks" in str(err)
+
+
+READERS = {
+    "legacy": {
+        "gpu_refcounts": [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts],
+        "gpu_block_ids": [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids],
+        "slot_of": [legacy_harness.is_v1_manager, legacy_harness.slot_of],
+        "marked_computed": [legacy_harness.is_v1_manager, legacy_harness.marked_computed],
+    },
+    "v1": {
+        "gpu_refcounts": [v1_harness.gpu_refcounts],
+        "gpu_block_ids": [v1_harness.gpu_block_ids],
+    },
+}
+
+
+def _readers(recording: Recording, name: str) -> list[Callable[..., Any]] | None:
+    """The harness functions a check reading ``name`` copies in (None: none on this engine)."""
+    return READERS[recording.engine].get(name)
 
 
 def _expect_no_raise(line: Line, invariant: str, message: str) -> list[str]:
@@ -214,7 +250,7 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
         for table in _live_gpu_tables(recording):
             holders.update(table.held())
         wrong = {b: holders.get(b, 0) for b, rc in d.state.gpu.refcounts.items() if rc != holders.get(b, 0)}
-        helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts]
+        helpers += _readers(recording, "gpu_refcounts") or []
         lines += [
             f"expected = {wrong!r}  # live block-table slots holding each block",
             "observed = {b: gpu_refcounts(mgr)[b] for b in expected}",
@@ -227,7 +263,7 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
         if m:
             named.append("window-bound")
             seq, bound = int(m.group(1)), int(m.group(3))
-            helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids]
+            helpers += _readers(recording, "gpu_block_ids") or []
             lines += [
                 f"held = gpu_block_ids(mgr, {seq})",
                 f"if len(held) > {bound}:  # the blocks the window and this step can touch",
@@ -241,7 +277,7 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
             lines += written
     if "no-leak" in ids:
         named.append("no-leak")
-        helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_refcounts]
+        helpers += _readers(recording, "gpu_refcounts") or []
         lines += [
             "in_use = {b: rc for b, rc in gpu_refcounts(mgr).items() if rc}",
             "if in_use:  # every sequence is freed",
@@ -258,10 +294,11 @@ def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]]) ->
     """Two positions of one sequence mapped to one slot: the later write destroys the earlier."""
     for v in recording.violations:
         m = OVERWRITE.match(v.message) if v.invariant == "immutability" else None
-        if m is None:
+        readers = _readers(recording, "slot_of")
+        if m is None or readers is None:
             continue
         seq, new, _, _, old = (int(g) for g in m.groups())
-        helpers += [legacy_harness.is_v1_manager, legacy_harness.slot_of]
+        helpers += readers
         B = recording.driver.config.block_size
         return [
             f"new, old = slot_of(mgr, {seq}, {new}, {B}), slot_of(mgr, {seq}, {old}, {B})",
@@ -277,11 +314,12 @@ def _uncomputed_hit_check(recording: Recording, helpers: list[Callable[..., Any]
     d = recording.driver
     for v in recording.violations:
         m = UNWRITTEN_HIT.match(v.message) if v.invariant == "prefix-cache-consistency" else None
-        if m is None:
+        readers = _readers(recording, "marked_computed")
+        if m is None or readers is None:
             continue
         block, tokens = int(m.group(1)), m.group(2)
         computed = ", ".join(f"seq {s} {d.seqs[s].num_computed}" for s in sorted(d.seqs))
-        helpers += [legacy_harness.is_v1_manager, legacy_harness.marked_computed]
+        helpers += readers
         return [
             f"# tokens computed by the worker so far: {computed}; none wrote block {block}",
             f"if marked_computed(mgr, {block}):",
@@ -303,7 +341,8 @@ def _why_not(recording: Recording) -> str:
 
 
 def _import_lines(rec: Recorder) -> list[str]:
-    return [f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(rec.imports.items())]
+    plain = [f"import {module}" for module in sorted(rec.modules)]
+    return plain + [f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(rec.imports.items())]
 
 
 def _docstring(title: str, config: Config, recording: Recording, checks: Sequence[str]) -> str:

@@ -1,0 +1,26 @@
+"""Reading vLLM's V1-engine ``KVCacheManager`` (vllm/v1/core), for straight-line reproducers.
+
+The names match ``harness.legacy`` so that a reproducer's checks read the same on either
+engine.  Imports nothing: the manager's own objects carry everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def gpu_refcounts(mgr: Any) -> dict[int, int]:
+    """``ref_cnt`` of every block of the pool (vLLM's null block left out)."""
+    pool = mgr.block_pool
+    return {b.block_id: b.ref_cnt for b in pool.blocks if b is not pool.null_block}
+
+
+def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
+    """The blocks the request kvspec named ``seq<seq_id>-...`` holds (null blocks left out)."""
+    coordinator = mgr.coordinator
+    prefix = f"seq{seq_id}-"
+    for manager in coordinator.single_type_managers:
+        for request_id, blocks in manager.req_to_blocks.items():
+            if request_id.startswith(prefix):
+                return [b.block_id for b in blocks if not b.is_null]
+    return []
