@@ -110,7 +110,6 @@ class VLLMV1SchedulerAdapter:
         self.vllm_version: str = v.version
         self.name = f"vllm-v1-scheduler-{v.version}"
         sched_mod = importlib.import_module("vllm.v1.core.sched.scheduler")
-        async_mod = importlib.import_module("vllm.v1.core.sched.async_scheduler")
         self._outputs = importlib.import_module("vllm.v1.outputs")
         so_mod = importlib.import_module("vllm.v1.structured_output")
 
@@ -151,7 +150,12 @@ class VLLMV1SchedulerAdapter:
             kv_cache_groups=kcg,
         )
         vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
-        cls = async_mod.AsyncScheduler if shape.async_scheduling else sched_mod.Scheduler
+        cls = sched_mod.Scheduler
+        if shape.async_scheduling:
+            try:
+                cls = importlib.import_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
+            except ImportError as err:
+                raise ConfigError(f"vLLM {v.version} has no AsyncScheduler") from err
         # The parameters of Scheduler.__init__ (AsyncScheduler takes *args, **kwargs).
         # Before 0.11 the Scheduler read its block size off the cache config.
         extra = {"block_size": B, "hash_block_size": self.hash_block_size}
@@ -196,12 +200,16 @@ class VLLMV1SchedulerAdapter:
         # The config classes are pydantic dataclasses (0.11+): built with the arguments
         # vLLM's own tests/v1/core/utils.py create_scheduler passes, and no others.
         c = self._v.config
+        model_fields = {f.name for f in dataclasses.fields(c.ModelConfig)}
         model_config = c.ModelConfig(
             model=str(_tiny_model_dir()),
             skip_tokenizer_init=True,
             max_model_len=shape.max_model_len,
             dtype="float16",
             seed=0,
+            # Before 0.11 VllmConfig asks the platform about the V0 async output processor,
+            # which an unnamed (CPU, no GPU) platform cannot answer.
+            **({"use_async_output_proc": False} if "use_async_output_proc" in model_fields else {}),
         )
         scheduler_config = c.SchedulerConfig(
             max_num_seqs=min(MAX_NUM_SEQS, shape.max_num_batched_tokens),
@@ -237,7 +245,7 @@ class VLLMV1SchedulerAdapter:
 
     def _specs(self, shape: Shape) -> list[tuple[str, Any]]:
         kci, torch = self._v.kci, self._v.torch
-        common = dict(num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float16)
+        common = dict(num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float16, use_mla=False)
         # One page size for every group (the hybrid allocator's precondition): a group with
         # smaller blocks takes more heads per block.
         out = [(LAYER_FULL, _build(kci.FullAttentionSpec, block_size=shape.block_size, **common))]
@@ -280,6 +288,9 @@ class VLLMV1SchedulerAdapter:
             eos_token_id=None,
             arrival_time=0.0,
             mm_features=None,
+            multi_modal_kwargs=None,  # before 0.11
+            multi_modal_hashes=None,
+            multi_modal_placeholders=None,
             lora_request=None,
             cache_salt=None,
             block_hasher=self._hasher,
@@ -335,12 +346,15 @@ class VLLMV1SchedulerAdapter:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[list(sampled.get(self._seq_of[r], ())) for r in req_ids],
+            # Before 0.11 the next drafts came back in the output itself.
+            spec_token_ids=[list((drafts or {}).get(self._seq_of[r], ())) for r in req_ids],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
         )
         self.scheduler.update_from_output(so, out)
-        if drafts and not self.shape.async_scheduling:
+        takes_drafts = hasattr(self.scheduler, "update_draft_token_ids")
+        if drafts and takes_drafts and not self.shape.async_scheduling:
             ids = [self._req[s].request_id for s in drafts if self.live(s)]
             lists = [list(drafts[s]) for s in drafts if self.live(s)]
             if ids:
