@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the oracle watches only these invariants (default: every one)")
     m.add_argument("--search", choices=("default", "swarm"), default="default",
                    help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
+    m.add_argument("--assemble", metavar="WORKDIR",
+                   help="rebuild a cut-short run's result from its kept work directory and "
+                   "progress file (same --targets and --max-mutants)")
     m.add_argument("--keys", nargs="*", metavar="KEY",
                    help="run exactly these mutants (module:site:op:variant) instead of a sample")
     m.add_argument("--no-replay", action="store_true",

@@ -690,6 +690,13 @@ def _tests_for(m: Mutant, tests: dict[str, Any], workdir: Path) -> tuple[list[st
     return selected, 3 * sum(durations.get(t, 0.0) for t in selected) + 60
 
 
+def _tests_cache(root: Path, files: list[str], paths: dict[str, str]) -> Path:
+    """The clean run with per-test coverage is the slow part: kept per (sources, test files)."""
+    digest = hashlib.sha1(json.dumps([files, sorted(
+        Path(path).read_text() for path in paths.values())]).encode()).hexdigest()[:16]
+    return root / f"baseline-{digest}.json"
+
+
 def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
                          outdir: Path) -> dict[str, Any]:
     """vLLM's own tests on the unmutated copies, through the fork server: the tests that fail
@@ -704,10 +711,7 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
           "per_test_limit": PER_TEST_LIMIT}
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None,
                 "kind": "vllm-tests", "timeout": 3600}
-    # The clean run with per-test coverage is the slow part: kept per (sources, test files).
-    digest = hashlib.sha1(json.dumps([files, sorted(
-        Path(path).read_text() for path in params["paths"].values())]).encode()).hexdigest()[:16]
-    cached = Path(root) / f"baseline-{digest}.json"
+    cached = _tests_cache(Path(root), files, params["paths"])
     if cached.exists():
         print(f"{target}: vLLM's own tests on the unmutated code: cached {cached}")
         (res,) = json.loads(cached.read_text())
@@ -746,6 +750,72 @@ def _mutant_json(m: Mutant) -> dict[str, Any]:
             "original": m.original, "mutated": m.mutated, "describe": m.describe()}
 
 
+def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A target's result rebuilt from a kept work directory (``--keep``) and the progress
+    file, for a run cut short: mutants without both verdicts are *missing* and left out of
+    every figure (the render says how many)."""
+    spec = TARGETS[target]
+    modules = [m for m in spec["mutate"] if not args.modules or m in args.modules]
+    mutants: list[Mutant] = []
+    for name in modules:
+        mutants += enumerate_mutants(name, (workdir / "src" / (name.replace(".", "/") + ".py"))
+                                     .read_text())
+    base = json.loads((workdir / "baseline.out.json").read_text())
+    cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
+    cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
+    covered = {m.key for m in mutants if _covered(m, cov_import, cov_run)}
+    chosen = sample(mutants, args.max_mutants)
+    jobs = json.loads((workdir / "server.params.json").read_text())["jobs"]
+    has_tests = any(j.get("kind") == "vllm-tests" for j in jobs)
+    tested = {j["key"] for j in jobs if j.get("kind") == "vllm-tests"}
+    progress = (Path(args.results) if args.results else RESULTS) / (
+        f"mutation-progress-{split_target(target)[0]}.jsonl")
+    rows = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()]
+    kv = {r["key"]: r for r in rows if r["job"] == "kvspec"}
+    vt = {r["key"]: r for r in rows if r["job"] == "vllm-tests"}
+    result: dict[str, Any] = {"target": target, "modules": modules, "baseline": base,
+                              "generated": len(mutants), "workload": spec["workload"],
+                              "examples": args.examples, "progress": str(progress),
+                              "partial": True, "identity": kv.get("identity", {})}
+    if has_tests:
+        from .vllm_tests import SUITES, cache_root
+
+        version = split_target(target)[1]
+        here = workdir / "tests-baseline.out.json"
+        if not here.exists():  # the run took it from the cache
+            paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
+                     for n in spec["mutate"] + spec["served"]}
+            here = _tests_cache(cache_root(str(version)), SUITES[str(version)], paths)
+        (res,) = json.loads(here.read_text())
+        tests = res.get("tests", {})
+        reasons = res.get("reasons", {})
+        failing = sorted(t for t, o in tests.items() if o == "failed")
+        result["vllm_tests"] = {
+            "version": version, "files": SUITES[str(version)], "root": str(cache_root(
+                str(version))), "baseline": {k: v for k, v in res.items()
+                                             if k not in ("tests", "reasons", "coverage",
+                                                          "durations")},
+            "deselected": [{"test": t, "why": reasons.get(t, "")} for t in failing],
+            "skipped": sorted(t for t, o in tests.items() if o == "skipped"),
+            "passed": sum(o == "passed" for o in tests.values())}
+
+    def verdict(m: Mutant) -> dict[str, Any]:
+        if not has_tests:
+            return {}
+        if m.key not in tested:
+            return {"vllm_tests": {"status": "survived", "kind": "not covered by vLLM's tests"}}
+        return {"vllm_tests": vt.get(m.key, {"status": "missing"})}
+
+    result.update(
+        covered=len(covered),
+        covered_by_module=dict(Counter(m.module for m in mutants if m.key in covered)),
+        generated_by_module=dict(Counter(m.module for m in mutants)),
+        mutants=[{**_mutant_json(m), "covered": m.key in covered,
+                  **(kv.get(m.key, {"status": "missing"}) if m.key in covered
+                     else {"status": "not covered"}), **verdict(m)} for m in chosen])
+    return result
+
+
 def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the targets one after the other; each target's result (with its own command,
     machine and settings) is saved as soon as it is done, replacing an earlier result for
@@ -759,12 +829,14 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {"results": []}
     for target in targets:
         info = machine_info()
-        workdir = Path(tempfile.mkdtemp(prefix=f"kvspec-mut-{split_target(target)[0]}-"))
+        workdir = (Path(args.assemble) if args.assemble else
+                   Path(tempfile.mkdtemp(prefix=f"kvspec-mut-{split_target(target)[0]}-")))
         try:
             with Timer() as timer:
-                result = run_target(target, args, workdir)
+                result = (assemble(target, workdir, args) if args.assemble
+                          else run_target(target, args, workdir))
         finally:
-            if not args.keep:
+            if not args.keep and not args.assemble:
                 shutil.rmtree(workdir, ignore_errors=True)
             else:
                 print(f"kept {workdir}")
@@ -892,13 +964,18 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
         if r["mutants"] and "covered" not in r["mutants"][0]:
             parts += ["", "(A result of the earlier covered-only method: re-run this target.)"]
             continue
-        muts = [m for m in r["mutants"] if m["status"] != "missing"]
+        muts = [m for m in r["mutants"] if m["status"] != "missing"
+                and m.get("vllm_tests", {}).get("status") != "missing"]
         argued = [m for m in muts if m["key"] in eqs]
         live = [m for m in muts if m["key"] not in eqs]
         n = len(live)
         kv = sum(_kv_killed(m) for m in live)
         cov = [m for m in live if m["covered"]]
         kv_cov = sum(_kv_killed(m) for m in cov)
+        if r.get("partial"):
+            parts += ["", f"**Partial run** (cut at the session's deadline): "
+                      f"{len(r['mutants']) - len(muts)} of the {len(r['mutants'])} sampled mutants "
+                      "had not been through both oracles and are left out of every figure below."]
         parts += ["", f"Sample: **{len(r['mutants'])} of {r['generated']}** generated mutants "
                   f"({len(r['mutants']) - len(muts)} missing a result), {len(argued)} argued "
                   f"equivalent, {len(cov)} of the rest covered by the oracle's baseline."]
