@@ -13,10 +13,10 @@ Shapes (``Shape``), each read off the installed release (0.33.0 file:line):
 hybrid groups   a full-attention group and a sliding-window group in one ``KVCacheConfig``:
                 ``get_kv_cache_coordinator`` builds ``HybridKVCacheCoordinator``
                 (vllm/v1/core/kv_cache_coordinator.py:617).  Different block sizes per group
-                need ``hash_block_size`` (``Scheduler.__init__`` scheduler.py:92-93, the
-                coordinator's divisibility asserts kv_cache_coordinator.py:113-116, 679-686):
-                0.11+.  The hybrid coordinator itself: 0.10+.
-async           ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py; 0.10.2+):
+                need the Scheduler's ``hash_block_size`` (scheduler.py:92-93; the coordinator's
+                divisibility asserts kv_cache_coordinator.py:113-116, 679-686): 0.33.0 has it,
+                0.12.0 and 0.10.1.1 do not (one block size for every group there).
+async           ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py):
                 ``schedule()`` for step t+1 before ``update_from_output`` of step t, output
                 placeholders (async_scheduler.py:25-56).  The engine keeps two batches in
                 flight (``step_with_batch_queue``, vllm/v1/engine/core.py:708).
@@ -24,19 +24,26 @@ spec decode     ``SpeculativeConfig(method="ngram")``: ``num_spec_tokens`` draft
                 decode step (scheduler.py:297, 1312-1361, 1579); drafts arrive through
                 ``update_draft_token_ids`` (sync, engine/core.py:700-706) or as placeholders the
                 worker fills (async); rejections roll ``num_computed_tokens`` back
-                (scheduler.py:2364-2376).  0.8.3+ (the ``update_draft_token_ids`` path: 0.10+).
+                (scheduler.py:2364-2376).  0.10.1.1 takes the next drafts in
+                ``ModelRunnerOutput.spec_token_ids`` instead; 0.12.0 refuses async with
+                ngram drafts (VllmConfig validation).
 budget          ``SchedulerConfig.max_num_batched_tokens`` below ``max_model_len``: the
                 scheduler chunks long prompts by the token budget (scheduler.py:719);
-                ``scheduler_reserve_full_isl`` (0.33: scheduler.py:426, 1449) on and off.
+                ``scheduler_reserve_full_isl`` (0.33: scheduler.py:426, 1449; absent in
+                0.12.0 and before) on and off.
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
                 ``_max_memory_usage_bytes_from_groups``, vllm/v1/core/kv_cache_planning.py:151,
                 1253).
 
-Releases: built and run on 0.33.0.  Older V1 releases need other constructor arguments
-(``Scheduler(block_size=...)`` is 0.11+; before, the block size came from the cache config)
-and are refused with ``ConfigError`` naming what is missing (``_build``), not guessed.
+Releases: run on 0.33.0, 0.12.0 and 0.10.1.1 (FINDINGS.md).  Where the API moved the adapter
+reads the release (``Scheduler`` parameters, config dataclass fields, ``Request`` parameters)
+and passes what it takes: ``Scheduler(block_size=...)`` is 0.11+ (before, the cache config's
+block size), request-side block hashing is 0.10.1+ (before, the manager's
+``req_to_block_hashes``), 0.9-0.10 cache keys are ``BlockHashWithGroupId`` tuples.  A shape a
+release lacks or refuses raises ``ConfigError`` (the machine skips the example, the summary
+names it), never a guess.
 """
 
 from __future__ import annotations
