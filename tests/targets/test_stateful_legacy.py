@@ -9,8 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.config import Config
+from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
-from kvspec.testing.driver import replay
+from kvspec.testing.driver import Driver, replay
 from kvspec.testing.implementations import by_manager
 from kvspec.testing.strategies import configs
 
@@ -79,10 +80,15 @@ def test_stateful_v2_chunked_prefill_hits_uncomputed_blocks():
 def test_stateful_v2_full_attention_without_caching_holds():
     stats = RunStats()
     run_state_machine_as_test(
-        # F12 (lookahead slots + swap) and F13 (freeing a swapped-out sequence) are pinned
-        # separately; this run has no lookahead and frees only running or waiting sequences.
+        # F12 (lookahead slots + swap), F13 (freeing a swapped-out sequence) and F14 (the
+        # progress livelock of a pool-filling chunked prompt) are pinned separately; this run
+        # has no lookahead, frees only running or waiting sequences and watches the rest.
         lambda: KVCacheMachine(
-            _factory("v2"), _full(False, max_lookahead=0), stats=stats, free_swapped=False
+            _factory("v2"),
+            _full(False, max_lookahead=0),
+            stats=stats,
+            free_swapped=False,
+            focus=set(INVARIANTS) - {"progress"},
         ),
         settings=settings(settings(), report_multiple_bugs=False),
     )
@@ -133,3 +139,17 @@ def test_v2_freeing_a_swapped_out_sequence_corrupts_the_cpu_block_pool():
     config = Config(block_size=8, num_blocks=5, num_cpu_blocks=1, max_lookahead=0)
     with pytest.raises(IndexError):
         replay(_factory("v2")(config), trace)
+
+
+def test_v2_chunked_prompt_that_fills_the_pool_never_finishes():
+    """F14: a 3-token prompt fills a 2-block pool (B=2); after a 2-token chunk the last token
+    lands in the partly filled block allocate already took, yet can_append_slots counts that
+    touched block as needing a free one (block_manager_v2.py:202-229), so the request alone is
+    refused, preempted, re-admitted and refused again: it never finishes."""
+    from kvspec.testing.progress import drain
+
+    driver = Driver(_factory("v2")(Config(block_size=2, num_blocks=2)), focus={"progress"})
+    assert driver.admit(0, [0, 0, 0], 2)
+    found = drain(driver)
+    assert [v.invariant for v in found] == ["progress"], found
+    assert "never ends" in found[0].message
