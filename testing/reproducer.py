@@ -92,6 +92,11 @@ def generate(
         if isinstance(made, Reproducer):
             return made
         # Not recordable as literals (e.g. multimodal feature objects): the trace interpreter.
+        if any(s.op == "admit" and s.args.get("extra") for s in trace):
+            return NotReproducible(
+                "the trace interpreter builds plain requests only (no cache salt, LoRA adapter "
+                "or multimodal placement); use the JSON report with `kvspec replay`"
+            )
         family, template = "v1", _V1
     else:
         return NotReproducible(
