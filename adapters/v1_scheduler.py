@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import math
 import tempfile
@@ -96,6 +97,18 @@ def _hash_fn(name: str) -> Any:
         if fn is not None:
             return fn(name)
     raise ConfigError("this vLLM release has no get_hash_fn_by_name")
+
+
+def _engine_refuses_async_drafts() -> bool:
+    """Whether the release's ``EngineArgs`` refuses speculative decoding with async scheduling
+    (0.10.1.1 arg_utils.py:1220-1225; later releases refuse in VllmConfig, which raises
+    here by itself).  Read off the source: importing the engine args pulls in the engine."""
+    spec = importlib.util.find_spec("vllm.engine.arg_utils")
+    if spec is None or spec.origin is None:
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        src = f.read()
+    return "speculative decoding is not supported with" in src and "async scheduling" in src
 
 
 def _tiny_model_dir() -> Path:
@@ -158,6 +171,8 @@ class VLLMV1SchedulerAdapter:
         )
         vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
         cls = sched_mod.Scheduler
+        if shape.async_scheduling and shape.num_spec_tokens and _engine_refuses_async_drafts():
+            raise ConfigError(f"vLLM {v.version}'s EngineArgs refuses async scheduling with drafts")
         if shape.async_scheduling:
             try:
                 cls = importlib.import_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
@@ -322,6 +337,7 @@ class VLLMV1SchedulerAdapter:
     # ------------------------------------------------------------------ a step
 
     def schedule(self) -> Plan:
+        running = [r.request_id for r in self.scheduler.running]
         so = self.scheduler.schedule()
         scheduled = []
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
@@ -332,7 +348,13 @@ class VLLMV1SchedulerAdapter:
             scheduled.append(
                 Scheduled(self._seq_of[req_id], starts[req_id], n, len(drafts), drafts)
             )
-        preempted = tuple(self._seq_of[r] for r in (getattr(so, "preempted_req_ids", None) or ()))
+        if hasattr(so, "preempted_req_ids"):
+            preempted = tuple(self._seq_of[r] for r in (so.preempted_req_ids or ()))
+        else:  # before 0.11 the output does not say; the request's status does
+            status = self._v.request.RequestStatus.PREEMPTED
+            preempted = tuple(
+                self._seq_of[r] for r in running if self.scheduler.requests[r].status == status
+            )
         finished = tuple(self._seq_of[r] for r in so.finished_req_ids if r in self._seq_of)
         for r in self._req.values():
             self._learn(r)
