@@ -271,6 +271,15 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     vllm/v1/core/block_pool.py), each holding the key's tokens; a partial last block may be
     cached under its partial chain (legacy BlockSpaceManagerV1) if its first slots hold exactly
     those; the slots past the key may fill later.
+
+    Partial keys: a partial entry claims its own tokens only, and that claim is what is checked,
+    in every state -- so a superseded partial key left behind when its block is promoted and
+    later reused names someone else's tokens and is caught (broken variant
+    ``unretired-partial``).  A retired partial key may come back on a block that still holds
+    its tokens: 0.33.0 ``BlockPool.cache_partial_block`` registers a partial entry on a block
+    that already has a full primary hash (block_pool.py:495-505), so content, not history,
+    decides.  Promotion retires a block's partial keys (block_pool.py:288-297,
+    ``_remove_cached_block_hashes``) with their ``BlockRemoved`` events (``event-consistency``).
     """
     block_size = world.config.block_size
     for device, pool in _pools(world.state):
