@@ -192,6 +192,9 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
                 r["label"] = label + (" (with the explain phase)" if explain else "")
                 r["case"] = name
                 results.append(r)
+                # Saved as it goes: a long run cut short keeps the cases it finished.
+                save_result("ttc-progress", {"machine": info, "command": command_line(),
+                                             "results": results}, _out(args)[0])
     data = {"machine": info, "command": command_line(), "results": results}
     results_dir, md = _out(args)
     data["seconds"] = timer.seconds
