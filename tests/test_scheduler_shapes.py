@@ -15,7 +15,7 @@ from kvspec.testing import SpecViolation
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
 
-EXAMPLES = 200
+EXAMPLES = 150
 
 
 def _settings(n: int = EXAMPLES):
@@ -49,4 +49,6 @@ def test_broken_scheduler_passes_outside_its_shape(name):
     """Only its shape reaches the bug: the shape is what the run must generate."""
     variant = BROKEN_SCHEDULERS[name]
     outside = shapes().filter(lambda s: variant.shape not in s.tags())
-    run_state_machine_as_test(lambda: SchedulerMachine(variant.cls, outside), settings=_settings())
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(variant.cls, outside), settings=_settings(EXAMPLES // 2)
+    )
