@@ -37,7 +37,9 @@ sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at
                 ``_max_memory_usage_bytes_from_groups``, vllm/v1/core/kv_cache_planning.py:151,
                 1253).
 
-Releases: run on 0.33.0, 0.12.0 and 0.10.1.1 (FINDINGS.md).  Where the API moved the adapter
+Releases: run on 0.33.0, 0.12.0 and 0.10.1.1 (FINDINGS.md); 0.9.1's StructuredOutputManager
+builds a tokenizer even with ``skip_tokenizer_init``, so offline its scheduler cannot be built
+(``ConfigError``).  Where the API moved the adapter
 reads the release (``Scheduler`` parameters, config dataclass fields, ``Request`` parameters)
 and passes what it takes: ``Scheduler(block_size=...)`` is 0.11+ (before, the cache config's
 block size), request-side block hashing is 0.10.1+ (before, the manager's
@@ -178,13 +180,21 @@ class VLLMV1SchedulerAdapter:
                 cls = importlib.import_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
             except ImportError as err:
                 raise ConfigError(f"vLLM {v.version} has no AsyncScheduler") from err
+        try:
+            structured = so_mod.StructuredOutputManager(vllm_config)
+        except (OSError, TypeError, ValueError) as err:
+            # 0.9.x builds a tokenizer here even with skip_tokenizer_init: offline, with no
+            # tokenizer files, that release's scheduler cannot be built (no stand-in is used).
+            raise ConfigError(
+                f"vLLM {v.version}: StructuredOutputManager needs a tokenizer ({type(err).__name__})"
+            ) from err
         # The parameters of Scheduler.__init__ (AsyncScheduler takes *args, **kwargs).
         # Before 0.11 the Scheduler read its block size off the cache config.
         extra = {"block_size": B, "hash_block_size": self.hash_block_size}
         self.scheduler = cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
-            structured_output_manager=so_mod.StructuredOutputManager(vllm_config),
+            structured_output_manager=structured,
             log_stats=False,
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
