@@ -53,6 +53,7 @@ class Lockstep:
         self.untracked: set[int] = set()
         self.mismatches: list[Violation] = []
         self.allowed: list[tuple[Mismatch, Divergence]] = []
+        self.caches_differ = False  # the two prefix caches have held different keys
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -68,6 +69,11 @@ class Lockstep:
             and seq in self.target.seqs
             and (self.target.seqs[seq].num_computed < len(self.target.seqs[seq].tokens) - 1)
         )
+        if not self.caches_differ and _findable(self.target) != _findable(self.reference):
+            # Eviction order (and V1's duplicate cached blocks) made the two caches hold
+            # different keys: from here on, hits and so outcomes may differ (cache-hit-policy).
+            self.caches_differ = True
+            note("the prefix caches now hold different keys (eviction policy)")
         got = run(self.target)
         if seq is not None and seq in self.untracked:
             return got
@@ -110,7 +116,7 @@ class Lockstep:
             within_declared_reserve=not any(
                 v.invariant == "admission-completeness" for v in self.target.pending
             ),
-            earlier_difference=bool(self.allowed or self.untracked),
+            earlier_difference=bool(self.allowed or self.untracked or self.caches_differ),
         )
         why = explained(m, self.known)
         if why is not None:
@@ -208,6 +214,12 @@ class Lockstep:
                     _sharing(self.reference, shared),
                     False,
                 )
+
+
+def _findable(driver: Driver) -> frozenset:
+    """The keys a lookup of this side's prefix cache can hit."""
+    pool = driver.state.gpu
+    return frozenset(key for key, block in pool.cached if block in pool.computed)
 
 
 def _sharing(driver: Driver, seqs: list[int]) -> list[list[tuple[int, int]]]:

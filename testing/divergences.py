@@ -28,8 +28,8 @@ class Mismatch:
     # The target's own driver judged this refusal within the reserve the target declares
     # (its admission-completeness check passed): spec/admission.py AdmissionPolicy.
     within_declared_reserve: bool = False
-    # An allowed difference (or a sequence no longer compared) came earlier in the run: only
-    # after one can the two prefix caches hold different blocks.
+    # An allowed difference, a sequence no longer compared, or prefix caches holding different
+    # keys came earlier in the run: only after one can the two sides' hits differ.
     earlier_difference: bool = False
 
 
@@ -95,11 +95,11 @@ KNOWN: tuple[Divergence, ...] = (
     Divergence(
         "cache-hit-policy",
         "with prefix caching, which cached blocks survive is eviction policy (and V1 keeps "
-        "duplicate cached blocks), so once an allowed difference has made the two pools "
-        "differ, an implementation may find more of a prompt cached than the reference (or "
-        "less), share differently, and so admit or step where the reference's pool is full "
-        "(or the other way round); before any recorded difference the two caches are equal "
-        "and outcomes must agree (hit-completeness judges each lookup on its own)",
+        "duplicate cached blocks), so once the two caches hold different keys (or another "
+        "allowed difference came first), an implementation may find more of a prompt cached "
+        "than the reference (or less), share differently, and so admit or step where the "
+        "reference's pool is full (or the other way round); while the caches hold the same "
+        "keys, outcomes must agree (hit-completeness judges each lookup on its own)",
         "vllm/v1/core/block_pool.py (eviction order, NOTE #1 on duplicates)",
         lambda m: (
             m.caching
