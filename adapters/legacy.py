@@ -319,7 +319,7 @@ class LegacyAdapter:
         # seq_id -> (full blocks learned, prompt length they were hashed with)
         self._learned: dict[int, tuple[int, int]] = {}
         self._v2_hash_extra = False
-        self._v2_ids: dict[int, list[int]] = {}  # id(allocator) -> its sorted block ids
+        self._v2_ids: dict[tuple[int, int | None], list[int]] = {}  # (allocator, null id) -> ids
         if self.is_v1:
             self._v1_init_snapshot()
             self._count_v1_allocations()
@@ -752,9 +752,11 @@ class LegacyAdapter:
                     self._keys[h] = PrefixKey(tokens[: (i + 1) * B])
 
     def _v2_pool(self, allocator, *, exclude: int | None, offset: int) -> PoolView:
-        ids = self._v2_ids.get(id(allocator))
-        if ids is None:  # a pool's ids never change: sorted once, not on every observe
-            ids = self._v2_ids[id(allocator)] = sorted(
+        # A pool's ids change once at most: when the null block is carved out of it (the first
+        # windowed append), so they are sorted again only when the excluded id changes.
+        ids = self._v2_ids.get((id(allocator), exclude))
+        if ids is None:
+            ids = self._v2_ids[(id(allocator), exclude)] = sorted(
                 b for b in allocator.all_block_ids if b != exclude
             )
         hashless = getattr(allocator, "_hashless_allocator", None)
