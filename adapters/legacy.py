@@ -125,6 +125,9 @@ def manager_class(manager: str):
     """The legacy block-manager class the release's scheduler would build for ``manager``."""
     if manager not in MANAGERS:
         raise ValueError(f"manager must be one of {MANAGERS}, got {manager!r}")
+    # A vLLM that does not import at all is an import failure, not a missing manager.
+    import vllm.core.interfaces  # noqa: F401
+
     try:
         return harness.manager_class(manager)
     except (ValueError, ImportError) as err:
