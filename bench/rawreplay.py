@@ -98,8 +98,10 @@ class RawDriver:
             child = _Seq(list(parent.tokens), parent.computed)
             self.seqs[a["child"]] = child
         elif op == "free":
-            seq = self.seqs.pop(a["seq"])
-            if seq.status != "waiting":
+            # A sequence whose admission was refused waits in the scheduler's queue and may be
+            # dropped from there: nothing of it is in the block manager.
+            seq = self.seqs.pop(a["seq"], None)
+            if seq is not None and seq.status != "waiting":
                 self.impl.free(a["seq"])
         elif op == "preempt":
             self.impl.free(a["seq"])
