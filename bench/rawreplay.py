@@ -18,6 +18,7 @@ from typing import Any
 
 from kvspec.spec.errors import Rejected
 from kvspec.spec.interface import Admission, Capability
+from kvspec.spec.prefix_hash import ExtraKeys
 
 
 def strip_observation(impl: Any) -> Any:
@@ -62,12 +63,12 @@ class RawDriver:
             self.impl.append_token(seq_id, next_token)
             seq.tokens.append(next_token)
 
-    def admit(self, seq_id: int, tokens: list[int], k: int, next_token: int) -> bool:
+    def admit(self, seq_id: int, tokens: list[int], k: int, next_token: int, extra: Any = ()) -> bool:
         impl = self.impl
-        if self.check_admission and impl.can_admit(seq_id, tokens, k) is not Admission.OK:
+        if self.check_admission and impl.can_admit(seq_id, tokens, k, extra) is not Admission.OK:
             return False
         try:
-            hit = impl.admit(seq_id, tokens, k)
+            hit = impl.admit(seq_id, tokens, k, extra)
         except Rejected:
             return False
         seq = _Seq(list(tokens), hit)
@@ -89,7 +90,8 @@ class RawDriver:
     def apply(self, op: str, a: dict[str, Any], recorded: str) -> None:
         ok: bool | None = None
         if op == "admit":
-            ok = self.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0))
+            extra = ExtraKeys.from_json(a.get("extra"))  # the request's cache domain
+            ok = self.admit(a["seq"], a["tokens"], a["num_new_tokens"], a.get("next_token", 0), extra)
         elif op == "step":
             ok = self.step(a["seq"], a["num_new_tokens"], a.get("next_token", 0))
         elif op == "fork":
