@@ -15,6 +15,10 @@ read-only: failures CI stored, multiplexed with the local directory that receive
 
 The campaign stops at its time limit or at the first failure a worker reports; known findings
 are stepped past when this kvspec has the known-findings module (``kvspec.testing.known``).
+Each worker runs the target under the same guard as ``kvspec check`` (testing/guard.py:
+``--op-timeout``, ``--memory-cap``): a hanging or runaway target ends the campaign with the
+same report (outcome ``hung`` or ``memory``, the trace up to the call, the limits) and exit
+code.
 No HypoFuzz: its licence forbids use inside commercial organisations.
 """
 
@@ -37,6 +41,7 @@ from rich.markup import escape
 import kvspec
 
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, out
+from .failures import HEADLINE, STOPPED_BY_TARGET, add_limit_args, limits_from
 
 CAMPAIGN_FORMAT = "kvspec-fuzz/1"
 EXAMPLES_PER_RUN = 40  # one hypothesis run; the clock and the stop flag are read between runs
@@ -115,11 +120,12 @@ def machine_class(search: str):
 
 
 def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, Any] | None = None,
-                  step_past=None, replay_only: bool = False):
+                  step_past=None, replay_only: bool = False, guard=None):
     """A zero-argument hypothesis test of the campaign under its database key; ``record``
     receives the last example's driver (after a failure: hypothesis' final replay of the
     shrunk example) and the run's counts.  ``replay_only``: run only what the database holds
-    under the key (hypothesis' reuse phase), nothing new."""
+    under the key (hypothesis' reuse phase), nothing new.  ``guard`` (testing.guard.Guard,
+    armed by the caller) limits every call into the target."""
     from hypothesis import Phase, settings
     from hypothesis.stateful import get_state_machine_test
     from kvspec.testing import profiles  # noqa: F401  (registers the profiles)
@@ -128,6 +134,8 @@ def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, An
     from .target import factory_for
 
     factory = factory_for(campaign.impl)
+    if guard is not None:
+        factory = guard.wrap(factory)
     strategy = config_strategy(campaign.impl, campaign.overrides)
     base = machine_class(campaign.search)
     kwargs: dict[str, Any] = {"focus": campaign.focus}
@@ -193,23 +201,37 @@ def _known_policy(campaign: Campaign):
 # ------------------------------------------------------------------------------ workers
 
 
-def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, stop) -> None:
+def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, stop,
+           limits_json: dict[str, Any] | None = None) -> None:
     """One worker: hypothesis runs under the campaign key until the deadline, the stop flag,
-    or a failure (reported, with the shrunk example's trace, to the coordinator)."""
+    or a failure (reported, with the shrunk example's trace, to the coordinator); every call
+    into the target runs under the guard's limits (``limits_json``: ``Limits.to_json``)."""
     import logging
+
+    from kvspec.testing.guard import Guard, GuardTripped, Limits
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     campaign = Campaign.from_json(campaign_json)
     record: dict[str, Any] = {}
+    guard = Guard(Limits(**limits_json) if limits_json is not None else Limits())
     try:
-        test = campaign_test(campaign, max_examples=EXAMPLES_PER_RUN, record=record,
-                             step_past=_known_policy(campaign))
-        runs = 0
-        while time.time() < deadline and not stop.is_set():
-            test()
-            runs += 1
-            results.put({"worker": index, "kind": "progress", "runs": runs,
-                         "examples": record["examples"], "operations": record["operations"]})
+        with guard.armed():
+            test = campaign_test(campaign, max_examples=EXAMPLES_PER_RUN, record=record,
+                                 step_past=_known_policy(campaign), guard=guard)
+            runs = 0
+            while time.time() < deadline and not stop.is_set():
+                test()
+                runs += 1
+                results.put({"worker": index, "kind": "progress", "runs": runs,
+                             "examples": record["examples"], "operations": record["operations"]})
+    except GuardTripped as trip:  # hung or ran away: the trace and config the trip carries
+        results.put({
+            "worker": index, "kind": "failure", "outcome": trip.kind,
+            "error_type": type(trip).__name__, "message": trip.message, "violations": [],
+            "config": attrs.asdict(trip.config) if trip.config is not None else None,
+            "trace": [s.to_json() for s in trip.trace],
+            "examples": record.get("examples", 0), "operations": record.get("operations", 0)})
+        return
     except BaseException as error:  # a violation or a crash of the target: the finding
         driver = record.get("driver")
         results.put({
@@ -246,6 +268,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", metavar="KEY=VALUE",
                    help="pin a configuration field or feature (as kvspec check)")
     p.add_argument("--out", metavar="DIR", help="campaign folder (default ./kvspec-fuzz/<impl>-<time>)")
+    add_limit_args(p)
     return p
 
 
@@ -259,6 +282,7 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError("--workers must be >= 1 and --minutes > 0", "a campaign that runs nothing proves nothing")
     overrides = parse_overrides(args.config or [])
     focus = check_invariant_ids(args.invariant)
+    limits = limits_from(args)
     resolved = resolve(args, argv, args.impl)
     if isinstance(resolved, int):
         return resolved
@@ -279,8 +303,9 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     results = ctx.Queue()
     stop = ctx.Event()
     deadline = time.time() + 60 * args.minutes
-    procs = [ctx.Process(target=worker, args=(campaign.to_json(), i, deadline, results, stop),
-                         daemon=True) for i in range(args.workers)]
+    procs = [ctx.Process(target=worker, args=(campaign.to_json(), i, deadline, results, stop,
+                                              limits.to_json()), daemon=True)
+             for i in range(args.workers)]
     start = time.time()
     for proc in procs:
         proc.start()
@@ -325,16 +350,21 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
                   f"{escape(failure['message'][:2000])}")
         (folder / "summary.json").write_text(json.dumps({**summary, "outcome": "worker error"}))
         return EXIT_USAGE
-    out.print(f"[bold red]worker {failure['worker']} found a failure[/] "
-              f"({failure['error_type']}):", highlight=False)
+    stopped = failure.get("outcome") if failure.get("outcome") in STOPPED_BY_TARGET else None
+    if stopped:
+        out.print(f"[bold red]worker {failure['worker']}: {HEADLINE[stopped]}[/]", highlight=False)
+    else:
+        out.print(f"[bold red]worker {failure['worker']} found a failure[/] "
+                  f"({failure['error_type']}):", highlight=False)
     out.print(failure["message"].splitlines()[0] if failure["message"] else "", markup=False)
     from kvspec.spec.invariants import Violation
 
     config = config_from_json(failure["config"])
     trace = trace_from_json(failure["trace"])
     violations = [Violation(v["invariant"], v["message"]) for v in failure["violations"]]
+    outcome = stopped or ("violated" if violations else "error")
     report = build_report(
-        outcome="violated" if violations else "error", impl=impl, implementation_name=impl,
+        outcome=outcome, impl=impl, implementation_name=impl,
         target=target_json(here, impl), config=config,
         run={"profile": "fuzz", "seed": None, "derandomized": False,
              "steps_per_example": args.steps, "examples_run": examples,
@@ -343,14 +373,21 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
              "campaign": summary},
         trace=trace, violations=violations,
         error=None if violations else failure["message"], command=["kvspec", *argv])
+    report["limits"] = limits.to_json()
+    if trace and trace[-1].crash is not None:
+        report["crash"] = {**trace[-1].crash.to_json(), "step": len(trace), "traceback": []}
     report_path = write_report(folder / "report.json", report)
     for i, s in enumerate(trace, 1):
         out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
     summary["report"] = str(report_path)
     (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     where = f" --vllm {here.version}" if here is not None and here.kind == "release" else ""
-    out.print(f"stored in the database under {campaign.key().decode()}; replay it:", markup=False)
-    out.print(f"  python -m pytest -q {folder / 'test_fuzz_replay.py'}", markup=False, soft_wrap=True)
+    if stopped:
+        # hypothesis stores no example that ended on a limit (the search stops at once).
+        out.print("replay it (under the same limits):", markup=False)
+    else:
+        out.print(f"stored in the database under {campaign.key().decode()}; replay it:", markup=False)
+        out.print(f"  python -m pytest -q {folder / 'test_fuzz_replay.py'}", markup=False, soft_wrap=True)
     out.print(f"  kvspec replay {report_path}{where}", markup=False, soft_wrap=True)
     return EXIT_FOUND
 

@@ -56,3 +56,22 @@ def test_a_campaign_key_names_what_is_checked_not_where_it_is_stored():
     assert a.key() == Campaign("v1", "0.33.0", {}, None, "default", 40, "redis://x").key()
     assert a.key() != Campaign("v1", "0.33.0", {}, None, "swarm", 40, "/tmp/a").key()
     assert a.key() != Campaign("v1", "0.6.3", {}, None, "default", 40, "/tmp/a").key()
+
+
+def test_a_hanging_target_ends_the_campaign_as_kvspec_check_reports_it(tmp_path):
+    """The guard wraps every worker: a hang is outcome ``hung`` with the trace up to the call,
+    the limits in the report, exit code 1, and ``kvspec replay`` (same limits) hangs again."""
+    out = tmp_path / "campaign"
+    run = _kvspec("fuzz", "--impl", "broken:hang-in-free", "--workers", "1", "--minutes", "1",
+                  "--op-timeout", "0.3", "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "the target hung" in run.stdout and "target hung in free after 0.3 s" in run.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "hung"
+    assert report["trace"][-1]["op"] == "free"
+    assert report["trace"][-1]["crash"]["type"] == "TargetHung"
+    assert report["crash"]["step"] == len(report["trace"])
+    assert report["limits"] == {"op_timeout": 0.3, "memory_cap_gib": 4.0}
+    replayed = _kvspec("replay", str(out / "report.json"), cwd=tmp_path)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "hung" in replayed.stdout
