@@ -63,10 +63,11 @@ from typing import Any
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import GroupState, HybridState, Plan, Scheduled, Shape
-from kvspec.spec.prefix_hash import PrefixKey
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey
 from kvspec.spec.state import Device, PoolView, TableView
 
 from .v1 import _build, _config_default, _load_vllm, _params
+from .v1_scheduler_cache import SchedulerCacheView
 
 # The tiny model whose config.json the scheduler's ModelConfig reads (no weights, no
 # tokenizer): two layers, so one per KV-cache group.
@@ -150,6 +151,11 @@ class VLLMV1SchedulerAdapter:
         self._has_full_isl = "scheduler_reserve_full_isl" in fields
         if shape.full_sequence_must_fit and not self._has_full_isl:
             raise ConfigError(f"vLLM {v.version}: no SchedulerConfig.scheduler_reserve_full_isl")
+        # Request domains and the KV event stream (adapters/v1_scheduler_cache.py).
+        self.cache_view = SchedulerCacheView(
+            v, prefix_caching=shape.prefix_caching, num_groups=len(groups)
+        )
+        self.extra_kinds = self.cache_view.extra_kinds
         try:
             vllm_config = self._vllm_config(shape)
         except ValueError as err:  # pydantic's ValidationError: the release refuses the shape
@@ -164,6 +170,7 @@ class VLLMV1SchedulerAdapter:
             -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes) for _, spec in specs
         )
         pool_blocks = self.minimum_blocks + shape.extra_blocks
+        self.cache_view.int_event_hashes = pool_blocks % 2 == 0  # both formats across a run
         self.num_blocks = pool_blocks
         kv_cache_config = _build(
             v.kci.KVCacheConfig,
@@ -199,6 +206,7 @@ class VLLMV1SchedulerAdapter:
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self.manager = self.scheduler.kv_cache_manager
+        self.cache_view.watch(self.manager)
         self.group_specs = groups
         self.config = Config(
             block_size=B,
@@ -223,8 +231,9 @@ class VLLMV1SchedulerAdapter:
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
         self._seq_of: dict[str, int] = {}
-        self._keys: dict[Any, PrefixKey] = {}
-        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
+        self._keys: dict[Any, PrefixKey] = self.cache_view.keys
+        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = self.cache_view.hash_collisions
+        self._extra: dict[str, ExtraKeys] = {}  # request id -> its domain
 
     # ------------------------------------------------------------------ construction
 
@@ -273,6 +282,7 @@ class VLLMV1SchedulerAdapter:
             scheduler_config=scheduler_config,
             device_config=c.DeviceConfig(device="cpu"),
             speculative_config=speculative_config,
+            **self.cache_view.config_fields(),
         )
 
     def _specs(self, shape: Shape) -> list[tuple[str, Any]]:
@@ -308,7 +318,9 @@ class VLLMV1SchedulerAdapter:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
+    def add(
+        self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA
+    ) -> None:
         v = self._v
         sampling = v.sampling.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = _build(
@@ -319,22 +331,21 @@ class VLLMV1SchedulerAdapter:
             pooling_params=None,
             eos_token_id=None,
             arrival_time=0.0,
-            mm_features=None,
-            multi_modal_kwargs=None,  # before 0.11
-            multi_modal_hashes=None,
-            multi_modal_placeholders=None,
-            lora_request=None,
-            cache_salt=None,
             block_hasher=self._hasher,
+            # cache salt, LoRA, multimodal (none: the plain domain), in the release's form
+            **self.cache_view.request_fields(extra),
         )
         self._req[seq_id] = request
         self._seq_of[request.request_id] = seq_id
+        self._extra[request.request_id] = extra
         self._learn(request)
+        self.cache_view.set_hash_format()
         self.scheduler.add_request(request)
 
     def abort(self, seq_id: int) -> None:
         request = self._req[seq_id]
         status = self._v.request.RequestStatus.FINISHED_ABORTED
+        self.cache_view.set_hash_format()
         self.scheduler.finish_requests([request.request_id], status)
 
     def live(self, seq_id: int) -> bool:
@@ -348,6 +359,7 @@ class VLLMV1SchedulerAdapter:
 
     def schedule(self) -> Plan:
         running = [r.request_id for r in self.scheduler.running]
+        self.cache_view.set_hash_format()
         so = self.scheduler.schedule()
         scheduled = []
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
@@ -391,6 +403,7 @@ class VLLMV1SchedulerAdapter:
             prompt_logprobs_dict={},
             pooler_output=[],
         )
+        self.cache_view.set_hash_format()
         self.scheduler.update_from_output(so, out)
         takes_drafts = hasattr(self.scheduler, "update_draft_token_ids")
         if drafts and takes_drafts and not self.shape.async_scheduling:
@@ -407,7 +420,7 @@ class VLLMV1SchedulerAdapter:
 
     def _learn(self, request: Any) -> None:
         """Map the release's hash of every hash block to its PrefixKey (the token chain up
-        to the block's end).  Hashes chain over the whole prefix, so a group whose blocks are
+        to the block's end, in the request's domain).  Hashes chain over the whole prefix, so a group whose blocks are
         a multiple of the hash block uses the hash at its block's end (``BlockHashListWith
         BlockSize``, vllm/v1/core/kv_cache_utils.py:1157)."""
         hashes = getattr(request, "block_hashes", None)
@@ -415,19 +428,12 @@ class VLLMV1SchedulerAdapter:
             hashes = self.manager.req_to_block_hashes.get(request.request_id)  # before 0.10.1
         if not hashes:
             return
-        tokens = tuple(request.all_token_ids)
-        H = self.hash_block_size
-        for i, h in enumerate(hashes):
-            end = (i + 1) * H
-            if end > len(tokens):
-                break
-            key = PrefixKey(tokens[:end], ())
-            old = self._keys.setdefault(h, key)
-            if old != key:
-                self.hash_collisions.append((h, old, key))
+        extra = self._extra.get(request.request_id, NO_EXTRA)
+        self.cache_view.learn(hashes, tuple(request.all_token_ids), extra, self.hash_block_size)
 
     def observe(self) -> HybridState:
         kcu = self._v.kcu
+        self.cache_view.drain(self.manager)
         pool = self.manager.block_pool
         null = pool.null_block
         blocks = [b for b in pool.blocks if b is not null]
@@ -477,7 +483,8 @@ class VLLMV1SchedulerAdapter:
                     for b in held
                 )
                 tables[seq_id] = TableView(seq_id, Device.GPU, slots)
-            groups.append(GroupState(spec, tables, tuple(per_group[gi])))
+            events = self.cache_view.group_events(gi)
+            groups.append(GroupState(spec, tables, tuple(per_group[gi]), events))
         return HybridState(gpu, tuple(groups))
 
 

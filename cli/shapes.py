@@ -148,6 +148,7 @@ def print_shapes(o: ShapesOutcome) -> None:
             out.print(f"  {tag:<20} {ex:>5} examples {ops:>7} operations", markup=False)
         else:
             out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
+    print_cache_counts(o)
     if o.rejected:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
     if o.error:
@@ -162,12 +163,38 @@ def print_shapes(o: ShapesOutcome) -> None:
             out.print(f"  {i}. {escape(s.describe())}", soft_wrap=True)
 
 
+def print_cache_counts(o: ShapesOutcome) -> None:
+    """The prefix cache as tenants and routers see it: domains drawn, partial tails, events
+    (``SchedulerDriver.cache_counts``).  A kind the run never produced is named."""
+    c = o.counts.cache
+    domains = f"{c['cache_salt']} salted / {c['lora']} LoRA / {c['mm']} multimodal admissions"
+    partial = (
+        f"partial tails {c['partial_cached']} cached / {c['partial_promoted']} promoted / "
+        f"{c['partial_retired']} retired"
+    )
+    out.print(f"  prefix cache: {domains}; {partial}; {c['events']} KV events (replayed per group)")
+    missing = [
+        name
+        for name, n in (
+            ("salts", c["cache_salt"]),
+            ("LoRA", c["lora"]),
+            ("multimodal", c["mm"]),
+            ("partial tails", c["partial_cached"]),
+            ("KV events", c["events"]),
+        )
+        if not n
+    ]
+    if missing and o.examples:
+        out.print(f"  [yellow]prefix cache: none of {', '.join(missing)} in this run[/]")
+
+
 def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
     return {
         "status": o.status,
         "examples": o.examples,
         "operations": o.operations,
         "seconds": round(o.seconds, 2),
+        "prefix_cache": dict(sorted(o.counts.cache.items())),
         "per_shape": {
             t: [o.counts.examples.get(t, 0), o.counts.operations.get(t, 0)] for t in SHAPE_TAGS
         },

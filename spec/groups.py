@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from .config import Config
+from .events import CacheEvent
 from .invariants import INVARIANTS, Violation, check_world
 from .prefix_hash import PrefixKey
 from .state import KVState, PoolView, SeqModel, TableView, World
@@ -173,11 +174,14 @@ class Plan:
 
 @attrs.frozen
 class GroupState:
-    """One group's part of the observed state: its tables and its prefix-cache entries."""
+    """One group's part of the observed state: its tables, its prefix-cache entries, and the
+    KV-cache events that name this group (0.33.0 ``BlockStored/BlockRemoved.group_idx``;
+    None when the target reports no per-group stream, and ``event-consistency`` says nothing)."""
 
     spec: GroupSpec
     tables: Mapping[int, TableView]
     cached: tuple[tuple[PrefixKey, int], ...] = ()
+    events: tuple[CacheEvent, ...] | None = None
 
 
 @attrs.frozen
@@ -209,6 +213,7 @@ def group_state(state: HybridState, index: int) -> KVState:
         cached=g.cached,
         computed=frozenset(b for b in pool.computed if b in owned),
         epochs=None if pool.epochs is None else {b: pool.epochs[b] for b in owned},
+        events=g.events,
     )
     return KVState(gpu=view, tables=g.tables, cpu=None)
 

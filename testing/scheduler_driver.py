@@ -27,6 +27,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, HybridState, check_hybrid, group_state, pool_state
 from kvspec.spec.invariants import Violation, admission_soundness, immutability
 from kvspec.spec.kv_memory import ended_lifetimes, plan_step_writes
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
 from kvspec.spec.state import Device, SeqModel, Status
 
 from .driver import TraceStep
@@ -42,6 +43,7 @@ class SchedulerTarget(Protocol):
     group_specs: tuple[GroupSpec, ...]
     num_lookahead_tokens: int
 
+    # A target that keys requests by domain (``extra_kinds``) also takes ``extra: ExtraKeys``.
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None: ...
     def abort(self, seq_id: int) -> None: ...
     def live(self, seq_id: int) -> bool: ...
@@ -57,11 +59,15 @@ class ShapeCounts:
 
     examples: Counter = attrs.Factory(Counter)
     operations: Counter = attrs.Factory(Counter)
+    # What the prefix cache saw across the run (``SchedulerDriver.cache_counts``): admissions
+    # per domain kind, partial tails cached / promoted / retired, KV-cache events.
+    cache: Counter = attrs.Factory(Counter)
 
-    def add(self, shapes: Sequence[str], operations: int) -> None:
+    def add(self, shapes: Sequence[str], operations: int, cache: Counter | None = None) -> None:
         for s in shapes:
             self.examples[s] += 1
             self.operations[s] += operations
+        self.cache.update(cache or {})
 
 
 class SchedulerDriver:
@@ -86,16 +92,25 @@ class SchedulerDriver:
         self.state: HybridState = target.observe()
         self.operations = 0
         self.counts: Counter = Counter()  # drafts, rejected, preempted, chunked, ...
+        self.partials: Counter = Counter()  # partial tails cached, promoted, retired
 
     # ------------------------------------------------------------ operations
 
-    def arrive(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
+    def arrive(
+        self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA
+    ) -> None:
         tokens = tuple(tokens)
-        self.target.add(seq_id, tokens, max_tokens)
+        if extra:  # a target keys by domain only if it says so (``extra_kinds``)
+            self.target.add(seq_id, tokens, max_tokens, extra)
+        else:
+            self.target.add(seq_id, tokens, max_tokens)
         self.seqs[seq_id] = SeqModel(
-            seq_id, tokens, status=Status.WAITING, prompt_len=len(tokens)
+            seq_id, tokens, status=Status.WAITING, prompt_len=len(tokens), extra=extra
         )
-        self._record("arrive", {"seq": seq_id, "tokens": list(tokens), "max_tokens": max_tokens})
+        args: dict[str, Any] = {"seq": seq_id, "tokens": list(tokens), "max_tokens": max_tokens}
+        if extra:
+            args["extra"] = extra.to_json()
+        self._record("arrive", args)
         self._observe()
 
     def abort(self, seq_id: int) -> None:
@@ -288,8 +303,38 @@ class SchedulerDriver:
         # Requests finished inside update_from_output are gone from seqs already.
         return self.check()
 
+    def cache_counts(self) -> Counter:
+        """What the prefix cache saw in this example: admissions per domain kind
+        ("cache_salt", "lora", "mm"), partial tails, and the KV events the target reported."""
+        out: Counter = Counter(self.partials)
+        for step in self.trace:
+            for kind, used in step.args.get("extra", {}).items() if step.op == "arrive" else ():
+                if used:
+                    out[kind] += 1
+        out["events"] = sum(len(g.events or ()) for g in self.state.groups)
+        return out
+
+    def _count_partials(self, before: HybridState, after: HybridState) -> None:
+        """Partial-tail entries (a key ending inside its group's block) that appeared, that
+        left, and that left while their block became cached under a full key extending them
+        (promotion), between two observations."""
+        for b, a in zip(before.groups, after.groups, strict=True):
+            B = b.spec.block_size
+            old = {e for e in b.cached if len(e[0].chain) % B}
+            new = {e for e in a.cached if len(e[0].chain) % B}
+            self.partials["partial_cached"] += len(new - old)
+            for key, block in old - new:
+                self.partials["partial_retired"] += 1
+                n = len(key.chain)
+                if any(
+                    blk == block and len(k.chain) % B == 0 and k.chain[:n] == key.chain
+                    for k, blk in a.cached
+                ):
+                    self.partials["partial_promoted"] += 1
+
     def _observe(self) -> None:
         after = self.target.observe()
+        self._count_partials(self.state, after)
         dead = ended_lifetimes(pool_state(self.state), pool_state(after))
         B = max(g.spec.block_size for g in after.groups)
         for device, block in dead:

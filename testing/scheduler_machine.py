@@ -20,7 +20,7 @@ from kvspec.spec.groups import Shape
 
 from .driver import SpecViolation
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
-from .strategies import ALPHABET, admission_bytes, prompt_from
+from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
 
 
 @st.composite
@@ -110,7 +110,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt_from(raw, self.prompts, B, longest)
         self.prompts.append(prompt)
         max_tokens = 1 + raw[3] % shape.max_tokens
-        self.d.arrive(self.next_id, [t % ALPHABET for t in prompt], max_tokens)
+        # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by.
+        extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
+        self.d.arrive(self.next_id, [t % ALPHABET for t in prompt], max_tokens, extra)
         self.next_id += 1
 
     @precondition(lambda self: self.driver is not None)
@@ -141,7 +143,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.driver is None or self.shape is None:
             return
-        self.counts.add(self.shape.tags(), len(self.d.trace))
+        self.counts.add(self.shape.tags(), len(self.d.trace), self.d.cache_counts())
         if self.failed:
             return
         self._raise(self.d.finish())
