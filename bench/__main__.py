@@ -58,6 +58,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="uniform sample size per target (over every generated mutant)")
     m.add_argument("--invariants", nargs="*", metavar="ID",
                    help="the oracle watches only these invariants (default: every one)")
+    m.add_argument("--oracle", choices=("check", "narrow"), default="check",
+                   help="check: what `kvspec check --vllm X` runs by default (the CLI's "
+                   "configurations, every invariant, and on V1 the scheduler machine's shapes); "
+                   "narrow: the KVCacheMachine on the target's bench workload")
+    m.add_argument("--shape-examples", type=int, default=None,
+                   help="scheduler-shape examples per mutant with --oracle check (default "
+                   "--examples)")
+    m.add_argument("--reach", action="store_true",
+                   help="with --assemble WORKDIR of a kept run: bench.reach's straight-line "
+                   "scenarios on every mutant its baseline covered (or --keys)")
+    m.add_argument("--seeds", type=int, metavar="N",
+                   help="with --keys and --assemble WORKDIR: each mutant under N hypothesis "
+                   "seeds (random search) with --search's machine; the search evidence")
     m.add_argument("--search", choices=("default", "swarm"), default="default",
                    help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
     m.add_argument("--assemble", metavar="WORKDIR",

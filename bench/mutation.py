@@ -206,9 +206,48 @@ def _replay_digests(make, config, trace) -> tuple[list[str], list[str], str]:
     return digests, [s.outcome for s in driver.trace], problem[:300]
 
 
+def _check_factory(make):
+    """The factory as ``kvspec check`` calls it: a configuration the target declares
+    unsupported (ConfigError or Unsupported) rejects the example instead of failing it."""
+    from kvspec.spec.errors import ConfigError, Unsupported
+
+    def build(config):
+        try:
+            return make(config)
+        except Unsupported as error:
+            raise ConfigError(str(error)) from error
+
+    return build
+
+
+def _shapes(focus: list[str] | None, examples: int, steps: int) -> dict[str, Any]:
+    """The scheduler-shapes half of ``kvspec check`` on V1 (cli/shapes.py): vLLM's own
+    Scheduler/AsyncScheduler in hybrid, async, spec-decode, budget and startup-minimum
+    shapes, with the ci profile's derandomized search and this budget."""
+    from kvspec.cli.shapes import run_shapes, scheduler_factory
+
+    o = run_shapes(scheduler_factory(), profile="ci", examples=examples, steps=steps,
+                   seed=None, focus=tuple(focus) if focus else None)
+    out: dict[str, Any] = {"status": o.status, "examples": o.examples,
+                           "operations": o.operations, "seconds": o.seconds,
+                           "per_shape": dict(o.counts.examples)}
+    if o.violations:
+        out["invariants"] = sorted({v.invariant for v in o.violations})
+        out["error"] = str(o.violations[0])[:300]
+    elif o.error:
+        out["error"] = o.error[:300]
+    return out
+
+
 def _oracle(target: str, workload: dict, examples: int, steps: int,
             record: bool = False, focus: list[str] | None = None,
-            search: str = "default") -> dict[str, Any]:
+            search: str = "default", oracle: str = "narrow",
+            shape_examples: int = 0, seed: int | None = None) -> dict[str, Any]:
+    """One oracle run.  ``narrow``: the KVCacheMachine on the target's bench workload.
+    ``check``: what ``kvspec check --vllm X`` runs by default -- the KVCacheMachine on the
+    CLI's configuration strategy (every feature the target supports: extra keys, KV events),
+    then, on V1, the scheduler machine's shapes with ``shape_examples`` examples.  ``seed``:
+    a random search under that hypothesis seed instead of the derandomized one."""
     from hypothesis import Phase
     from hypothesis.errors import HypothesisException
     from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
@@ -217,6 +256,10 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
 
     impl, _ = split_target(target)
     make = factory(impl)
+    if oracle == "check":
+        from kvspec.cli.run import config_strategy
+
+        make = _check_factory(make)
     runs: list[tuple[Any, list]] = []
 
     class Recorder(RunStats):
@@ -226,19 +269,33 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
                 runs.append((driver.config, [s.to_json() for s in driver.trace]))
 
     stats = Recorder()
-    strat = strategy(workload)
+    strat = config_strategy(impl, {}) if oracle == "check" else strategy(workload)
     # No shrinking: a mutant is killed by its first failing example.
     settings = hypothesis_settings(max_examples=examples, steps=steps,
-                                   phases=[Phase.explicit, Phase.generate])
+                                   phases=[Phase.explicit, Phase.generate],
+                                   derandomize=seed is None)
     out: dict[str, Any] = {}
     start = time.perf_counter()
     try:
-        opts = machine_options(workload)
+        opts = {} if oracle == "check" else machine_options(workload)
         machine = KVCacheMachine
         if search == "swarm":
             from kvspec.testing.swarm import SwarmMachine as machine
-        run_machine(lambda: machine(make, strat, stats=stats, focus=focus, **opts), settings)
+        run_machine(lambda: machine(make, strat, stats=stats, focus=focus, **opts), settings,
+                    seed=seed)
         out["status"] = "survived"
+        if shape_examples:
+            shapes = _shapes(focus, shape_examples, steps)
+            out["shapes"] = shapes
+            if shapes["status"] == "violated":
+                out.update(status="killed", kind="violation", invariants=shapes["invariants"],
+                           error=f"scheduler shapes: {shapes['error']}")
+            elif shapes["status"] == "error":
+                out.update(status="killed", kind="crash: scheduler shapes",
+                           error=shapes.get("error", ""))
+            elif shapes["status"] == "no-examples":
+                out.update(status="killed", kind="hypothesis: scheduler shapes ran nothing",
+                           error=shapes.get("error", ""))
     except SpecViolation as err:
         out["status"] = "killed"
         out["kind"] = "violation"
@@ -294,15 +351,19 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
                                                  prefix_caching=True))
     current["set"] = phase["run"]
     traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
-                     focus=p.get("focus"), search=p.get("search", "default"))
+                     focus=p.get("focus"), search=p.get("search", "default"),
+                    oracle=p.get("oracle", "narrow"),
+                    shape_examples=p.get("shape_examples", 0))
     sys.settrace(None)
     threading.settrace(None)
     _check_loaded(paths)
     # The same budget again without the tracer: the clean pass the mutants are held to.
     clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True,
-                    focus=p.get("focus"), search=p.get("search", "default"))
+                    focus=p.get("focus"), search=p.get("search", "default"),
+                    oracle=p.get("oracle", "narrow"),
+                    shape_examples=p.get("shape_examples", 0))
     replays = []
-    for config, trace in clean["_runs"]:
+    for config, trace in clean["_runs"] if p.get("replay", True) else []:
         d1, o1, prob1 = _replay_digests(clean["_make"], config, trace)
         d2, _o2, _ = _replay_digests(clean["_make"], config, trace)
         replays.append({"config": _config_json(config), "trace": trace, "digests": d1,
@@ -367,7 +428,9 @@ def _run_child(p: dict[str, Any], job: dict[str, Any], out_path: str) -> None:
         _run_vllm_tests(p, mutation, out_path)
         return
     res = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
-                  focus=p.get("focus"), search=p.get("search", "default"))
+                  focus=p.get("focus"), search=p.get("search", "default"),
+                  oracle=p.get("oracle", "narrow"),
+                  shape_examples=p.get("shape_examples", 0), seed=job.get("seed"))
     _check_loaded(p["paths"])
     if res["status"] == "survived" and p.get("replay", True):
         diff = _equivalence(res["_make"], p["replays_file"])
@@ -413,6 +476,10 @@ def worker_main(task: str, params_file: str, out: str) -> None:
         server_main(p, out)
     elif task == "mutation-baseline":
         Path(out).write_text(json.dumps(baseline(p), default=str))
+    elif task == "mutation-reach":
+        from . import reach
+
+        reach.main(params_file, out)
     else:
         raise SystemExit(f"unknown task {task}")
 
@@ -457,6 +524,9 @@ def server_main(p: dict[str, Any], out: str) -> None:
         results.append(res)
         if p.get("progress"):  # written as it goes: a long run leaves partial results
             with open(p["progress"], "a") as f:
+                f.write(json.dumps(res) + "\n")
+        if p.get("verdicts") and res["job"] == "vllm-tests" and job["site"] is not None:
+            with open(p["verdicts"], "a") as f:  # vLLM's tests' verdict, kept per release
                 f.write(json.dumps(res) + "\n")
         print(f"[{len(results)}/{total}] {res['job']} {job['key']}: {res['status']} "
               f"{res.get('kind', '')} {elapsed:.1f}s", flush=True)
@@ -600,10 +670,14 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
         f"mutation-progress-{split_target(target)[0]}.jsonl")
     progress.parent.mkdir(parents=True, exist_ok=True)
     progress.write_text("")
+    shape_examples = 0
+    if args.oracle == "check" and split_target(target)[0] == "v1":
+        shape_examples = args.shape_examples if args.shape_examples is not None else args.examples
     params = {"paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
               "examples": args.examples, "steps": 40, "progress": str(progress),
               "focus": args.invariants, "search": args.search, "replay": not args.no_replay,
-              "replays_file": str(workdir / "replays.json")}
+              "replays_file": str(workdir / "replays.json"), "oracle": args.oracle,
+              "shape_examples": shape_examples}
     print(f"{target}: baseline (unmutated copies through the import hook, with coverage) ...")
     base = _spawn_worker(target, "mutation-baseline", params, workdir / "baseline.log")
     clean = base["clean"]
@@ -639,6 +713,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
     jobs = [identity]
     not_run: dict[str, dict[str, Any]] = {}  # vLLM tests' verdicts that need no run
+    verdicts = _verdicts(tests) if tests is not None else {}
     for m in chosen:
         job = {"key": m.key, "module": m.module, "site": m.site, "op": m.op,
                "variant": m.variant}
@@ -646,13 +721,19 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
             jobs.append(job)
         if tests is not None:
             selected, limit = _tests_for(m, tests, workdir)
-            if selected:
-                jobs.append({**job, "kind": "vllm-tests", "timeout": limit, "tests": selected})
-            else:
+            if not selected:
                 not_run[m.key] = {"status": "survived", "kind": "not covered by vLLM's tests"}
+            elif m.key in verdicts:  # the tests do not depend on the oracle: run once
+                not_run[m.key] = {**verdicts[m.key], "cached": True}
+            else:
+                jobs.append({**job, "kind": "vllm-tests", "timeout": limit, "tests": selected})
+    if verdicts:
+        print(f"{target}: vLLM's tests' verdicts of {sum('cached' in v for v in not_run.values())} "
+              f"sampled mutants from {tests['verdicts']}")
     server = _spawn_worker(target, "mutation-server", {
         **params, "jobs": jobs, "jobs_max": args.jobs, "timeout": args.timeout,
-        "tests": tests and tests["params"], "outdir": str(outdir)},
+        "tests": tests and tests["params"], "outdir": str(outdir),
+        "verdicts": tests and tests["verdicts"]},
         workdir / "server.log", stream=True)
     kv = {r["key"]: r for r in server if r["job"] == "kvspec"}
     vt = {**{r["key"]: r for r in server if r["job"] == "vllm-tests"}, **not_run}
@@ -721,7 +802,9 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
             **params, "progress": None, "jobs": [identity], "jobs_max": 1, "timeout": 3600,
             "tests": tp, "outdir": str(outdir)}, workdir / "tests-baseline.log", stream=True)
         (res,) = results
-        if res.get("status") == "survived":
+        # Kept once it ran to the end (tests failing on the unmutated code are deselected,
+        # not a reason to run the whole suite again).
+        if res.get("tests") and not res.get("collect_errors"):
             cached.write_text(json.dumps(results))
     tests = res.get("tests", {})
     failing = sorted(t for t, o in tests.items() if o == "failed")
@@ -738,11 +821,24 @@ def _vllm_tests_baseline(target: str, params: dict[str, Any], workdir: Path,
                         f"{res.get('first_failure') or res.get('error')}")[:400]
         return out
     out["params"] = {**tp, "deselect": failing, "coverage": False}
+    out["verdicts"] = str(cached.with_name(cached.name.replace("baseline-", "verdicts-")
+                                           .replace(".json", ".jsonl")))
     out["passing"] = sorted(t for t, o in tests.items() if o == "passed")
     out["_durations"] = durations
     print(f"{target}: vLLM's tests: {out['passed']} passed, {len(out['skipped'])} skipped, "
           f"{len(failing)} failing on the unmutated code (deselected) in {res['seconds']:.0f}s")
     return out
+
+
+def _verdicts(tests: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """vLLM's tests' verdicts of mutants from earlier runs on the same sources and test files
+    (kept beside the cached clean run): the tests never see the oracle, so a mutant's verdict
+    does not change with it (a timeout at 3x the clean time + 60 s is reused as the kill it is)."""
+    path = Path(tests["verdicts"])
+    if not path.exists():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["key"]: r for r in rows if r.get("status") in ("killed", "survived", "timeout")}
 
 
 def _mutant_json(m: Mutant) -> dict[str, Any]:
@@ -816,14 +912,102 @@ def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, 
     return result
 
 
+def cmd_reach(args: argparse.Namespace) -> dict[str, Any]:
+    """``--reach --assemble WORKDIR``: the straight-line scenarios of ``bench.reach`` on every
+    mutant the kept run's baseline covered (or on ``--keys``); saved as ``reach-<impl>.json``."""
+    from .reach import SHAPES
+
+    (target,) = args.targets
+    workdir = Path(args.assemble)
+    spec = TARGETS[target]
+    paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
+             for n in spec["mutate"] + spec["served"]}
+    mutants: list[Mutant] = []
+    for name in spec["mutate"]:
+        mutants += enumerate_mutants(name, Path(paths[name]).read_text())
+    base = json.loads((workdir / "baseline.out.json").read_text())
+    cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
+    cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
+    chosen = ([m for m in mutants if m.key in set(args.keys)] if args.keys else
+              [m for m in mutants if _covered(m, cov_import, cov_run)])
+    identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
+    jobs = [identity] + [{"key": m.key, "module": m.module, "site": m.site, "op": m.op,
+                          "variant": m.variant} for m in chosen]
+    print(f"{target}: straight-line scenarios on {len(chosen)} mutants ...")
+    with Timer() as timer:
+        found = _spawn_worker(target, "mutation-reach", {
+            "paths": paths, "preimport": spec["preimport"], "jobs": jobs},
+            workdir / "reach.log")
+    if found.pop("identity"):
+        raise RuntimeError("the scenarios fail on the unmutated code: nothing to conclude")
+    by_key = {m.key: m for m in chosen}
+    rows = [{**_mutant_json(by_key[k]), "scenarios": v} for k, v in found.items() if v]
+    result = {"target": target, "command": command_line(), "machine": machine_info(),
+              "seconds": timer.seconds, "mutants": len(chosen), "killed": rows,
+              "shapes": [list(x) for x in SHAPES]}
+    path = (Path(args.results) if args.results else RESULTS) / (
+        f"reach-{split_target(target)[0]}.json")
+    path.write_text(json.dumps(result, indent=1))
+    print(f"{len(rows)} of {len(chosen)} mutants killed by a scenario; {path}")
+    return result
+
+
+def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
+    """``--seeds N --keys ... --assemble WORKDIR``: each mutant through the oracle under N
+    hypothesis seeds (random search, not derandomized) with ``--search``'s machine and the
+    run's budget; saved as ``search-<search>-<impl>.json`` (the search evidence)."""
+    (target,) = args.targets
+    workdir = Path(args.assemble)
+    spec = TARGETS[target]
+    paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
+             for n in spec["mutate"] + spec["served"]}
+    mutants: list[Mutant] = []
+    for name in spec["mutate"]:
+        mutants += enumerate_mutants(name, Path(paths[name]).read_text())
+    chosen = [m for m in mutants if m.key in set(args.keys or ())]
+    shape_examples = 0
+    if args.oracle == "check" and split_target(target)[0] == "v1":
+        shape_examples = args.shape_examples if args.shape_examples is not None else args.examples
+    jobs = [{"key": f"{m.key}#{seed}", "module": m.module, "site": m.site, "op": m.op,
+             "variant": m.variant, "seed": seed} for m in chosen for seed in range(args.seeds)]
+    outdir = workdir / f"seeds-{args.search}"
+    outdir.mkdir(exist_ok=True)
+    print(f"{target}: {len(chosen)} mutants x {args.seeds} seeds, search {args.search}")
+    with Timer() as timer:
+        rows = _spawn_worker(target, "mutation-server", {
+            "paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
+            "examples": args.examples, "steps": 40, "progress": None, "focus": args.invariants,
+            "search": args.search, "replay": False, "oracle": args.oracle,
+            "shape_examples": shape_examples, "jobs": jobs, "jobs_max": args.jobs,
+            "timeout": args.timeout, "tests": None, "outdir": str(outdir)},
+            workdir / f"seeds-{args.search}.log", stream=True)
+    result = {"target": target, "command": command_line(), "machine": machine_info(),
+              "seconds": timer.seconds, "search": args.search, "seeds": args.seeds,
+              "examples": args.examples, "oracle": args.oracle, "shape_examples": shape_examples,
+              "mutants": [_mutant_json(m) for m in chosen], "runs": rows}
+    path = (Path(args.results) if args.results else RESULTS) / (
+        f"search-{args.search}-{split_target(target)[0]}.json")
+    path.write_text(json.dumps(result, indent=1))
+    for m in chosen:
+        mine = [r for r in rows if r["key"].rsplit("#", 1)[0] == m.key]
+        print(f"  {m.describe()[:90]}: killed in {sum(r['status'] in KILLED for r in mine)} of "
+              f"{len(mine)} seeds")
+    return result
+
+
 def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the targets one after the other; each target's result (with its own command,
     machine and settings) is saved as soon as it is done, replacing an earlier result for
     the same target and keeping the others."""
+    if getattr(args, "reach", False):
+        return cmd_reach(args)
+    if getattr(args, "seeds", None):
+        return cmd_seeds(args)
     targets = args.targets or list(TARGETS)
     results_dir = Path(args.results) if args.results else None
     md = Path(args.md) if args.md else None
     settings = {"examples": args.examples, "timeout": args.timeout, "jobs": args.jobs,
+                "oracle": args.oracle, "shape_examples": args.shape_examples,
                 "invariants": args.invariants, "search": args.search,
                 "max_mutants": args.max_mutants, "seed": SAMPLE_SEED}
     data: dict[str, Any] = {"results": []}
@@ -848,10 +1032,13 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
                       seconds=timer.seconds)
         path = (results_dir or RESULTS) / "mutation.json"
         data = json.loads(path.read_text()) if path.exists() else {"results": []}
-        data["results"] = [r for r in data["results"] if r["target"] != target] + [result]
+        # One result per target and oracle: a run under the CLI's oracle keeps the narrowed
+        # oracle's figures beside it.
+        data["results"] = [r for r in data["results"] if (r["target"], _oracle_of(r)) != (
+            target, args.oracle)] + [result]
         order = list(TARGETS)
-        data["results"].sort(key=lambda r: order.index(r["target"]) if r["target"] in order
-                             else len(order))
+        data["results"].sort(key=lambda r: (order.index(r["target"]) if r["target"] in order
+                                             else len(order), _oracle_of(r) != "check"))
         save_result("mutation", data, results_dir)
         write_section("mutation", render_mutation(data), md)
     return data
@@ -860,6 +1047,10 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 KILLED = ("killed", "timeout")
+
+
+def _oracle_of(result: dict[str, Any]) -> str:
+    return result.get("settings", {}).get("oracle", "narrow")
 
 
 def _notes() -> dict[str, str]:
@@ -925,14 +1116,24 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
     eqs = _equivalents()
     for r in data["results"]:
         s = r["settings"]
-        parts += ["", f"### {r['target']}", "",
+        check = _oracle_of(r) == "check"
+        parts += ["", f"### {r['target']}" + (" -- the oracle `kvspec check` runs" if check else
+                                               " -- narrowed oracle"), "",
                   header(r["command"], r["machine"], r.get("seconds")), ""]
         vt = r.get("vllm_tests")
+        machine = "SwarmMachine" if s.get("search") == "swarm" else "KVCacheMachine"
+        if check:
+            shapes = r.get("baseline", {}).get("clean", {}).get("shapes")
+            what = (f"the configurations `kvspec check` draws (cli/run.py config_strategy: "
+                    f"every feature the target supports), machine {machine}"
+                    + (f", then the scheduler machine's shapes (cli/shapes.py) with "
+                       f"{shapes['examples']} examples" if shapes else ""))
+        else:
+            what = f"workload {json.dumps(r['workload'])}; machine {machine}"
         parts.append(
             f"Oracle budget per mutant: {s['examples']} hypothesis examples (ci profile: "
             f"derandomized, 40 steps, no shrinking), wall-clock limit {s['timeout']:.0f} s, "
-            f"{s['jobs']} mutant(s) at a time; workload {json.dumps(r['workload'])}; machine "
-            f"{'SwarmMachine' if s.get('search') == 'swarm' else 'KVCacheMachine'}; invariants "
+            f"{s['jobs']} mutant(s) at a time; {what}; invariants "
             f"{', '.join(s['invariants']) if s.get('invariants') else 'all'}. "
             + (f"vLLM's tests per mutant: of {', '.join(vt['files'])}, the tests whose clean "
                "run executed a line of the mutant (all of them for module-level code), "
@@ -946,6 +1147,12 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
                       f"{b['seconds']:.1f} s ({b['examples']} examples, {b['operations']} steps); "
                       f"identity mutant through the fork server: "
                       f"{r.get('identity', {}).get('status', '-')}."]
+            sh = r["baseline"]["clean"].get("shapes")
+            if sh:
+                reached = ", ".join(f"{k} {v}" for k, v in sorted(sh["per_shape"].items()))
+                parts.append(f"Its scheduler shapes: {sh['status']}, {sh['examples']} examples, "
+                             f"{sh['operations']} operations in {sh['seconds']:.1f} s "
+                             f"(examples per shape: {reached or 'none'}).")
         if vt and "baseline" in vt:
             vb = vt["baseline"]
             parts.append(
