@@ -72,3 +72,34 @@ def test_mutation_operators_apply_and_compile():
         tree, _text = mutate_tree(source, "m", m.site, m.op, m.variant)
         compile(tree, "m", "exec")
     assert sample(mutants, 5) == sample(mutants, 5) and len(sample(mutants, 5)) == 5
+
+
+def test_mutation_report_keeps_the_narrowed_oracle_beside_the_checks(tmp_path):
+    """One result per target and oracle: the run under `kvspec check`'s oracle is headed as
+    such and the narrowed one is kept, each with its own 2x2; a cached vLLM-tests verdict of a
+    mutant is reused (the tests never see the oracle)."""
+    sys.path.insert(0, str(REPO))
+    from bench.mutation import _verdicts, render_mutation
+
+    def result(oracle: str, kv: str) -> dict:
+        m = {"key": "m:1:ROR:0", "module": "pkg.mod", "line": 3, "op": "ROR", "original": "<",
+             "mutated": "<=", "describe": "pkg.mod:3 ROR", "covered": True, "status": kv,
+             "kind": "violation", "invariants": ["conservation"],
+             "vllm_tests": {"status": "survived"}}
+        return {"target": "v1@0.33.0", "command": "x", "seconds": 1.0, "generated": 10,
+                "machine": {"cpu": "c", "nproc": 2, "memory": "1 GiB", "python": "3", "date": "t",
+                            "commit": "c", "loadavg": [0, 0, 0], "loadavg_end": [0, 0, 0]},
+                "settings": {"examples": 1, "timeout": 1.0, "jobs": 1, "oracle": oracle},
+                "workload": {}, "modules": ["pkg.mod"], "generated_by_module": {"pkg.mod": 10},
+                "vllm_tests": {"files": ["t.py"]}, "mutants": [m]}
+
+    text = render_mutation({"results": [result("check", "killed"), result("narrow", "survived")]})
+    assert "### v1@0.33.0 -- the oracle `kvspec check` runs" in text
+    assert "### v1@0.33.0 -- narrowed oracle" in text
+    assert text.count("**Killed by kvspec only: 1**") == 1
+    assert text.count("**Killed by kvspec only: 0**") == 1
+
+    cache = tmp_path / "verdicts.jsonl"
+    cache.write_text(json.dumps({"key": "m:1:ROR:0", "status": "killed"}) + "\n"
+                     + json.dumps({"key": "m:2:ROR:0", "status": "missing"}) + "\n")
+    assert set(_verdicts({"verdicts": str(cache)})) == {"m:1:ROR:0"}
