@@ -110,4 +110,33 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     ExactFitReuse.name: BrokenScheduler(ExactFitReuse, "startup-min", frozenset({"refcount-exact"})),
 }
 
-__all__ = ["BROKEN_SCHEDULERS", "BrokenScheduler"]
+
+class SerialAdmission(ReferenceScheduler):
+    """Admits a waiting request only when nothing runs: safe (every invariant holds, every
+    request finishes) and useless (no batching).  Only the differential sees it: the reference
+    schedules the waiting request beside the running one."""
+
+    name = "serial-admission"
+
+    def _full(self) -> bool:
+        return bool(self.running) or super()._full()
+
+
+class OverReserve(ReferenceScheduler):
+    """Reserves a block more than a step needs in the full-attention group (a local group's
+    excess ``window-bound`` reports): the pool stays consistent (the block is held and
+    counted), so every invariant holds; the differential in ``counts`` mode sees the block."""
+
+    name = "over-reserve"
+
+    def _slots_for(self, req: _Req, end: int, group) -> int:
+        return super()._slots_for(req, end, group) + (group == self.group_specs[0])
+
+
+DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], str]] = {
+    SerialAdmission.name: (SerialAdmission, "differential/outcomes"),
+    OverReserve.name: (OverReserve, "differential/counts"),
+}
+"""Broken schedulers no invariant catches and the differential does, with the ID it reports."""
+
+__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "BrokenScheduler"]

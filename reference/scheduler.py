@@ -47,11 +47,17 @@ class NoRoom(Exception):
 class ReferenceScheduler:
     name = "reference-scheduler"
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(
+        self, shape: Shape, *, num_blocks: int | None = None, max_num_seqs: int | None = None
+    ) -> None:
+        """``num_blocks`` and ``max_num_seqs`` (running requests at most) are those of a target
+        the reference runs beside (the differential): its pool is sized by its own startup
+        check.  Alone, the reference sizes its pool itself and runs any number of requests."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
-        self.num_blocks = self.minimum_blocks + shape.extra_blocks
+        self.num_blocks = self.minimum_blocks + shape.extra_blocks if num_blocks is None else num_blocks
+        self.max_num_seqs = max_num_seqs
         self.config = Config(
             block_size=shape.block_size,
             num_blocks=self.num_blocks,
@@ -174,6 +180,9 @@ class ReferenceScheduler:
         req.drafts = []
         return Scheduled(req.seq_id, start, n, len(drafts), drafts)
 
+    def _full(self) -> bool:
+        return self.max_num_seqs is not None and len(self.running) >= self.max_num_seqs
+
     def _preempt(self, seq_id: int) -> None:
         req = self.reqs[seq_id]
         self._release(req)
@@ -206,7 +215,7 @@ class ReferenceScheduler:
             if s is not None:
                 scheduled.append(s)
                 budget -= s.num_tokens
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and not self._full():
             req = self.reqs[self.waiting[0]]
             try:
                 s = self._schedule_one(req, budget)

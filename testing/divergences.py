@@ -116,3 +116,10 @@ def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence 
         if d.applies(m):
             return d
     return None
+
+
+SCHEDULER_KNOWN: tuple[Divergence, ...] = ()
+"""Differences between vLLM's V1 scheduler and the reference scheduler the spec allows
+(testing/scheduler_machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
+names what was compared (``scheduled``, ``preempted``, ``scheduled (start, tokens, drafts)``,
+``held blocks in group G``, ``(table length, dropped slots) in group G``)."""

@@ -6,18 +6,44 @@ after the next step is planned), requests are aborted.  Every invariant is check
 KV-cache group and over the shared pool after every rule; teardown aborts everything, drains
 the outputs in flight and checks ``no-leak``.  The shape of each example (hybrid groups,
 async, speculative decoding, token budget, startup-minimum pool) is drawn by ``shapes``.
+
+With ``differential`` set, the reference scheduler (reference/scheduler.py) runs in lockstep
+(``SchedulerLockstep``): the same arrivals, aborts and worker outputs, the same pool size and
+running-request cap as the target, and after every step the two are compared in a mode
+(testing/differential.py ``Mode``):
+
+outcomes  every step schedules the same requests and preempts the same ones, in order;
+counts    also, each scheduled request starts at the same position and computes the same
+          number of tokens (drafts included), and every (request, KV-cache group) holds the
+          same number of blocks;
+renaming  also, every group's tables have the same length, drop the same slots (sliding
+          windows) and share the same slots, up to renaming block ids.  The default.
+
+A difference a known divergence (``divergences.SCHEDULER_KNOWN``) explains is allowed and
+counted; from there the two schedulers no longer plan from the same state, so the comparison
+ends for the example.  With prefix caching on, the comparison also ends at the target's first
+prefix hit: the reference scheduler has no prefix cache (hits are judged per lookup by
+``hit-completeness`` in the block-manager machines), so it is not an oracle past a hit.
+Either way the run counts the steps compared and why comparisons ended (``DiffCounts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.groups import Shape
+from kvspec.spec.groups import HybridState, Plan, Shape
+from kvspec.spec.invariants import Violation
 
+from .differential import Mode
+from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from .driver import SpecViolation
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
@@ -59,6 +85,215 @@ def shapes(draw) -> Shape:
 
 TargetFactory = Callable[[Shape], SchedulerTarget]
 step_bytes = st.binary(min_size=4, max_size=4)
+_ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
+
+
+@attrs.define
+class DiffCounts:
+    """What the scheduler differential compared, and what it allowed (a run's summary)."""
+
+    examples: int = 0  # examples run in lockstep with the reference
+    steps: int = 0  # scheduler steps whose plans were compared
+    states: int = 0  # observed states compared (after every rule)
+    allowed: Counter = attrs.Factory(Counter)  # allowed divergences by ID
+    ended: Counter = attrs.Factory(Counter)  # why comparisons ended before the example did
+
+    def add(self, lockstep: SchedulerLockstep) -> None:
+        self.examples += 1
+        self.steps += lockstep.steps
+        self.states += lockstep.states
+        for _, why in lockstep.allowed:
+            self.allowed[why.id] += 1
+        if lockstep.ended is not None:
+            self.ended[lockstep.ended] += 1
+
+
+def _running_cap(target: Any) -> int | None:
+    """The target's cap on running requests: the reference's own, or vLLM's scheduler's
+    ``max_num_running_reqs`` (vllm/v1/core/sched/scheduler.py:131, from ``max_num_seqs``)."""
+    cap = getattr(target, "max_num_seqs", None)
+    if cap is None:
+        cap = getattr(getattr(target, "scheduler", None), "max_num_running_reqs", None)
+    return cap
+
+
+class SchedulerLockstep:
+    """Looks like a SchedulerTarget to the driver; drives the target and the reference
+    scheduler on the same requests and the same worker outputs, and compares them."""
+
+    def __init__(
+        self,
+        target: SchedulerTarget,
+        reference: SchedulerTarget,
+        mode: Mode = Mode.RENAMING,
+        known: tuple[Divergence, ...] = SCHEDULER_KNOWN,
+    ) -> None:
+        self.target, self.reference, self.mode, self.known = target, reference, mode, known
+        self.caching = target.config.prefix_caching
+        self.ended: str | None = None  # why the comparison ended, if it did
+        self.steps = 0
+        self.states = 0
+        self.mismatches: list[Violation] = []
+        self.allowed: list[tuple[Mismatch, Divergence]] = []
+        self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
+        self._running: set[int] = set()  # requests the target runs (scheduled since admission)
+        self._computing: dict[int, bool] = {}  # request -> it has prompt left to compute
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+    @property
+    def comparing(self) -> bool:
+        return self.ended is None
+
+    def _compares(self, mode: Mode) -> bool:
+        return _ORDER.index(self.mode) >= _ORDER.index(mode)
+
+    def _end(self, why: str) -> None:
+        self.ended = why
+        self._pairs.clear()
+        note(f"differential: comparison ends here ({why})")
+
+    # ------------------------------------------------ the SchedulerTarget surface
+
+    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
+        # A request's domain (``extra``) goes to the target only: the reference has no prefix
+        # cache, where alone a domain matters.
+        self.target.add(seq_id, tokens, max_tokens, *extra)
+        if self.comparing:
+            self.reference.add(seq_id, tokens, max_tokens)
+
+    def abort(self, seq_id: int) -> None:
+        self.target.abort(seq_id)
+        self._running.discard(seq_id)
+        if self.comparing and self.reference.live(seq_id):
+            self.reference.abort(seq_id)
+
+    def schedule(self) -> Plan:
+        plan = self.target.schedule()
+        if self.comparing:
+            if self.caching and self._hit(plan):
+                self._end("prefix hit")
+            else:
+                ref = self.reference.schedule()
+                self._pairs[id(plan)] = ref
+                self._compare_plans(plan, ref)
+        for seq_id in plan.preempted:
+            self._running.discard(seq_id)
+        self._running.update(s.seq_id for s in plan.scheduled)
+        return plan
+
+    def update(
+        self, plan: Plan, sampled: Mapping[int, Sequence[int]], drafts: Mapping | None = None
+    ) -> None:
+        self.target.update(plan, sampled, drafts)
+        ref = self._pairs.pop(id(plan), None)
+        if ref is not None and self.comparing:
+            self.reference.update(ref, sampled, drafts)
+        self._running = {s for s in self._running if self.target.live(s)}
+
+    def _hit(self, plan: Plan) -> bool:
+        """The target starts a request it admits (or readmits) past position 0: a prefix hit."""
+        return any(s.start > 0 and s.seq_id not in self._running for s in plan.scheduled)
+
+    # ------------------------------------------------ comparing
+
+    def _differ(self, mode: Mode, op: str, seq: int | None, got: object, want: object) -> None:
+        m = Mismatch(
+            mode.value, op, seq, got, want, self.target.name, prefill=False, caching=self.caching
+        )
+        why = explained(m, self.known)
+        if why is not None:
+            self.allowed.append((m, why))
+            note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
+            self._end(f"allowed {why.id}")
+        elif self._compares(mode):
+            self.mismatches.append(
+                Violation(
+                    f"differential/{mode.value}",
+                    f"{op}" + ("" if seq is None else f" of seq {seq}")
+                    + f": {self.target.name} gave {got}, the reference scheduler {want}",
+                )
+            )
+            self._end(f"differential/{mode.value}")
+
+    def _compare_plans(self, plan: Plan, ref: Plan) -> None:
+        self.steps += 1
+        got = [s.seq_id for s in plan.scheduled]
+        want = [s.seq_id for s in ref.scheduled]
+        if sorted(got) != sorted(want):
+            self._differ(Mode.OUTCOMES, "scheduled", None, sorted(got), sorted(want))
+            return
+        if list(plan.preempted) != list(ref.preempted):
+            self._differ(Mode.OUTCOMES, "preempted", None, list(plan.preempted), list(ref.preempted))
+            return
+        theirs = {s.seq_id: s for s in ref.scheduled}
+        for s in plan.scheduled:
+            r = theirs[s.seq_id]
+            mine = (s.start, s.num_tokens, s.drafts)
+            other = (r.start, r.num_tokens, r.drafts)
+            if mine != other:
+                self._differ(Mode.COUNTS, "scheduled (start, tokens, drafts)", s.seq_id, mine, other)
+                return
+
+    def compare_states(self) -> list[Violation]:
+        """Compare the two observed states (after a rule); the mismatches so far."""
+        if self.comparing:
+            self.states += 1
+            self._compare_tables(self.target.observe(), self.reference.observe())
+        found, self.mismatches = self.mismatches, []
+        return found
+
+    def _compare_tables(self, t: HybridState, r: HybridState) -> None:
+        if not self._compares(Mode.COUNTS):
+            return
+        for tg, rg in zip(t.groups, r.groups, strict=True):
+            name = tg.spec.name
+            for seq in sorted(set(tg.tables) | set(rg.tables)):
+                ts = tg.tables[seq].slots if seq in tg.tables else ()
+                rs = rg.tables[seq].slots if seq in rg.tables else ()
+                held_t = sum(b is not None for b in ts)
+                held_r = sum(b is not None for b in rs)
+                if held_t != held_r:
+                    self._differ(Mode.COUNTS, f"held blocks in group {name}", seq, held_t, held_r)
+                    return
+                dropped_t = [i for i, b in enumerate(ts) if b is None]
+                dropped_r = [i for i, b in enumerate(rs) if b is None]
+                if held_t and (len(ts), dropped_t) != (len(rs), dropped_r):
+                    self._differ(
+                        Mode.RENAMING,
+                        f"(table length, dropped slots) in group {name}",
+                        seq,
+                        (len(ts), dropped_t),
+                        (len(rs), dropped_r),
+                    )
+                    return
+            if _sharing(tg.tables) != _sharing(rg.tables):
+                self._differ(
+                    Mode.RENAMING,
+                    f"shared slots in group {name}",
+                    None,
+                    _sharing(tg.tables),
+                    _sharing(rg.tables),
+                )
+                return
+
+
+def _sharing(tables: Mapping) -> list[list[tuple[int, int]]]:
+    """Which (seq, slot) pairs of one group share a block: the tables up to renaming ids."""
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for s in sorted(tables):
+        for i, b in enumerate(tables[s].slots):
+            if b is not None:
+                holders.setdefault(b, []).append((s, i))
+    return sorted(h for h in holders.values() if len(h) > 1)
+
+
+def reference_beside(target: SchedulerTarget, shape: Shape) -> ReferenceScheduler:
+    """The reference scheduler on the target's pool and running-request cap."""
+    return ReferenceScheduler(
+        shape, num_blocks=target.num_blocks, max_num_seqs=_running_cap(target)
+    )
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -69,8 +304,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         *,
         counts: ShapeCounts | None = None,
         focus: frozenset[str] | None = None,
+        differential: Mode | None = None,
+        diff_counts: DiffCounts | None = None,
+        known: tuple[Divergence, ...] = SCHEDULER_KNOWN,
     ) -> None:
         super().__init__()
+        self.differential = differential
+        self.diff_counts = diff_counts if diff_counts is not None else DiffCounts()
+        self.known = known
+        self.lockstep: SchedulerLockstep | None = None
         self.factory = factory
         self.shape_strategy = shape_strategy if shape_strategy is not None else shapes()
         self.counts = counts if counts is not None else ShapeCounts()
@@ -93,6 +335,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             reject()
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
+        if self.differential is not None:
+            reference = reference_beside(target, shape)
+            self.lockstep = SchedulerLockstep(target, reference, self.differential, self.known)
+            target = self.lockstep
         self.driver = SchedulerDriver(target, async_depth=depth, log=note)
 
     @property
@@ -131,7 +377,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.driver is None or self.d.operations == self.checked_at:
             return
         self.checked_at = self.d.operations
-        self._raise(self.d.check())
+        found = self.d.check()
+        if self.lockstep is not None:
+            found += self.lockstep.compare_states()
+        self._raise(found)
 
     def _raise(self, found):
         if self.focus is not None:
@@ -144,6 +393,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.driver is None or self.shape is None:
             return
         self.counts.add(self.shape.tags(), len(self.d.trace), self.d.cache_counts())
+        if self.lockstep is not None:
+            self.diff_counts.add(self.lockstep)
         if self.failed:
             return
         self._raise(self.d.finish())
