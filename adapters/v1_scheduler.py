@@ -155,7 +155,6 @@ class VLLMV1SchedulerAdapter:
         self.cache_view = SchedulerCacheView(
             v, prefix_caching=shape.prefix_caching, num_groups=len(groups)
         )
-        self.extra_kinds = self.cache_view.extra_kinds
         try:
             vllm_config = self._vllm_config(shape)
         except ValueError as err:  # pydantic's ValidationError: the release refuses the shape
@@ -207,6 +206,7 @@ class VLLMV1SchedulerAdapter:
         )
         self.manager = self.scheduler.kv_cache_manager
         self.cache_view.watch(self.manager)
+        self.extra_kinds = self.cache_view.kinds_for(self.scheduler)
         self.group_specs = groups
         self.config = Config(
             block_size=B,

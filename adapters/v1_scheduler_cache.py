@@ -6,13 +6,15 @@ does for the bare ``KVCacheManager`` (whose request-domain helpers it reuses: on
 a release takes salts, adapters and images).
 
 Domains: ``cache_salt``, ``lora_request`` and multimodal placements go into the ``Request`` in
-the form the release takes (``VLLMV1Adapter._mm_fields`` / ``_lora_request``).  A multimodal
-request makes the scheduler schedule encoder inputs (``_try_schedule_encoder_inputs``,
-0.33.0 vllm/v1/core/sched/scheduler.py:2045); with the text-only tiny model the encoder
-budget is 0 (``supports_multimodal_inputs`` False, scheduler.py:266-281), so such a request is
-computed up to its first placeholder and no further.  Blocks before the image are shared and
-hit as in production; the blocks the image is in are never computed.  That is a liveness
-limit of the shape, not a freedom the checks allow.
+the form the release takes (``VLLMV1Adapter._mm_fields`` / ``_lora_request``).  Multimodal
+placements only where the scheduler can compute them (``kinds_for``): a multimodal request
+makes the scheduler schedule its encoder inputs (``_try_schedule_encoder_inputs``, 0.33.0
+vllm/v1/core/sched/scheduler.py:2045), and the offline tiny model is text-only, so the encoder
+budget is 0 (``supports_multimodal_inputs`` False, scheduler.py:266-281) and such a request
+would never be computed past its first placeholder -- a request the engine's input processor
+refuses for a text-only model.  A budget needs the model's HF processor
+(``MultiModalBudget``, vllm/multimodal/encoder_budget.py), which offline there is none of.
+Multimodal domains are driven on the bare ``KVCacheManager`` (adapters/v1.py).
 
 Events: with prefix caching, on a release whose events name their KV-cache group
 (``BlockStored.group_idx``, 0.33.0), the scheduler is built with
@@ -125,6 +127,13 @@ class SchedulerCacheView:
         # process, so each sets its own before every call that may emit.
         if self.emits_events:
             os.environ[INT_EVENT_HASHES_ENV] = "1" if self.int_event_hashes else "0"
+
+    def kinds_for(self, scheduler: Any) -> frozenset[str]:
+        """The kinds of extra key requests may carry under ``scheduler``: multimodal only with
+        an encoder budget to compute the placements (``max_num_encoder_input_tokens``)."""
+        if getattr(scheduler, "max_num_encoder_input_tokens", 0) > 0:
+            return self.extra_kinds
+        return self.extra_kinds - {"mm"}
 
     # ------------------------------------------------------------ requests
 

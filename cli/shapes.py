@@ -178,7 +178,6 @@ def print_cache_counts(o: ShapesOutcome) -> None:
         for name, n in (
             ("salts", c["cache_salt"]),
             ("LoRA", c["lora"]),
-            ("multimodal", c["mm"]),
             ("partial tails", c["partial_cached"]),
             ("KV events", c["events"]),
         )
@@ -186,6 +185,12 @@ def print_cache_counts(o: ShapesOutcome) -> None:
     ]
     if missing and o.examples:
         out.print(f"  [yellow]prefix cache: none of {', '.join(missing)} in this run[/]")
+    if not c["mm"] and o.examples:
+        out.print(
+            "  [yellow]multimodal placements not drawn under the scheduler[/]: the offline tiny model "
+            "is text-only (no encoder budget, adapters/v1_scheduler_cache.py); the block-manager "
+            "search above draws them"
+        )
 
 
 def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
