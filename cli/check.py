@@ -51,7 +51,7 @@ from .failures import (
     same_code,
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
-from .search import aggregate, found_json, print_found, print_known, run_search, summary_json
+from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
 from .shapes import ShapesOutcome, run_v1_shapes, shapes_exit
 from .target import (
     VllmHere,
@@ -207,6 +207,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     factory = guard.wrap(factory_for(impl))
     strategy = config_strategy(impl, overrides)
     known = known_for(args, impl, here)
+    masked, maskable = masking(impl, overrides)
     profile = args.profile
     err.print(f"kvspec {kvspec.__version__}: checking {describe_target(here, impl)}", markup=False)
     with guard.armed():
@@ -223,6 +224,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
             known=known,
             report_known=not args.known_count_only,
             max_violations=args.max_violations,
+            masked=masked,
+            maskable=maskable,
         )
     for note in guard.notes:
         err.print(f"note: {note}", markup=False)

@@ -10,16 +10,28 @@ too, so each is shrunk on its own.  The rounds end when one runs its whole budge
 new failure.  Then each known finding that fired is searched for once more with every other
 known finding stepped past, so it is reported with its own shrunk trace and reproducer.
 
+Behind the known findings: a known finding that fires is stepped past by discarding its
+example, so a bug that needs the same configuration features (a window, prefix caching, swap,
+lookahead slots) as a frequent known one is drowned by it; one that needs a rare combination
+of features is met too seldom in a budget spread over every combination.  So once the
+exploration rounds end, the rounds go on under *feature masks*: each mask switches off a
+smallest set of features that leaves no fired known finding reachable (a minimal hitting set of
+their ``requires``; findings stepped past by going on do not drown anything and are left out),
+and switches every other feature on, so the whole budget of those rounds goes to what lies
+behind them.  What fires there makes new masks, until none is left or ``MAX_MASKS`` ran.  A
+feature the user pinned is never masked.
+
 A derandomized (or seeded) run repeats itself: each round replays the same example sequence,
 with the discards earlier rounds added.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +41,85 @@ from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.driver import Driver, SpecViolation
-from kvspec.testing.known import Fingerprint, KnownFinding, fingerprint, message_of, which_known
+from kvspec.testing.known import FEATURES, Fingerprint, KnownFinding, fingerprint, message_of, which_known
 from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
 
 from .common import out
-from .run import Outcome, run_machine
+from .run import ON, Outcome, config_strategy, run_machine
 from .target import Factory
 
 RUN_FORMAT = "kvspec-run/1"
 MAX_VIOLATIONS = 12  # distinct violations one run reports before it stops searching
 RETRIES_PER_KNOWN = 3  # rounds spent re-finding one known finding (new bugs may come first)
+MAX_MASKS = 6  # feature masks searched behind the known findings (each: rounds until nothing new)
 _FAILED = ("violated", "error")
+
+Mask = frozenset[str]
+"""Configuration features (``kvspec.testing.known.FEATURES``) a round switches off."""
+MaskedStrategy = Callable[[Mask], "st.SearchStrategy[Config]"]
+"""The run's configuration strategy with the features of a mask switched off."""
+
+
+# What switching a feature off, and on, pins (``--config`` overrides), and the overrides that
+# pin it already (a feature the user pinned, on or off, is never masked).
+MASK_OVERRIDES: dict[str, dict[str, Any]] = {
+    "window": {"sliding_window": None},
+    "prefix_caching": {"prefix_caching": False},
+    "lookahead": {"max_lookahead": 0},
+    "swap": {"num_cpu_blocks": 0},
+}
+UNMASKED_OVERRIDES: dict[str, dict[str, Any]] = {
+    "window": {"sliding_window": ON},
+    "prefix_caching": {"prefix_caching": True},
+    "lookahead": {"max_lookahead": ON},
+    "swap": {"swap": True},
+}
+PINNED_BY = {
+    "window": ("sliding_window",),
+    "prefix_caching": ("prefix_caching",),
+    "lookahead": ("max_lookahead",),
+    "swap": ("swap", "num_cpu_blocks"),
+}
+
+
+def masking(impl: str, overrides: Mapping[str, Any]) -> tuple[MaskedStrategy, tuple[str, ...]]:
+    """The masked configuration strategy of a run with these ``--config`` overrides, and the
+    features it may mask (those the overrides leave unpinned).  Under a mask, every maskable
+    feature it leaves is pinned on: the exploration rounds drew the combinations with it off,
+    and a bug that needs several features at once gets the whole budget of the round."""
+    maskable = tuple(f for f in FEATURES if not any(key in overrides for key in PINNED_BY[f]))
+
+    def masked(mask: Mask) -> st.SearchStrategy[Config]:
+        pins: dict[str, Any] = {}
+        for feature in maskable:
+            pins.update((MASK_OVERRIDES if feature in mask else UNMASKED_OVERRIDES)[feature])
+        return config_strategy(impl, {**pins, **overrides})
+
+    return masked, maskable
+
+
+def masks_behind(known: Sequence[KnownFinding], fired: Mapping[str, int], maskable: Sequence[str]) -> list[Mask]:
+    """Every smallest set of ``maskable`` features whose absence leaves none of the fired known
+    findings reachable (a minimal hitting set of their ``requires``), smallest first.  Findings
+    stepped past by going on drown nothing; one that needs no maskable feature cannot be masked
+    (and then no mask is returned only if nothing else fired)."""
+    needs = [
+        frozenset(k.requires) & frozenset(maskable)
+        for k in known
+        if fired.get(k.id) and not k.go_on
+    ]
+    needs = [n for n in needs if n]
+    if not needs:
+        return []
+    found: list[Mask] = []
+    for size in range(1, len(maskable) + 1):
+        for combo in itertools.combinations(sorted(maskable), size):
+            mask = frozenset(combo)
+            if all(n & mask for n in needs) and not any(m <= mask for m in found):
+                found.append(mask)
+    return found
 
 
 Identity = Fingerprint | str
@@ -108,6 +186,9 @@ class Search:
     known: Sequence[KnownFinding]  # the known findings that concern this target
     missed: list[str] = attrs.Factory(list)  # known ids that fired but were not re-found
     stopped: str | None = None  # why the rounds ended early (cap, interrupt, no examples)
+    masks: list[Mask] = attrs.Factory(list)  # the feature masks searched, in order
+    round_masks: list[Mask] = attrs.Factory(list)  # per round: the features it switched off
+    fired_under: dict[str, Mask] = attrs.Factory(dict)  # known id -> the mask it first fired under
 
     @property
     def last(self) -> Outcome:
@@ -136,56 +217,82 @@ def run_search(
     known: Sequence[KnownFinding] = (),
     report_known: bool = True,
     max_violations: int = MAX_VIOLATIONS,
+    masked: MaskedStrategy | None = None,
+    maskable: Sequence[str] = tuple(FEATURES),
+    max_masks: int = MAX_MASKS,
 ) -> Search:
-    """Rounds of ``run_machine`` until a round finds nothing new (see the module docstring)."""
+    """Rounds of ``run_machine`` until a round finds nothing new, then the same behind the known
+    findings that fired, under feature masks (``masked``: the strategy with a mask's features
+    off; None searches no masks), then each fired known finding once more (module docstring)."""
     search = Search([], [], Counter(), known)
     if seed is None and not Settings.get_profile(profile).derandomize:
         # One seed for every round: each replays the same example sequence (and is recorded).
         seed = random.SystemRandom().randrange(2**32)
+    strategies: dict[Mask, st.SearchStrategy[Config]] = {frozenset(): strategy}
 
-    def one_round(stepped_past: Sequence[KnownFinding], tag: str) -> tuple[Outcome, Sieve]:
+    def one_round(stepped_past: Sequence[KnownFinding], tag: str, mask: Mask) -> tuple[Outcome, Sieve]:
         reported = frozenset(f.identity for f in search.found)
         sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
+        if mask not in strategies:
+            assert masked is not None
+            strategies[mask] = masked(mask)
+        where = f" without {'+'.join(sorted(mask))}" if mask else ""
         outcome = run_machine(
             factory,
-            strategy,
+            strategies[mask],
             profile=profile,
             examples=examples,
             steps=steps,
             seed=seed,
             focus=focus,
-            label=f"{label} {tag}",
+            label=f"{label} {tag}{where}",
             features=features,
             step_past=sieve,
         )
         search.rounds.append(outcome)
+        search.round_masks.append(mask)
         if outcome.status in _FAILED and sieve.last is not None:
             hit = next((k for k in known if k.id == sieve.target), None)
             search.found.append(Found(sieve.last, outcome, hit))
         return outcome, sieve
 
-    # Exploration: known findings stepped past, every new fingerprint reported.
-    while True:
-        if len(search.found) >= max_violations:
-            search.stopped = f"stopped at {max_violations} distinct violations"
-            return search
-        outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}")
-        search.fired = sieve.fired
-        if outcome.status not in _FAILED or sieve.target is None:
+    def explore(mask: Mask) -> str | None:
+        """Rounds under one mask until one finds nothing new; why the search must stop, if so."""
+        while True:
+            if len(search.found) >= max_violations:
+                return f"stopped at {max_violations} distinct violations"
+            outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}", mask)
+            if outcome.status not in _FAILED or sieve.target is None:
+                break
+        # The last round ran the whole budget: it met everything the earlier ones did.
+        for ident, n in sieve.fired.items():
+            search.fired[ident] += n
+            search.fired_under.setdefault(ident, mask)
+        if outcome.status in ("holds", "incomplete") or (mask and outcome.status == "no-examples"):
+            return None  # (a mask that leaves the target no configuration it runs: the next mask)
+        return outcome.status
+
+    # Exploration: known findings stepped past, every new fingerprint reported; then behind
+    # the known findings that fired, one feature mask at a time.
+    search.masks.append(frozenset())
+    search.stopped = explore(frozenset())
+    while search.stopped is None and masked is not None:
+        todo = [m for m in masks_behind(known, search.fired, maskable) if m not in search.masks]
+        if not todo or len(search.masks) > max_masks:
             break
-    if outcome.status not in ("holds", "incomplete"):
-        search.stopped = outcome.status
+        search.masks.append(todo[0])
+        search.stopped = explore(todo[0])
+    if search.stopped is not None or not report_known:
         return search
-    if not report_known:
-        return search
-    # Each known finding that fired, found again and shrunk with the others stepped past.
+    # Each known finding that fired, found again and shrunk with the others stepped past,
+    # under the mask where it fired first.
     for ident in [k.id for k in known if search.fired[k.id]]:
         others = [k for k in known if k.id != ident]
         for attempt in range(RETRIES_PER_KNOWN):
             if len(search.found) >= max_violations:
                 search.stopped = f"stopped at {max_violations} distinct violations"
                 return search
-            outcome, sieve = one_round(others, f"{ident} ({attempt + 1})")
+            outcome, sieve = one_round(others, f"{ident} ({attempt + 1})", search.fired_under[ident])
             if outcome.status in ("interrupted", "no-examples"):
                 search.stopped = outcome.status
                 return search
@@ -285,10 +392,16 @@ def print_known(search: Search) -> None:
         table.add_row(k.id, str(search.fired[k.id]), shown, escape(k.title))
     out.print(table)
     out.print(
-        "fired: examples of the last exploration round that met the finding and were discarded "
-        "(--no-known reports them as new; --known FILE adds fingerprints)",
+        "fired: examples of the last exploration round under each feature mask that met the finding "
+        "and were discarded (--no-known reports them as new; --known FILE adds fingerprints)",
         markup=False,
     )
+    if len(search.masks) > 1:
+        behind = ", ".join("without " + "+".join(sorted(m)) for m in search.masks if m)
+        out.print(f"searched behind the known findings that fired: {behind}", markup=False)
+    for k in search.known:
+        if not search.fired[k.id] and k.reach:
+            out.print(f"not met in this run: {k.id}; its budget: kvspec check {k.reach}", markup=False, soft_wrap=True)
 
 
 def summary_json(search: Search, entries: list[dict[str, Any]], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,12 +412,14 @@ def summary_json(search: Search, entries: list[dict[str, Any]], overrides: Mappi
         "violations": entries,
         "rounds": [
             {"status": o.status, "examples_run": o.tally.examples, "operations_run": o.tally.operations,
-             "seconds": round(o.seconds, 2)}
-            for o in search.rounds
+             "seconds": round(o.seconds, 2), "without": sorted(m)}
+            for o, m in zip(search.rounds, search.round_masks, strict=True)
         ],
         "known_findings": {
-            k.id: {"fired": search.fired[k.id], "missed": k.id in search.missed} for k in search.known
+            k.id: {"fired": search.fired[k.id], "missed": k.id in search.missed, "reach": k.reach or None}
+            for k in search.known
         },
+        "masks": [sorted(m) for m in search.masks],
         "stopped": search.stopped,
         "run": last.run_json(overrides),
     }

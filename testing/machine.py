@@ -386,7 +386,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             return  # hypothesis is abandoning the example (StopTest, a rejection): no verdict
         if self.focus is None or "progress" in self.focus:
             # progress: with no new arrivals, the scheduler loop finishes every request.
-            found = drain(self.d)
+            try:
+                found = drain(self.d)
+            except SpecViolation:
+                raise
+            except Exception as error:  # a target crash in the drain: the policy sees it too
+                self._failing(error)
+                raise
             if found:
                 error = SpecViolation(found, self.d.trace)
                 if not self._failing(error):

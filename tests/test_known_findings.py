@@ -176,3 +176,84 @@ def test_a_violation_stepped_past_by_going_on_lets_the_example_continue():
     assert went_on and max(went_on) > min(went_on)  # later operations of one run were checked too
     with pytest.raises(SpecViolation):
         run_state_machine_as_test(machine(lambda error, driver: False), settings=budget)
+
+
+def test_masks_behind_are_the_smallest_feature_sets_no_fired_finding_survives():
+    from kvspec.cli.search import masks_behind
+
+    def k(ident, *requires, go_on=False):
+        return KnownFinding(ident, ident, ("crash",), ("step",), requires=requires, go_on=go_on)
+
+    known = [k("W", "window"), k("C", "prefix_caching"), k("CS", "prefix_caching", "swap"),
+             k("LS", "lookahead", "swap"), k("G", "swap", go_on=True), k("ANY")]
+    features = ("window", "prefix_caching", "lookahead", "swap")
+    fired = {"W": 3, "C": 1, "CS": 2, "G": 9, "ANY": 4}
+    # Going on drowns nothing (G), and a finding that needs no feature cannot be masked (ANY).
+    assert masks_behind(known, fired, features) == [frozenset({"window", "prefix_caching"})]
+    fired["LS"] = 1
+    assert masks_behind(known, fired, features) == [
+        frozenset({"window", "prefix_caching", "lookahead"}),
+        frozenset({"window", "prefix_caching", "swap"}),
+    ]
+    # A feature the user pinned is not maskable: what needs it alone stays unmasked.
+    assert masks_behind(known, {"W": 1, "C": 1}, ("prefix_caching",)) == [frozenset({"prefix_caching"})]
+    assert masks_behind(known, {"G": 5, "ANY": 5}, features) == []
+
+
+class CrashBehindWindowAndCaching(ReferenceManager):
+    """Known bugs that fire on every windowed step and every cached admission, and behind them
+    one that needs swap and lookahead slots with neither (what the known ones drown)."""
+
+    name = "crash-behind-window-and-caching"
+
+    def reserve(self, seq_id, num_new_tokens, lookahead=0):
+        if self.config.sliding_window is not None:
+            raise RuntimeError("windowed step")
+        return super().reserve(seq_id, num_new_tokens, lookahead)
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        if self.config.prefix_caching:
+            raise KeyError("cached admission")
+        return super().admit(seq_id, tokens, num_new_tokens, extra)
+
+    def swap_out(self, seq_id):
+        if self.config.max_lookahead > 0:
+            raise IndexError("swap with lookahead")
+        return super().swap_out(seq_id)
+
+
+def test_the_rounds_go_on_behind_the_known_findings_under_a_feature_mask():
+    from kvspec.cli.search import masking
+
+    known = [
+        KnownFinding("KW", "windowed step", (CRASH,), ("step",), requires=("window",)),
+        KnownFinding("KC", "cached admission", (CRASH,), ("admit",), requires=("prefix_caching",)),
+    ]
+    masked, maskable = masking("reference", {})
+
+    search = run_search(
+        CrashBehindWindowAndCaching,
+        config_strategy("reference", {}),
+        profile="ci",
+        examples=30,
+        steps=12,
+        seed=None,
+        focus=None,
+        label="behind",
+        known=known,
+        masked=masked,
+        maskable=maskable,
+    )
+    assert search.masks[:2] == [frozenset(), frozenset({"window", "prefix_caching"})], search.masks
+    assert search.fired_under == {"KW": frozenset(), "KC": frozenset()}
+    masked_rounds = [o for o, m in zip(search.rounds, search.round_masks, strict=True) if m]
+    assert masked_rounds and all(
+        o.config is None or (o.config.sliding_window is None and not o.config.prefix_caching)
+        for o in masked_rounds
+    )
+    (behind,) = [f for f in search.found if f.fingerprint.exception == "IndexError"]
+    config = behind.outcome.config
+    assert config.sliding_window is None and not config.prefix_caching and config.max_lookahead > 0
+    assert sorted(f.known.id for f in search.found if f.known is not None) == ["KC", "KW"]
+    # A pinned feature is never masked.
+    assert masking("reference", parse_overrides(["window=on", "swap=off"]))[1] == ("prefix_caching", "lookahead")
