@@ -33,14 +33,14 @@ nothing there.
 Partial tails (0.33.0): with ``hash_block_size`` below the full-attention block size (the
 hybrid shapes whose sliding-window group has smaller blocks), ``FullAttentionManager.cache_blocks``
 registers the prompt's last hash boundary inside a block as a partial entry
-(``_cache_partial_tail_block``, single_type_kv_cache_manager.py:822-880;
+(``_cache_partial_tail_block``, single_type_kv_cache_manager.py:840-897;
 ``BlockPool.cache_partial_block``, block_pool.py:486-603).  Without fine-grained hits (a Mamba
 "align" group, ``partial_hash_hits_enabled``, kv_cache_utils.py:762-801) the hybrid
 coordinator rounds the cacheable tokens down to the scheduler block size
 (``_align_cacheable``, kv_cache_coordinator.py:777-787), so the entry is registered once the
 block is already full, beside its full hash; it is retired with the block's other hashes on
-eviction (``_remove_cached_block_hashes``, block_pool.py:622-649).  The observation lists it
-like any other entry of the group (``GroupState.cached``).
+eviction (``_maybe_evict_cached_block`` -> ``_remove_cached_block_hashes``, block_pool.py:769,
+630-664).  The observation lists it like any other entry of the group (``GroupState.cached``).
 """
 
 from __future__ import annotations

@@ -153,3 +153,36 @@ def test_partial_tail_reference_machine_holds():
         settings=settings(settings(), max_examples=max(settings().max_examples // 2, 50)),
     )
     assert stats.events >= 50, stats
+
+
+def test_events_are_replayed_per_kv_cache_group():
+    """Under a hybrid scheduler each group's stream is replayed against that group's own map
+    (``GroupState.events``): a store in the wrong group is reported in both, naming each."""
+    from kvspec.spec.groups import GroupSpec, GroupState, HybridState, check_hybrid
+
+    full, swa = GroupSpec("full", 4), GroupSpec("swa", 2, sliding_window=3)
+    k4, k2 = key_of((1, 2, 3, 0), 4), key_of((1, 2), 2)
+    pool = PoolView(
+        ids=(0, 1), refcounts={0: 0, 1: 0}, free=(), evictable=(0, 1),
+        cached=((k4, 0), (k2, 1)), computed=frozenset({0, 1}),
+    )
+    memory = {(Device.GPU, 0, i): (i, t) for i, t in enumerate((1, 2, 3, 0))}
+    memory |= {(Device.GPU, 1, i): (i, t) for i, t in enumerate((1, 2))}
+    config = Config(block_size=4, num_blocks=2, prefix_caching=True)
+
+    def state(full_events, swa_events):
+        return HybridState(
+            pool,
+            (
+                GroupState(full, {}, ((k4, 0),), full_events),
+                GroupState(swa, {}, ((k2, 1),), swa_events),
+            ),
+        )
+
+    right = state((CacheEvent(EventKind.STORED, (k4,)),), (CacheEvent(EventKind.STORED, (k2,)),))
+    assert [v for v in check_hybrid(config, right, {}, memory) if v.invariant == "event-consistency"] == []
+    crossed = state((CacheEvent(EventKind.STORED, (k2,)),), (CacheEvent(EventKind.STORED, (k4,)),))
+    found = [v.message for v in check_hybrid(config, crossed, {}, memory) if v.invariant == "event-consistency"]
+    assert any(m.startswith("group full:") for m in found) and any(m.startswith("group swa:") for m in found)
+    silent = state(None, None)  # a target that reports no per-group stream: nothing to say
+    assert [v for v in check_hybrid(config, silent, {}, memory) if v.invariant == "event-consistency"] == []

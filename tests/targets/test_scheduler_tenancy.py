@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.events import EventKind, replay
-from kvspec.spec.groups import Shape
+from kvspec.spec.groups import Shape, check_hybrid
 from kvspec.spec.prefix_hash import ExtraKeys, key_of
 from kvspec.testing.scheduler_driver import SchedulerDriver, ShapeCounts
 from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
@@ -77,9 +78,8 @@ def test_partial_tail_is_registered_beside_the_full_key_once_its_block_is_full(a
     assert driver.finish() == []
 
 
-def test_eviction_retires_the_partial_entry_with_its_own_removal(adapter):
-    """A block evicted for another request loses every key it is cached under, the partial one
-    too, each with a ``BlockRemoved`` in its group; the replayed stream is the map again."""
+def _evicted(adapter) -> SchedulerDriver:
+    """PROMPT's request finishes; a longer one then needs its cached blocks back."""
     target = adapter(_shape())
     driver = SchedulerDriver(target)
     driver.arrive(0, PROMPT, 2)
@@ -88,6 +88,13 @@ def test_eviction_retires_the_partial_entry_with_its_own_removal(adapter):
     other = tuple([3] * 28)  # more blocks than the startup-minimum pool (25) has free
     driver.arrive(1, other, 1)
     _run(driver, 2)
+    return driver
+
+
+def test_eviction_retires_the_partial_entry_with_its_own_removal(adapter):
+    """A block evicted for another request loses every key it is cached under, the partial one
+    too, each with a ``BlockRemoved`` in its group; the replayed stream is the map again."""
+    driver = _evicted(adapter)
     full = driver.state.groups[0]
     removed = [len(k.chain) for e in full.events if e.kind is EventKind.REMOVED for k in e.keys]
     assert 6 in removed and 8 in removed, removed
@@ -95,6 +102,21 @@ def test_eviction_retires_the_partial_entry_with_its_own_removal(adapter):
     for g in driver.state.groups:
         live, faults = replay(g.events)
         assert faults == [] and sum(live.values()) == len(g.cached)
+    assert driver.finish() == []
+
+
+def test_a_dropped_removal_is_caught_in_its_group(adapter):
+    """The per-group event check can fail on the scheduler run: the same state with the full
+    group's ``BlockRemoved`` events left out (an event dropped on eviction) is reported there,
+    and only there."""
+    driver = _evicted(adapter)
+    state = driver.state
+    full = state.groups[0]
+    kept = tuple(e for e in full.events if e.kind is not EventKind.REMOVED)
+    broken = attrs.evolve(state, groups=(attrs.evolve(full, events=kept), *state.groups[1:]))
+    found = check_hybrid(driver.config, broken, driver.seqs, driver.memory)
+    found = [v for v in found if v.invariant == "event-consistency"]
+    assert found and all(v.message.startswith("group full:") for v in found), found
     assert driver.finish() == []
 
 
