@@ -140,7 +140,7 @@ class Sieve:
 
     def __call__(self, error: BaseException, driver: Driver) -> bool | str:
         fp = fingerprint(error, driver.trace)
-        known = which_known(self.known, fp, message_of(error), driver.config)
+        known = which_known(self.known, fp, message_of(error), driver.config, {s.op for s in driver.trace})
         if known is not None and known.go_on and isinstance(error, SpecViolation):
             # Gone past only if nothing else broke with it: the rest is judged on its own.
             rest = [v for v in error.violations if v.invariant not in known.invariant]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import tomllib
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -138,6 +138,7 @@ _KEYS = {
     "requires",
     "reach",
     "go_on",
+    "after",
 }
 
 
@@ -166,6 +167,7 @@ class KnownFinding:
     releases: tuple[str, str] | None = None  # first and last release, inclusive
     requires: tuple[str, ...] = ()  # FEATURES the configuration must have
     go_on: bool = False  # stepped past by going on with the example (state violations only)
+    after: tuple[str, ...] = ()  # driver operations the trace must hold (up to the failing one)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
 
     @classmethod
@@ -204,6 +206,7 @@ class KnownFinding:
             requires=requires,
             reach=str(entry.get("reach", "")),
             go_on=bool(entry.get("go_on", False)),
+            after=_strings(entry, "after"),
         )
 
     def concerns(self, impl: str, version: str | None) -> bool:
@@ -220,7 +223,11 @@ class KnownFinding:
             return False
         return release_key(self.releases[0]) <= key <= release_key(self.releases[1])
 
-    def matches(self, fp: Fingerprint, message: str, config: Config | None) -> bool:
+    def matches(
+        self, fp: Fingerprint, message: str, config: Config | None, ops: Collection[str] | None = None
+    ) -> bool:
+        """Whether a failure is this finding; ``ops``: the operations of its trace (None: not
+        known, ``after`` is not checked)."""
         if fp.invariant not in self.invariant or fp.operation not in self.operation:
             return False
         if self.exception and fp.exception not in self.exception:
@@ -230,6 +237,8 @@ class KnownFinding:
         if self.message and not any(part in message for part in self.message):
             return False
         if config is not None and not all(FEATURES[f](config) for f in self.requires):
+            return False
+        if ops is not None and not all(op in ops for op in self.after):
             return False
         return True
 
@@ -259,6 +268,10 @@ def load_known(paths: Iterable[Path]) -> list[KnownFinding]:
 
 
 def which_known(
-    known: Iterable[KnownFinding], fp: Fingerprint, message: str, config: Config | None
+    known: Iterable[KnownFinding],
+    fp: Fingerprint,
+    message: str,
+    config: Config | None,
+    ops: Collection[str] | None = None,
 ) -> KnownFinding | None:
-    return next((k for k in known if k.matches(fp, message, config)), None)
+    return next((k for k in known if k.matches(fp, message, config, ops)), None)

@@ -257,3 +257,12 @@ def test_the_rounds_go_on_behind_the_known_findings_under_a_feature_mask():
     assert sorted(f.known.id for f in search.found if f.known is not None) == ["KC", "KW"]
     # A pinned feature is never masked.
     assert masking("reference", parse_overrides(["window=on", "swap=off"]))[1] == ("prefix_caching", "lookahead")
+
+
+def test_after_narrows_a_finding_to_traces_that_hold_the_operations():
+    f8 = next(k for k in load_known([SHIPPED]) if k.id == "F8")
+    windowed = Config(block_size=3, num_blocks=13, num_cpu_blocks=1, sliding_window=3)
+    crash = Fingerprint(CRASH, "step", "AssertionError", "vllm/core/block/naive_block.py:_append_token_ids_no_cow")
+    assert f8.matches(crash, "AssertionError: ", windowed, {"admit", "fork", "step"})
+    assert not f8.matches(crash, "AssertionError: ", windowed, {"admit", "step"})  # no fork: not F8
+    assert not f8.matches(crash, "AssertionError: ", Config(block_size=3, num_blocks=13), {"fork", "step"})
