@@ -166,6 +166,44 @@ def _build(cls: Any, recorder: Recorder | None = None, prefix: str = "", **candi
     return cls(**kwargs)
 
 
+def external_forms(h: Any) -> list[Any]:
+    """The forms a KV event may carry for the release's block hash ``h``: the bytes, their
+    low 64 bits as an int (0.11+), or the ``hash_value`` int (0.9-0.10 ``BlockHash``)."""
+    forms = [h]
+    if isinstance(h, bytes | bytearray):
+        forms.append(int.from_bytes(h, byteorder="big") & ((1 << 64) - 1))
+    value = getattr(h, "hash_value", None)
+    if value is not None:
+        forms.append(value)
+    return forms
+
+
+def learn_hash_keys(
+    hashes: Sequence[Any],
+    tokens: tuple[int, ...],
+    extra: ExtraKeys,
+    unit: int,
+    keys: dict[Any, PrefixKey],
+    external: dict[Any, PrefixKey],
+    collisions: list[tuple[Any, PrefixKey, PrefixKey]],
+) -> None:
+    """Map the release's hash of every ``unit``-token block of ``tokens`` to its PrefixKey (the
+    chain up to the block's end, in ``extra``'s domain) in ``keys``, and every form a KV event
+    carries it in (``external_forms``) in ``external``; a hash that stands for two chains goes
+    to ``collisions`` (the adapters report it under prefix-cache-consistency)."""
+    for i, h in enumerate(hashes):
+        end = (i + 1) * unit
+        if end > len(tokens):
+            break
+        key = key_of(tokens, end, extra)
+        old = keys.setdefault(h, key)
+        if old is key:
+            for form in external_forms(h):
+                external.setdefault(form, key)
+        elif old != key:
+            collisions.append((h, old, key))
+
+
 class VLLMV1Adapter:
     """kvspec ``Implementation`` over vLLM V1's ``KVCacheManager`` (single KV cache group).
 
@@ -463,17 +501,6 @@ class VLLMV1Adapter:
         # process, so each sets its own before every operation that may emit.
         os.environ[INT_EVENT_HASHES_ENV] = "1" if self.int_event_hashes else "0"
 
-    def _external_forms(self, h: Any) -> list[Any]:
-        """The forms a KV event may carry for the release's block hash ``h``: the bytes, their
-        low 64 bits as an int (0.11+), or the ``hash_value`` int (0.9-0.10 ``BlockHash``)."""
-        forms = [h]
-        if isinstance(h, bytes | bytearray):
-            forms.append(int.from_bytes(h, byteorder="big") & ((1 << 64) - 1))
-        value = getattr(h, "hash_value", None)
-        if value is not None:
-            forms.append(value)
-        return forms
-
     def _drain_events(self) -> None:
         """Translate what ``take_events`` hands the engine into spec events, in order."""
         if Capability.KV_EVENTS not in self.capabilities:
@@ -552,19 +579,11 @@ class VLLMV1Adapter:
             hashes = self._raw.req_to_block_hashes.get(real(request).request_id)
         if not hashes:
             return
-        tokens = tuple(request.all_token_ids)
         extra = self._extra.get(seq_id, as_extra(()))
-        for i, h in enumerate(hashes):
-            end = (i + 1) * self._B
-            if end > len(tokens):
-                break
-            key = key_of(tokens, end, extra)
-            old = self._keys.setdefault(h, key)
-            if old is key:
-                for form in self._external_forms(h):
-                    self._external.setdefault(form, key)
-            elif old != key:
-                self.hash_collisions.append((h, old, key))
+        learn_hash_keys(
+            hashes, tuple(request.all_token_ids), extra, self._B,
+            self._keys, self._external, self.hash_collisions,
+        )
 
     def _group_blocks(self, request_id: str) -> list[Any]:
         m = self._raw

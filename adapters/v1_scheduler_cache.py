@@ -54,9 +54,9 @@ from typing import Any
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Capability
-from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey, key_of
+from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
 
-from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params
+from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params, learn_hash_keys
 
 # The kinds of extra key a request may carry (testing/strategies.py EXTRA_KINDS), by capability.
 EXTRA_KIND_OF = {
@@ -83,7 +83,6 @@ class SchedulerCacheView:
     _extra_capabilities = VLLMV1Adapter._extra_capabilities
     _lora_request = VLLMV1Adapter._lora_request
     _mm_fields = VLLMV1Adapter._mm_fields
-    _external_forms = VLLMV1Adapter._external_forms
 
     def __init__(self, v: Any, *, prefix_caching: bool, num_groups: int) -> None:
         self._v = v
@@ -156,17 +155,9 @@ class SchedulerCacheView:
     def learn(self, hashes: Any, tokens: tuple[int, ...], extra: ExtraKeys, hash_block_size: int) -> None:
         """Map the release's hash of every hash block to its PrefixKey (the token chain up to
         the block's end, in the request's domain) and each external form events carry."""
-        for i, h in enumerate(hashes):
-            end = (i + 1) * hash_block_size
-            if end > len(tokens):
-                break
-            key = key_of(tokens, end, extra)
-            old = self.keys.setdefault(h, key)
-            if old is key:
-                for form in self._external_forms(h):
-                    self._external.setdefault(form, key)
-            elif old != key:
-                self.hash_collisions.append((h, old, key))
+        learn_hash_keys(
+            hashes, tokens, extra, hash_block_size, self.keys, self._external, self.hash_collisions
+        )
 
     # ------------------------------------------------------------ events
 
