@@ -99,7 +99,10 @@ def event_consistency(world: World) -> Iterator[str]:
     removes a key that is not stored, and none announces a key the map does not hold.
 
     Events carry hashes, not block ids (``spec.events``), so the map is compared as a multiset
-    of keys.  An implementation that emits no events (``PoolView.events`` None) says nothing.
+    of keys.  Under a hybrid scheduler each KV-cache group is checked on its own stream against
+    its own map (``GroupState.events``; 0.33.0 events name their group, ``group_idx``), partial
+    tail entries included.  An implementation that emits no events (``PoolView.events`` None)
+    says nothing.
     """
     for device, pool in _pools(world.state):
         if pool.events is None:
