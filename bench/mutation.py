@@ -992,7 +992,43 @@ def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
         mine = [r for r in rows if r["key"].rsplit("#", 1)[0] == m.key]
         print(f"  {m.describe()[:90]}: killed in {sum(r['status'] in KILLED for r in mine)} of "
               f"{len(mine)} seeds")
+    both = {k: path.with_name(f"search-{k}-{split_target(target)[0]}.json")
+            for k in ("default", "swarm")}
+    if all(p.exists() for p in both.values()):
+        write_section("mutation-search", render_search(
+            {k: json.loads(p.read_text()) for k, p in both.items()}),
+            Path(args.md) if args.md else None)
     return result
+
+
+def render_search(runs: dict[str, dict[str, Any]]) -> str:
+    """The search evidence: per mutant, how many seeds each machine killed it in, and the
+    median seconds to the kill (a survivor counts its whole budget)."""
+    import statistics
+
+    first = runs["default"]
+    parts = [header(first["command"], first["machine"], first.get("seconds")),
+             "", f"Same budget for both machines: {first['examples']} hypothesis examples per "
+             f"seed (random search, seeds 0-{first['seeds'] - 1}), 40 steps, no shrinking, "
+             f"oracle `{first['oracle']}` without the scheduler shapes (the block-manager "
+             "machine is what the search changes); swarm: "
+             + runs["swarm"]["command"].split("python -m bench ", 1)[-1], ""]
+    rows = []
+    for m in first["mutants"]:
+        row: list[Any] = [m["describe"]]
+        for name in ("default", "swarm"):
+            mine = [r for r in runs[name]["runs"] if r["key"].rsplit("#", 1)[0] == m["key"]]
+            kills = [r for r in mine if r["status"] in KILLED]
+            row += [f"{len(kills)}/{len(mine)}",
+                    f"{statistics.median(r['seconds'] for r in mine):.0f}" if mine else "-"]
+        rows.append(row)
+    total = {name: sum(r["status"] in KILLED for r in runs[name]["runs"]) for name in runs}
+    parts += [table(["mutant", "default: seeds killed", "median s", "swarm: seeds killed",
+                     "median s"], rows), "",
+              f"Kills over all mutant x seed runs: default {total['default']}/"
+              f"{len(runs['default']['runs'])}, swarm {total['swarm']}/"
+              f"{len(runs['swarm']['runs'])}."]
+    return "\n".join(parts)
 
 
 def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
