@@ -15,7 +15,12 @@ hybrid groups   a full-attention group and a sliding-window group in one ``KVCac
                 (vllm/v1/core/kv_cache_coordinator.py:617).  Different block sizes per group
                 need the Scheduler's ``hash_block_size`` (scheduler.py:92-93; the coordinator's
                 divisibility asserts kv_cache_coordinator.py:113-116, 679-686): 0.33.0 has it,
-                0.12.0 and 0.10.1.1 do not (one block size for every group there).
+                0.12.0, 0.10.1.1 and 0.9.1 do not (one block size for every group there).
+chunked local   a full-attention group and a chunked-local group (Llama-4):
+                ``ChunkedLocalAttentionSpec`` / ``ChunkedLocalAttentionManager``
+                (kv_cache_interface.py:861, single_type_kv_cache_manager.py:1276; 0.12.0 :199,
+                :501; 0.10.1.1 :138, :393; absent in 0.9.1).  One block size for both groups
+                (single_type_kv_cache_manager.py:1338-1341) and no EAGLE beside it (:1333-1335).
 async           ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py):
                 ``schedule()`` for step t+1 before ``update_from_output`` of step t, output
                 placeholders (async_scheduler.py:25-56).  The engine keeps two batches in
@@ -27,6 +32,13 @@ spec decode     ``SpeculativeConfig(method="ngram")``: ``num_spec_tokens`` draft
                 (scheduler.py:2364-2376).  0.10.1.1 takes the next drafts in
                 ``ModelRunnerOutput.spec_token_ids`` instead; 0.12.0 refuses async with
                 ngram drafts (VllmConfig validation).
+EAGLE           ``SpeculativeConfig(method="eagle")`` with the tiny model's folder as the head
+                (its config only; config/speculative.py:1514-1532): the scheduler's
+                ``use_eagle`` (scheduler.py:330-331) drops the last block of every prefix hit
+                (kv_cache_coordinator.py:590-594, 867-901; 0.12.0 and 0.10.1.1 always) unless
+                the block hashes cover the next token (0.33.0's default,
+                ``num_hash_lookahead_tokens``, config/vllm.py:678-692, scheduler.py:342-345;
+                ``Shape.lookahead_hashes``).  Async scheduling with drafts is EAGLE-only in 0.12.0.
 budget          ``SchedulerConfig.max_num_batched_tokens`` below ``max_model_len``: the
                 scheduler chunks long prompts by the token budget (scheduler.py:719);
                 ``scheduler_reserve_full_isl`` (0.33: scheduler.py:426, 1449; absent in
@@ -37,9 +49,11 @@ sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at
                 ``_max_memory_usage_bytes_from_groups``, vllm/v1/core/kv_cache_planning.py:151,
                 1253).
 
-Releases: run on 0.33.0, 0.12.0 and 0.10.1.1 (FINDINGS.md); 0.9.1's StructuredOutputManager
-builds a tokenizer even with ``skip_tokenizer_init``, so offline its scheduler cannot be built
-(``ConfigError``).  Where the API moved the adapter
+Releases: run on 0.33.0, 0.12.0, 0.10.1.1 and 0.9.1 (FINDINGS.md).  0.9.1's
+``StructuredOutputManager`` builds a tokenizer even with ``skip_tokenizer_init``: the tiny model's
+folder holds a word-level tokenizer kvspec writes (``_tiny_tokenizer``); 0.9.1 has no
+``AsyncScheduler``, no chunked-local attention, one ``CachedRequestData`` per request in the
+scheduler output.  Where the API moved the adapter
 reads the release (``Scheduler`` parameters, config dataclass fields, ``Request`` parameters)
 and passes what it takes: ``Scheduler(block_size=...)`` is 0.11+ (before, the cache config's
 block size), request-side block hashing is 0.10.1+ (before, the manager's
@@ -55,6 +69,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,8 +84,8 @@ from kvspec.spec.state import Device, PoolView, TableView
 from .v1 import _build, _config_default, _load_vllm, _params
 from .v1_scheduler_cache import SchedulerCacheView
 
-# The tiny model whose config.json the scheduler's ModelConfig reads (no weights, no
-# tokenizer): two layers, so one per KV-cache group.
+# The tiny model whose config.json the scheduler's ModelConfig reads (no weights; a tiny
+# tokenizer beside it for the releases that load one): two layers, one per KV-cache group.
 TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -88,6 +103,8 @@ LAYER_FULL = "model.layers.0.self_attn.attn"
 LAYER_SWA = "model.layers.1.self_attn.attn"
 MAX_NUM_SEQS = 16  # running requests at most (SchedulerConfig asks the budget to be >= it)
 NGRAM_LOOKUP = 2  # prompt_lookup_max of the ngram proposer (required by SpeculativeConfig)
+# The tiny tokenizer's words: unknown, begin and end of sequence, and a few plain words.
+TINY_VOCAB = ("<unk>", "<s>", "</s>", "a", "b", "c", "d")
 
 
 def _hash_fn(name: str) -> Any:
@@ -114,13 +131,45 @@ def _engine_refuses_async_drafts() -> bool:
     return "speculative decoding is not supported with" in src and "async scheduling" in src
 
 
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write ``text`` unless the file holds it already; atomically, as several processes
+    (hypothesis workers, a CI run beside a helper) share the folder."""
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _tiny_tokenizer() -> dict[str, str]:
+    """A word-level tokenizer over ``TINY_VOCAB``, built with the ``tokenizers`` library the
+    release depends on (through transformers): ``tokenizer.json`` and a ``tokenizer_config.json``
+    naming the fast tokenizer class, so ``AutoTokenizer`` loads it without a SentencePiece model
+    (a Llama ``config.json`` alone makes it pick the slow Llama tokenizer).  The scheduler never
+    tokenizes: before 0.10 the ``StructuredOutputManager`` loads a tokenizer when it is built
+    even with ``skip_tokenizer_init`` (0.9.1 vllm/v1/structured_output/__init__.py:49), and
+    offline there is no other."""
+    tokenizers = importlib.import_module("tokenizers")
+    vocab = {word: i for i, word in enumerate(TINY_VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=TINY_VOCAB[0]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": TINY_VOCAB[0],
+        "bos_token": TINY_VOCAB[1],
+        "eos_token": TINY_VOCAB[2],
+        "model_max_length": TINY_MODEL["max_position_embeddings"],
+    }
+    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=1)}
+
+
 def _tiny_model_dir() -> Path:
     root = Path(tempfile.gettempdir()) / "kvspec-tiny-llama"
     root.mkdir(parents=True, exist_ok=True)
-    path = root / "config.json"
-    text = json.dumps(TINY_MODEL, indent=1)
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+    _write_if_changed(root / "config.json", json.dumps(TINY_MODEL, indent=1))
+    if importlib.util.find_spec("tokenizers") is not None:
+        for name, text in _tiny_tokenizer().items():
+            _write_if_changed(root / name, text)
     return root
 
 
@@ -189,8 +238,8 @@ class VLLMV1SchedulerAdapter:
         try:
             structured = so_mod.StructuredOutputManager(vllm_config)
         except (OSError, TypeError, ValueError) as err:
-            # 0.9.x builds a tokenizer here even with skip_tokenizer_init: offline, with no
-            # tokenizer files, that release's scheduler cannot be built (no stand-in is used).
+            # 0.9.x builds a tokenizer here even with skip_tokenizer_init: from the tiny
+            # tokenizer beside config.json, or, where ``tokenizers`` is missing, not at all.
             raise ConfigError(
                 f"vLLM {v.version}: StructuredOutputManager needs a tokenizer ({type(err).__name__})"
             ) from err
@@ -217,7 +266,9 @@ class VLLMV1SchedulerAdapter:
         )
         self.num_lookahead_tokens: int = self.scheduler.num_lookahead_tokens
         self._hasher = None
-        if shape.prefix_caching:
+        # 0.10.1+ hashes blocks on the request; before, the manager hashes with its own
+        # function (0.9.1 kv_cache_manager.py:82) and the adapter has nothing to set up.
+        if shape.prefix_caching and hasattr(v.kcu, "get_request_block_hasher"):
             algo = _config_default(v.config.CacheConfig, "prefix_caching_hash_algo", "sha256")
             hash_fn = _hash_fn(algo)
             from . import v1 as _v1
@@ -225,8 +276,7 @@ class VLLMV1SchedulerAdapter:
             if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
-            if hasattr(v.kcu, "get_request_block_hasher"):  # 0.10.1+; before, the manager hashes
-                self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
         self._epochs: dict[int, int] = {}
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
@@ -269,7 +319,25 @@ class VLLMV1SchedulerAdapter:
             block_size=shape.block_size, enable_prefix_caching=shape.prefix_caching
         )
         speculative_config = None
-        if shape.num_spec_tokens:
+        if shape.num_spec_tokens and shape.eagle:
+            # The EAGLE head's config is the tiny model's own (vLLM wraps it in an EAGLEConfig,
+            # 0.33.0 config/speculative.py:1514-1532); nothing is loaded, the scheduler only
+            # reads ``use_eagle()`` (scheduler.py:330-331) and reserves the draft slots.
+            spec_fields = {f.name for f in dataclasses.fields(c.SpeculativeConfig)}
+            # 0.33.0 hashes a block with the token after it for EAGLE by default and then drops
+            # no hit block; before, there are no such hashes and every hit loses its last block.
+            has_lookahead = "disable_lookahead_block_hashes" in spec_fields
+            if shape.lookahead_hashes and not has_lookahead:
+                raise ConfigError(f"vLLM {self._v.version}: no lookahead block hashes for EAGLE")
+            speculative_config = c.SpeculativeConfig(
+                method="eagle",
+                model=str(_tiny_model_dir()),
+                num_speculative_tokens=shape.num_spec_tokens,
+                target_model_config=model_config,
+                target_parallel_config=c.ParallelConfig(),
+                **({"disable_lookahead_block_hashes": not shape.lookahead_hashes} if has_lookahead else {}),
+            )
+        elif shape.num_spec_tokens:
             speculative_config = c.SpeculativeConfig(
                 method="ngram",
                 num_speculative_tokens=shape.num_spec_tokens,
@@ -300,6 +368,20 @@ class VLLMV1SchedulerAdapter:
                 **{**common, "num_kv_heads": scale},
             )
             out.append((LAYER_SWA, swa))
+        if shape.attention_chunk_size is not None:
+            spec_cls = getattr(kci, "ChunkedLocalAttentionSpec", None)
+            if spec_cls is None:  # 0.10.1+ (kv_cache_interface.py:138 there)
+                raise ConfigError(f"vLLM {self._v.version} has no ChunkedLocalAttentionSpec")
+            if shape.swa_block_size != shape.block_size:
+                # 0.33.0 single_type_kv_cache_manager.py:1338-1341 asserts one block size.
+                raise ConfigError("chunked-local groups take the scheduler's block size")
+            chunked = _build(
+                spec_cls,
+                block_size=shape.block_size,
+                attention_chunk_size=shape.attention_chunk_size,
+                **common,
+            )
+            out.append((LAYER_SWA, chunked))
         return out
 
     def _count_allocations(self) -> None:
@@ -364,7 +446,10 @@ class VLLMV1SchedulerAdapter:
         scheduled = []
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        if isinstance(cached, list):  # before 0.10: one CachedRequestData per request
+            starts.update((r.req_id, r.num_computed_tokens) for r in cached)
+        else:
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id, n in so.num_scheduled_tokens.items():
             drafts = tuple(so.scheduled_spec_decode_tokens.get(req_id, ()))
             scheduled.append(

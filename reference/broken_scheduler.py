@@ -9,8 +9,11 @@ from configurations).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
-from kvspec.spec.groups import Scheduled, Shape
+from kvspec.spec.groups import GroupSpec, Scheduled, Shape
+from kvspec.spec.window import first_needed_position
 
 from .scheduler import ReferenceScheduler, _Req
 
@@ -58,7 +61,7 @@ class ShortBudgetChunk(ReferenceScheduler):
 
     name = "short-budget-chunk"
 
-    def _schedule_one(self, req: _Req, budget: int):
+    def _schedule_one(self, req: _Req, budget: int, *planned: Any):
         remaining = req.known() - req.computed
         whole = budget == self.shape.max_num_batched_tokens  # the step's budget, not a remnant
         if whole and 1 < budget < remaining and req.outputs == 0:
@@ -66,7 +69,7 @@ class ShortBudgetChunk(ReferenceScheduler):
             start, req.computed = req.computed, req.computed + budget
             req.in_flight += budget
             return Scheduled(req.seq_id, start, budget, 0, ())
-        return super()._schedule_one(req, budget)
+        return super()._schedule_one(req, budget, *planned)
 
 
 class ExactFitReuse(ReferenceScheduler):
@@ -89,6 +92,32 @@ class ExactFitReuse(ReferenceScheduler):
         super().__init__(shape)
 
 
+class ChunkAsSlidingWindow(ReferenceScheduler):
+    """Chunked-local attention: keeps the last C positions (a sliding window of the chunk's
+    size) instead of only the current chunk, so blocks before the chunk stay held after the
+    chunk boundary.  Safe but wasteful: only the chunk's bound (``window-bound``) sees it."""
+
+    name = "chunk-as-sliding-window"
+
+    def _first_needed(self, req: _Req, group: GroupSpec) -> int:
+        if group.attention_chunk_size is None:
+            return super()._first_needed(req, group)
+        return first_needed_position(req.computed - req.in_flight, group.attention_chunk_size)
+
+
+class ChunkDropsItsStart(ReferenceScheduler):
+    """Chunked-local attention: frees the first block of the current chunk as well, which the
+    rest of the chunk still attends."""
+
+    name = "chunk-drops-its-start"
+
+    def _first_needed(self, req: _Req, group: GroupSpec) -> int:
+        first = super()._first_needed(req, group)
+        if group.attention_chunk_size is None:
+            return first
+        return min(first + group.block_size, req.computed - req.in_flight)
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -108,6 +137,12 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
         ShortBudgetChunk, "budget-chunked", frozenset({"admission-soundness"})
     ),
     ExactFitReuse.name: BrokenScheduler(ExactFitReuse, "startup-min", frozenset({"refcount-exact"})),
+    ChunkAsSlidingWindow.name: BrokenScheduler(
+        ChunkAsSlidingWindow, "hybrid-chunked-local", frozenset({"window-bound"})
+    ),
+    ChunkDropsItsStart.name: BrokenScheduler(
+        ChunkDropsItsStart, "hybrid-chunked-local", frozenset({"kv-readback"})
+    ),
 }
 
 

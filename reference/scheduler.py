@@ -19,7 +19,7 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, GroupState, HybridState, Plan, Scheduled, Shape
 from kvspec.spec.state import Device, PoolView, TableView
-from kvspec.spec.window import blocks_for_tokens, first_needed_position
+from kvspec.spec.window import blocks_for_tokens
 
 
 @attrs.define
@@ -125,8 +125,9 @@ class ReferenceScheduler:
         req.tables = []
 
     def _first_needed(self, req: _Req, group: GroupSpec) -> int:
-        """The first position the worker still reads: the window of its processed count."""
-        return first_needed_position(req.computed - req.in_flight, group.sliding_window)
+        """The first position the worker still reads: the window (or the attention chunk) of
+        its processed count."""
+        return group.first_attended(req.computed - req.in_flight)
 
     def _slots_for(self, req: _Req, end: int, group: GroupSpec) -> int:
         return blocks_for_tokens(end, group.block_size)
@@ -136,7 +137,7 @@ class ReferenceScheduler:
         if not req.tables:
             req.tables = [[] for _ in self.group_specs]
         for table, group in zip(req.tables, self.group_specs, strict=True):
-            if group.sliding_window is not None:
+            if group.local:
                 first = self._first_needed(req, group) // group.block_size
                 for i in range(min(first, len(table))):
                     if table[i] is not None:

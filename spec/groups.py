@@ -1,11 +1,11 @@
 """Hybrid models: several KV-cache groups sharing one block pool.
 
 A hybrid model (Gemma-2/3, Llama-4, gpt-oss style) mixes full-attention layers with
-sliding-window layers.  vLLM's V1 engine gives each kind of layer a KV-cache *group* with its
-own block table per request (``KVCacheGroupSpec``, vllm/v1/kv_cache_interface.py), all groups
-allocating from one ``BlockPool`` through ``HybridKVCacheCoordinator``
-(vllm/v1/core/kv_cache_coordinator.py).  The abstract state is then one table per
-(sequence, group) over one pool:
+sliding-window layers (Gemma, gpt-oss) or chunked-local layers (Llama-4).
+vLLM's V1 engine gives each kind of layer a KV-cache *group* with its own block table per
+request (``KVCacheGroupSpec``, vllm/v1/kv_cache_interface.py), all groups allocating from
+one ``BlockPool`` through ``HybridKVCacheCoordinator`` (vllm/v1/core/kv_cache_coordinator.py).
+The abstract state is then one table per (sequence, group) over one pool:
 
 * per group, every state invariant holds on the group's *view* (``group_world``): its own
   tables, its block size and window, and the part of the pool it owns (the blocks its tables
@@ -16,14 +16,25 @@ allocating from one ``BlockPool`` through ``HybridKVCacheCoordinator``
   across groups, no leak once every sequence is gone.
 * a prefix hit is one token count for the request, so it is a hit in every group: each
   group's ``kv-readback`` reads the hit positions its next token attends through that group's
-  table (full attention: all of them; sliding window: the window).
+  table (full attention: all of them; sliding window: the window; chunked local: its chunk).
+
+Chunked-local attention (``ChunkedLocalAttentionSpec``, vLLM 0.10.1+): the token at position p
+attends only the positions of its own chunk of C tokens, ``chunk_start(p, C) .. p``.  Once a
+request has processed p positions every block wholly before ``chunk_start(p, C)`` is dead, and
+vLLM frees it (``ChunkedLocalAttentionManager.get_num_skipped_tokens`` returns
+``(num_computed_tokens // attention_chunk_size) * attention_chunk_size``, 0.33.0
+vllm/v1/core/single_type_kv_cache_manager.py:1381-1425; ``remove_skipped_blocks`` frees the
+blocks wholly before it, :682-720; 0.10.1.1 single_type_kv_cache_manager.py:393).  Its
+group's ``kv-readback`` reads from the chunk's start, and its ``window-bound`` is the chunk's
+own bound (``chunk_faults``): a step over positions [s, e) holds at most the blocks positions
+``chunk_start(s, C) .. e - 1`` touch.
 
 No new invariant ID: the groups change the world the invariants look at, not the properties.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -31,8 +42,10 @@ import attrs
 from .config import Config
 from .events import CacheEvent
 from .invariants import INVARIANTS, Violation, check_world
+from .kv_memory import readback_faults
 from .prefix_hash import PrefixKey
-from .state import KVState, PoolView, SeqModel, TableView, World
+from .state import Device, KVState, PoolView, SeqModel, Status, TableView, World
+from .window import blocks_for_tokens, blocks_touched, first_needed_position
 
 POOL_INVARIANTS = ("refcount-exact", "conservation", "no-leak")
 """The invariants about the one shared pool, checked with all groups' tables together."""
@@ -42,21 +55,43 @@ POOL_INVARIANTS = ("refcount-exact", "conservation", "no-leak")
 class GroupSpec:
     """One KV-cache group: the layers of one attention kind.
 
-    name            a label for reports ("full", "swa").
+    name            a label for reports ("full", "swa", "chunked").
     block_size      tokens per block of this group (a divisor of the scheduler's block size).
     sliding_window  W of the group's sliding-window layers; None for full attention.
+    attention_chunk_size  C of the group's chunked-local layers; None otherwise.
     """
 
     name: str
     block_size: int
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    @property
+    def local(self) -> bool:
+        """Whether the group's layers attend less than the whole prefix (blocks die)."""
+        return self.sliding_window is not None or self.attention_chunk_size is not None
+
+    def first_attended(self, position: int) -> int:
+        """The first position the token at ``position`` attends in this group's layers."""
+        if self.attention_chunk_size is not None:
+            return chunk_start(position, self.attention_chunk_size)
+        return first_needed_position(position, self.sliding_window)
+
+
+def chunk_start(position: int, chunk: int) -> int:
+    """The first position of the attention chunk of ``chunk`` tokens that holds ``position``
+    (vLLM's ``get_num_skipped_tokens`` of a chunked-local group)."""
+    assert chunk >= 1 and position >= 0
+    return position // chunk * chunk
 
 
 SHAPE_TAGS = (
     "hybrid",
     "hybrid-block-sizes",
+    "hybrid-chunked-local",
     "async",
     "spec-decode",
+    "spec-decode-eagle",
     "budget-chunked",
     "full-isl-on",
     "full-isl-off",
@@ -70,8 +105,8 @@ class Shape:
     """A production configuration of vLLM's V1 scheduler (adapters/v1_scheduler.py builds it).
 
     block_size        the full-attention group's block size (and the scheduler's).
-    swa_block_size    the sliding-window group's block size (a divisor of block_size).
-    sliding_window    W of the sliding-window group; None: one full-attention group only.
+    swa_block_size    the second group's block size (a divisor of block_size).
+    sliding_window    W of the sliding-window group; None: no sliding-window group.
     extra_blocks      pool blocks beyond vLLM's startup minimum for the shape (0: exactly it;
                       a pool below it is one vLLM refuses to start with).
     prefix_caching    ``enable_prefix_caching``.
@@ -81,6 +116,14 @@ class Shape:
     max_model_len     the context length.
     full_sequence_must_fit  ``scheduler_reserve_full_isl``.
     max_tokens        sampled tokens after which a request finishes.
+    attention_chunk_size  C of a chunked-local second group (instead of a sliding-window one);
+                      None: no chunked-local group.
+    eagle             the drafts come from an EAGLE head (``SpeculativeConfig(method="eagle")``)
+                      rather than the ngram proposer: vLLM then drops the last block of every
+                      prefix-cache hit (the hit-completeness policy's EAGLE drop) -- unless
+    lookahead_hashes  the block hashes cover the token after each block instead (0.33.0's default
+                      for EAGLE with prefix caching, ``VllmConfig.num_hash_lookahead_tokens``,
+                      config/vllm.py:678-692; the scheduler then drops nothing, scheduler.py:342-345).
     """
 
     block_size: int
@@ -94,10 +137,17 @@ class Shape:
     max_model_len: int
     full_sequence_must_fit: bool
     max_tokens: int = 4
+    attention_chunk_size: int | None = None
+    eagle: bool = False
+    lookahead_hashes: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.sliding_window is not None and self.attention_chunk_size is not None:
+            raise ValueError("one second group: a sliding window or a chunked-local one")
 
     @property
     def hybrid(self) -> bool:
-        return self.sliding_window is not None
+        return self.sliding_window is not None or self.attention_chunk_size is not None
 
     @property
     def budget_bound(self) -> bool:
@@ -109,20 +159,26 @@ class Shape:
 
     def groups(self) -> tuple[GroupSpec, ...]:
         full = GroupSpec("full", self.block_size)
+        if self.attention_chunk_size is not None:
+            return (full, GroupSpec("chunked", self.swa_block_size, None, self.attention_chunk_size))
         if self.sliding_window is None:
             return (full,)
         return (full, GroupSpec("swa", self.swa_block_size, self.sliding_window))
 
     def tags(self) -> tuple[str, ...]:
         out = []
-        if self.sliding_window is not None:
+        if self.hybrid:
             out.append("hybrid")
             if self.swa_block_size != self.block_size:
                 out.append("hybrid-block-sizes")
+            if self.attention_chunk_size is not None:
+                out.append("hybrid-chunked-local")
         if self.async_scheduling:
             out.append("async")
         if self.num_spec_tokens:
             out.append("spec-decode")
+            if self.eagle:
+                out.append("spec-decode-eagle")
         if self.max_num_batched_tokens < self.max_model_len:
             out.append("budget-chunked")
         out.append("full-isl-on" if self.full_sequence_must_fit else "full-isl-off")
@@ -132,12 +188,17 @@ class Shape:
 
     def describe(self) -> str:
         parts = [f"B={self.block_size}"]
-        if self.hybrid:
+        if self.attention_chunk_size is not None:
+            parts.append(f"hybrid(chunked C={self.attention_chunk_size} B={self.swa_block_size})")
+        elif self.hybrid:
             parts.append(f"hybrid(swa W={self.sliding_window} B={self.swa_block_size})")
         parts.append(f"N=startup-min+{self.extra_blocks}")
         parts.append("prefix caching" if self.prefix_caching else "no prefix caching")
         if self.num_spec_tokens:
-            parts.append(f"spec={self.num_spec_tokens}")
+            method = " ngram"
+            if self.eagle:
+                method = " eagle (lookahead hashes)" if self.lookahead_hashes else " eagle (drops a hit block)"
+            parts.append(f"spec={self.num_spec_tokens}{method}")
         if self.async_scheduling:
             parts.append("async")
         parts.append(f"budget={self.max_num_batched_tokens}/len={self.max_model_len}")
@@ -261,6 +322,45 @@ def check_hybrid(
             Violation(v.invariant, f"shared pool: {v.message}") for v in INVARIANTS[inv_id].check(whole)
         )
     for i, g in enumerate(state.groups):
-        for v in check_world(group_world(config, state, i, seqs, memory)):
+        world = group_world(config, state, i, seqs, memory)
+        found = check_world(world)
+        chunk = g.spec.attention_chunk_size
+        if chunk is not None:
+            # The group's config has no sliding window, so check_world read every position
+            # back (full attention); its chunk is what its layers attend.
+            found = [v for v in found if v.invariant != "kv-readback"] + list(chunk_faults(world, chunk))
+        for v in found:
             out.append(Violation(v.invariant, f"group {g.spec.name}: {v.message}"))
     return out
+
+
+def chunk_faults(world: World, chunk: int) -> Iterator[Violation]:
+    """A chunked-local group's ``kv-readback`` and ``window-bound``, its chunk for the window.
+
+    kv-readback   the positions the next token (at p = ``num_computed``) attends,
+                  ``chunk_start(p, C) .. p - 1``, read back the sequence's own tokens.
+    window-bound  a step over positions [s, e) (``SeqModel.step``) holds at most the blocks
+                  that positions ``chunk_start(s, C) .. e - 1`` touch, and never more than its
+                  tokens fill: vLLM frees the blocks wholly before the chunk of the processed
+                  count before it allocates (see the module docstring).
+    """
+    B = world.config.block_size
+    for sid, table in world.state.tables.items():
+        seq = world.seqs.get(sid)
+        if seq is None or seq.status is not Status.RUNNING or table.device is not Device.GPU:
+            continue
+        p = seq.num_computed
+        # The sliding window that starts where p's chunk starts: first_needed_position(p, span).
+        span = p - chunk_start(p, chunk) + 1
+        for message in readback_faults(table, seq, B, span, world.memory):
+            yield Violation("kv-readback", message)
+        start, end = seq.step
+        last = max(end, start + 1) - 1
+        bound = min(blocks_touched(chunk_start(start, chunk), last, B), blocks_for_tokens(end, B))
+        held = len(table.held())
+        if held > bound:
+            yield Violation(
+                "window-bound",
+                f"seq {sid} holds {held} blocks but a step over positions {start}..{last} "
+                f"with attention chunk {chunk} needs at most {bound} (block size {B})",
+            )

@@ -18,6 +18,7 @@ with its on-device count), not at the scheduler's optimistic ``num_computed_toke
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -70,6 +71,19 @@ class ShapeCounts:
         self.cache.update(cache or {})
 
 
+def _marks_crash(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapped(self: SchedulerDriver, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            if self.crashed is None:
+                self.crashed = error
+            raise
+
+    return wrapped
+
+
 class SchedulerDriver:
     def __init__(
         self,
@@ -92,10 +106,14 @@ class SchedulerDriver:
         self.state: HybridState = target.observe()
         self.operations = 0
         self.counts: Counter = Counter()  # drafts, rejected, preempted, chunked, ...
+        # The exception a target call raised (the run stops there: no teardown on a state the
+        # target left half-updated, whose checks would only hide the crash).
+        self.crashed: Exception | None = None
         self.partials: Counter = Counter()  # partial tails cached, promoted, retired
 
     # ------------------------------------------------------------ operations
 
+    @_marks_crash
     def arrive(
         self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA
     ) -> None:
@@ -113,14 +131,17 @@ class SchedulerDriver:
         self._record("arrive", args)
         self._observe()
 
+    @_marks_crash
     def abort(self, seq_id: int) -> None:
         self.target.abort(seq_id)
         self.seqs.pop(seq_id, None)
         self._record("abort", {"seq": seq_id})
         self._observe()
 
+    @_marks_crash
     def step(self, accept: bytes, tokens: bytes) -> None:
         """One engine iteration: schedule, execute, and hand back the output that is due."""
+        prior = self.state
         plan = self.target.schedule()
         for seq_id in plan.preempted:
             if seq_id in self.seqs:
@@ -129,6 +150,7 @@ class SchedulerDriver:
                     self.seqs[seq_id], status=Status.WAITING, num_computed=0, step=(0, 0)
                 )
                 self.recent_starts.pop(seq_id, None)
+        self._count_hits(plan, prior)
         self._observe()
         sampled, drafts = self._execute(plan, accept, tokens)
         self.in_flight.append((plan, sampled, drafts))
@@ -145,9 +167,31 @@ class SchedulerDriver:
         while len(self.in_flight) > self.async_depth:
             self._update(*self.in_flight.popleft())
 
+    @_marks_crash
     def drain(self) -> None:
         while self.in_flight:
             self._update(*self.in_flight.popleft())
+
+    def _count_hits(self, plan: Any, prior: HybridState) -> None:
+        """Count the prefix hits of the step's admissions, and those exactly one block short of
+        the longest prefix the full-attention group had cached before the step (capped so that
+        one prompt token is left to compute): with an EAGLE head that is the dropped last hit
+        block (0.33.0 ``drop_eagle_block``, kv_cache_coordinator.py:590-594, 867-901), which
+        the hit-completeness policy declares."""
+        B = self.config.block_size
+        cached = {key.chain for key, _ in prior.groups[0].cached} if prior.groups else set()
+        for s in plan.scheduled:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.status is Status.RUNNING:
+                continue
+            tokens = self.target.tokens(s.seq_id)
+            cap = (len(tokens) - 1) // B
+            longest = 0
+            while longest < cap and tuple(tokens[: (longest + 1) * B]) in cached:
+                longest += 1
+            self.counts["admissions_with_cached_prefix"] += bool(longest)
+            self.counts["hits"] += bool(s.start)
+            self.counts["hits_one_block_short"] += bool(longest) and s.start == (longest - 1) * B
 
     # ------------------------------------------------------------ the worker
 
@@ -183,6 +227,7 @@ class SchedulerDriver:
                         f"but the worker has computed {seq.num_computed} positions",
                     )
                 )
+                continue  # the worker cannot run a step that skips positions or repeats them
             plain = s.num_tokens - s.drafts
             draft_ids = tuple(
                 d if d >= 0 else (self.proposed.get(s.seq_id, ()) + (0,) * s.drafts)[j]

@@ -51,13 +51,19 @@ from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
 
 @st.composite
 def shapes(draw) -> Shape:
-    """Production shapes, most of them hybrid.  Windows are drawn by their relation to the
-    sliding-window group's block size, as in strategies.windows."""
+    """Production shapes, most of them hybrid.  Windows and attention chunks are drawn by
+    their relation to the second group's block size, as in strategies.windows.  A third of the
+    hybrid shapes pair full attention with chunked-local layers (Llama-4); vLLM's chunked-local
+    groups take the scheduler's block size (0.33.0 single_type_kv_cache_manager.py:1338-1341,
+    ``ChunkedLocalAttentionManager.find_longest_cache_hit``), so those draw no other."""
     B = draw(st.sampled_from([2, 4, 8]))
     swa_B = draw(st.sampled_from([d for d in (1, 2, 4, 8) if B % d == 0]))
     hybrid = draw(st.integers(0, 3)) != 0
-    window = None
-    if hybrid:
+    window = chunk = None
+    if hybrid and draw(st.integers(0, 2)) == 0:
+        swa_B = B
+        chunk = draw(st.one_of(st.integers(1, 4).map(lambda m: m * B), st.integers(1, 4 * B + 3)))
+    elif hybrid:
         window = draw(
             st.one_of(
                 st.just(swa_B),
@@ -80,6 +86,11 @@ def shapes(draw) -> Shape:
         max_model_len=max_model_len,
         full_sequence_must_fit=draw(st.booleans()),
         max_tokens=draw(st.sampled_from([2, 4, 8])),
+        attention_chunk_size=chunk,
+        # vLLM runs no EAGLE head beside chunked-local layers (0.33.0
+        # single_type_kv_cache_manager.py:1333-1335 asserts it away).
+        eagle=chunk is None and draw(st.booleans()),
+        lookahead_hashes=draw(st.booleans()),
     )
 
 
@@ -395,6 +406,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.counts.add(self.shape.tags(), len(self.d.trace), self.d.cache_counts())
         if self.lockstep is not None:
             self.diff_counts.add(self.lockstep)
-        if self.failed:
-            return
+        if self.failed or self.d.crashed is not None:
+            return  # a violation or a crash ended the example: its state is not a finished one
         self._raise(self.d.finish())

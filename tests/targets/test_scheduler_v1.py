@@ -1,7 +1,10 @@
 """vLLM's own V1 scheduler (Scheduler / AsyncScheduler) in production shapes: hybrid
-KV-cache groups, async scheduling, speculative decoding, token-budget chunking,
-``full_sequence_must_fit`` on and off, pools at vLLM's startup minimum.  Every invariant per
-group and over the shared pool (spec/groups.py), checked by the scheduler machine."""
+KV-cache groups (sliding window, chunked local), async scheduling, speculative decoding,
+token-budget chunking, ``full_sequence_must_fit`` on and off, pools at vLLM's startup minimum.
+Every invariant per group and over the shared pool (spec/groups.py), checked by the scheduler
+machine.  0.33.0 runs in CI; 0.9.1 (the API generation before request-side hashing) runs with
+``~/.cache/kvspec/venvs/vllm-0.9.1/bin/python -m pytest tests/targets/test_scheduler_v1.py``
+and holds FINDINGS V1-S4a."""
 
 from __future__ import annotations
 
@@ -16,7 +19,17 @@ from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
 
 from .conftest import requires_vllm
 
-pytestmark = requires_vllm("0.33.0", pin="0.33.0")
+on_033 = requires_vllm("0.33.0", pin="0.33.0")
+on_091 = requires_vllm("0.9.1", "0.9.1", pin="0.9.1")
+
+
+def _settings(n: int):
+    return settings(settings(), max_examples=n, report_multiple_bugs=False, deadline=None)
+
+
+def _window_crash_shape(s: Shape) -> bool:
+    """FINDINGS V1-S4a: prefix caching and a sliding window no longer than its group's block."""
+    return s.prefix_caching and s.sliding_window is not None and s.sliding_window <= s.swa_block_size
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +40,7 @@ def adapter():
     return VLLMV1SchedulerAdapter
 
 
+@on_033
 def test_hybrid_scheduler_is_built_as_production_builds_it(adapter):
     shape = Shape(
         block_size=4, swa_block_size=2, sliding_window=5, extra_blocks=0, prefix_caching=True,
@@ -45,6 +59,7 @@ def test_hybrid_scheduler_is_built_as_production_builds_it(adapter):
     assert driver.finish() == []
 
 
+@on_033
 @pytest.mark.parametrize("tag", SHAPE_TAGS)
 def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
     counts = ShapeCounts()
@@ -54,3 +69,40 @@ def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
         settings=settings(settings(), max_examples=40, report_multiple_bugs=False, deadline=None),
     )
     assert counts.operations[tag] >= 200, counts
+
+
+# The shapes 0.9.1 has: no AsyncScheduler, no scheduler_reserve_full_isl, no chunked-local
+# attention, one block size for every group (the adapter refuses the rest, as the release does).
+SHAPES_091 = ("hybrid", "spec-decode", "budget-chunked", "full-isl-off", "startup-min")
+
+
+@on_091
+def test_091_scheduler_holds_every_invariant_in_its_shapes(adapter):
+    counts = ShapeCounts()
+    within = shapes().filter(
+        lambda s: not s.async_scheduling
+        and not s.full_sequence_must_fit
+        and s.attention_chunk_size is None
+        and s.swa_block_size == s.block_size
+        and not _window_crash_shape(s)
+    )
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, within, counts=counts), settings=_settings(60)
+    )
+    for tag in SHAPES_091:
+        assert counts.operations[tag] >= 100, counts
+
+
+@on_091
+def test_091_v1_s4a_window_crash_is_found_from_scratch(adapter):
+    """FINDINGS V1-S4a: 0.9.1's ``BlockPool.cache_full_blocks`` chains the next block's hash
+    from the previous block's ``block_hash`` (block_pool.py:136-139), which the sliding-window
+    group has already swapped for the null block once the window passed it."""
+    within = shapes().filter(
+        lambda s: _window_crash_shape(s) and s.swa_block_size == s.block_size
+        and not s.async_scheduling and not s.full_sequence_must_fit
+    )
+    with pytest.raises(AssertionError) as crash:
+        run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(60))
+    where = crash.traceback[-1]
+    assert where.path.name == "block_pool.py" and "cache_full_blocks" in str(where.name), crash
