@@ -52,9 +52,9 @@ class ShapesOutcome:
 
 
 def scheduler_factory() -> Callable[[Shape], Any]:
-    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+    from kvspec.testing.implementations import lookup_scheduler
 
-    return VLLMV1SchedulerAdapter
+    return lookup_scheduler("v1-scheduler").factory
 
 
 def run_shapes(

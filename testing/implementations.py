@@ -7,6 +7,15 @@ line, the benchmarks, the reproducer and the target tests read.
   ``kvspec.adapters.legacy`` (``manager`` is the adapter's name for each);
 * ``v1``: vLLM's V1-engine ``KVCacheManager`` through ``kvspec.adapters.v1``.
 
+The scheduler-driven implementations (``SCHEDULERS``) take a ``Shape``, not a ``Config``: the
+scheduler machine (testing/scheduler_machine.py) builds them per drawn production shape.
+
+* ``v1-scheduler``: vLLM's own V1 ``Scheduler`` / ``AsyncScheduler`` through
+  ``kvspec.adapters.v1_scheduler``;
+* ``reference-scheduler``: kvspec's reference scheduler;
+* ``broken-scheduler:<variant>``: a deliberately broken reference scheduler
+  (``kvspec.reference.broken_scheduler.BROKEN_SCHEDULERS``).
+
 Which releases ship which vLLM manager is ``kvspec.targets.registry``'s business (release facts);
 this table says how to build each one and what can reproduce its findings standalone.
 """
@@ -20,12 +29,18 @@ from typing import Literal
 import attrs
 from kvspec.adapters.legacy import make_legacy
 from kvspec.adapters.v1 import make_v1
+from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import BROKEN
+from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
 from kvspec.reference.misbehaving import MISBEHAVING
+from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError
+from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Implementation
+
+from .scheduler_driver import SchedulerTarget
 
 Factory = Callable[[Config], Implementation]
 Engine = Literal["kvspec", "legacy", "v1"]
@@ -111,6 +126,47 @@ def factory(name: str) -> Factory:
     return lookup(name).factory
 
 
+# ---------------------------------------------------------------- scheduler-driven
+
+SchedulerFactory = Callable[[Shape], SchedulerTarget]
+BROKEN_SCHEDULER_PREFIX = "broken-scheduler:"
+
+
+@attrs.frozen
+class SchedulerImpl:
+    name: str
+    engine: Engine
+    factory: SchedulerFactory  # Shape -> SchedulerTarget, what the scheduler machine calls
+    shape: str | None = None  # a broken variant's SHAPE_TAGS entry: the shape that reaches it
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.engine != "kvspec"
+
+
+V1_SCHEDULER = SchedulerImpl("v1-scheduler", "v1", VLLMV1SchedulerAdapter)
+REFERENCE_SCHEDULER = SchedulerImpl("reference-scheduler", "kvspec", ReferenceScheduler)
+SCHEDULERS: dict[str, SchedulerImpl] = {
+    V1_SCHEDULER.name: V1_SCHEDULER,
+    REFERENCE_SCHEDULER.name: REFERENCE_SCHEDULER,
+    **{
+        BROKEN_SCHEDULER_PREFIX + variant: SchedulerImpl(
+            BROKEN_SCHEDULER_PREFIX + variant, "kvspec", b.cls, b.shape
+        )
+        for variant, b in sorted(BROKEN_SCHEDULERS.items())
+    },
+}
+
+
+def lookup_scheduler(name: str) -> SchedulerImpl:
+    try:
+        return SCHEDULERS[name]
+    except KeyError:
+        raise UnknownImplementation(
+            f"unknown scheduler implementation {name!r}; one of: {', '.join(SCHEDULERS)}"
+        ) from None
+
+
 def by_manager(manager: str) -> Impl:
     """The vLLM legacy implementation adapters.legacy calls ``manager``."""
     for impl in VLLM:
@@ -121,14 +177,19 @@ def by_manager(manager: str) -> Impl:
 
 __all__ = [
     "BROKEN_PREFIX",
+    "BROKEN_SCHEDULER_PREFIX",
     "IMPLEMENTATIONS",
+    "SCHEDULERS",
     "VLLM",
     "Factory",
     "Impl",
+    "SchedulerFactory",
+    "SchedulerImpl",
     "UnknownImplementation",
     "by_manager",
     "factory",
     "lookup",
+    "lookup_scheduler",
     "names",
     "vllm_names",
 ]

@@ -52,3 +52,25 @@ def test_broken_scheduler_passes_outside_its_shape(name):
     run_state_machine_as_test(
         lambda: SchedulerMachine(variant.cls, outside), settings=_settings(EXAMPLES // 2)
     )
+
+
+def test_scheduler_implementations_are_in_the_one_table():
+    """The scheduler-driven implementations (they take a Shape) are listed with the others in
+    testing/implementations.py: vLLM's scheduler adapter, the reference, every broken variant."""
+    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+    from kvspec.testing.implementations import (
+        BROKEN_SCHEDULER_PREFIX,
+        SCHEDULERS,
+        UnknownImplementation,
+        lookup_scheduler,
+    )
+
+    assert lookup_scheduler("v1-scheduler").factory is VLLMV1SchedulerAdapter
+    assert lookup_scheduler("reference-scheduler").factory is ReferenceScheduler
+    broken = {n[len(BROKEN_SCHEDULER_PREFIX) :] for n in SCHEDULERS if n.startswith(BROKEN_SCHEDULER_PREFIX)}
+    assert broken == set(BROKEN_SCHEDULERS)
+    for name in broken:
+        impl = lookup_scheduler(BROKEN_SCHEDULER_PREFIX + name)
+        assert impl.factory is BROKEN_SCHEDULERS[name].cls and impl.shape in SHAPE_TAGS
+    with pytest.raises(UnknownImplementation):
+        lookup_scheduler("no-such-scheduler")
