@@ -17,8 +17,8 @@ of features is met too seldom in a budget spread over every combination.  So onc
 exploration rounds end, the rounds go on under *feature masks*: each mask switches off a
 smallest set of features that leaves no fired known finding reachable (a minimal hitting set of
 their ``requires``; findings stepped past by going on do not drown anything and are left out),
-and switches every other feature on, so the whole budget of those rounds goes to what lies
-behind them.  What fires there makes new masks, until none is left or ``MAX_MASKS`` ran.  A
+and switches every other feature on, so the whole budget of those rounds (``MASK_BUDGET`` times
+the run's) goes to what lies behind them.  What fires there makes new masks, until none is left or ``MAX_MASKS`` ran.  A
 feature the user pinned is never masked.
 
 A derandomized (or seeded) run repeats itself: each round replays the same example sequence,
@@ -54,6 +54,9 @@ RUN_FORMAT = "kvspec-run/1"
 MAX_VIOLATIONS = 12  # distinct violations one run reports before it stops searching
 RETRIES_PER_KNOWN = 3  # rounds spent re-finding one known finding (new bugs may come first)
 MAX_MASKS = 6  # feature masks searched behind the known findings (each: rounds until nothing new)
+# Examples of a masked round, in the run's budgets: what lies behind the known findings needs a
+# combination of features and a narrow state (F12: 1 example in 100 with its features on).
+MASK_BUDGET = 3
 _FAILED = ("violated", "error")
 
 Mask = frozenset[str]
@@ -237,11 +240,12 @@ def run_search(
             assert masked is not None
             strategies[mask] = masked(mask)
         where = f" without {'+'.join(sorted(mask))}" if mask else ""
+        budget = examples if examples is not None else Settings.get_profile(profile).max_examples
         outcome = run_machine(
             factory,
             strategies[mask],
             profile=profile,
-            examples=examples,
+            examples=budget * MASK_BUDGET if mask else examples,
             steps=steps,
             seed=seed,
             focus=focus,
