@@ -256,6 +256,7 @@ class VLLMV1SchedulerAdapter:
         self.manager = self.scheduler.kv_cache_manager
         self.cache_view.watch(self.manager)
         self.extra_kinds = self.cache_view.kinds_for(self.scheduler)
+        self.event_hash_formats = self.cache_view.event_hash_formats
         self.group_specs = groups
         self.config = Config(
             block_size=B,

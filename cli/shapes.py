@@ -172,7 +172,10 @@ def print_cache_counts(o: ShapesOutcome) -> None:
         f"partial tails {c['partial_cached']} cached / {c['partial_promoted']} promoted / "
         f"{c['partial_retired']} retired"
     )
-    out.print(f"  prefix cache: {domains}; {partial}; {c['events']} KV events (replayed per group)")
+    prefix = "event_hashes_"
+    formats = ", ".join(f"{n} {k.removeprefix(prefix)}" for k, n in sorted(c.items()) if k.startswith(prefix))
+    events = f"{c['events']} KV events (replayed per group" + (f"; hashes: {formats})" if formats else ")")
+    out.print(f"  prefix cache: {domains}; {partial}; {events}")
     missing = [
         name
         for name, n in (

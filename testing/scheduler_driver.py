@@ -357,6 +357,8 @@ class SchedulerDriver:
                 if used:
                     out[kind] += 1
         out["events"] = sum(len(g.events or ()) for g in self.state.groups)
+        for fmt, n in getattr(self.target, "event_hash_formats", {}).items():
+            out[f"event_hashes_{fmt}"] += n  # the hash forms the events carried (int, bytes)
         return out
 
     def _count_partials(self, before: HybridState, after: HybridState) -> None:
