@@ -266,6 +266,10 @@ class VLLMV1SchedulerAdapter:
             max_lookahead=shape.num_spec_tokens,
         )
         self.num_lookahead_tokens: int = self.scheduler.num_lookahead_tokens
+        # Whether every prefix hit loses its last block (EAGLE): 0.33.0 scheduler.py:331-345,
+        # before that the scheduler's ``use_eagle`` itself (0.12.0, 0.10.1.1, 0.9.1).
+        sched = self.scheduler
+        self.drops_eagle_block = bool(getattr(sched, "use_eagle_block_drop", getattr(sched, "use_eagle", False)))
         self._hasher = None
         # 0.10.1+ hashes blocks on the request; before, the manager hashes with its own
         # function (0.9.1 kv_cache_manager.py:82) and the adapter has nothing to set up.

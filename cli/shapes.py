@@ -194,6 +194,13 @@ def print_cache_counts(o: ShapesOutcome) -> None:
             "is text-only (no encoder budget, adapters/v1_scheduler_cache.py); the block-manager "
             "search above draws them"
         )
+    # EAGLE's dropped last hit block (the hit-completeness policy's freedom), where the
+    # scheduler drops it (testing/scheduler_driver.py ``_count_hits``).
+    eagle, dropped = c["eagle_admissions_with_cached_prefix"], c["eagle_dropped_blocks"]
+    if eagle:
+        out.print(f"  EAGLE: {dropped} of {eagle} admissions with a cached prefix lost the hit's last block")
+    elif o.examples:
+        out.print("  [yellow]EAGLE: no admission with a cached prefix under a block-dropping EAGLE head[/]")
 
 
 def shapes_json(o: ShapesOutcome) -> dict[str, Any]:

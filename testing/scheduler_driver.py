@@ -28,7 +28,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, HybridState, check_hybrid, group_state, pool_state
 from kvspec.spec.invariants import Violation, admission_soundness, immutability
 from kvspec.spec.kv_memory import ended_lifetimes, plan_step_writes
-from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, key_of
 from kvspec.spec.state import Device, SeqModel, Status
 
 from .driver import TraceStep
@@ -179,7 +179,7 @@ class SchedulerDriver:
         block (0.33.0 ``drop_eagle_block``, kv_cache_coordinator.py:590-594, 867-901), which
         the hit-completeness policy declares."""
         B = self.config.block_size
-        cached = {key.chain for key, _ in prior.groups[0].cached} if prior.groups else set()
+        cached = {key for key, _ in prior.groups[0].cached} if prior.groups else set()
         for s in plan.scheduled:
             seq = self.seqs.get(s.seq_id)
             if seq is None or seq.status is Status.RUNNING:
@@ -187,11 +187,15 @@ class SchedulerDriver:
             tokens = self.target.tokens(s.seq_id)
             cap = (len(tokens) - 1) // B
             longest = 0
-            while longest < cap and tuple(tokens[: (longest + 1) * B]) in cached:
+            while longest < cap and key_of(tokens, (longest + 1) * B, seq.extra) in cached:
                 longest += 1
             self.counts["admissions_with_cached_prefix"] += bool(longest)
             self.counts["hits"] += bool(s.start)
-            self.counts["hits_one_block_short"] += bool(longest) and s.start == (longest - 1) * B
+            short = bool(longest) and s.start == (longest - 1) * B
+            self.counts["hits_one_block_short"] += short
+            if getattr(self.target, "drops_eagle_block", False):
+                self.counts["eagle_admissions_with_cached_prefix"] += bool(longest)
+                self.counts["eagle_dropped_blocks"] += short
 
     # ------------------------------------------------------------ the worker
 
@@ -359,6 +363,8 @@ class SchedulerDriver:
         out["events"] = sum(len(g.events or ()) for g in self.state.groups)
         for fmt, n in getattr(self.target, "event_hash_formats", {}).items():
             out[f"event_hashes_{fmt}"] += n  # the hash forms the events carried (int, bytes)
+        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks"):
+            out[key] = self.counts[key]
         return out
 
     def _count_partials(self, before: HybridState, after: HybridState) -> None:
