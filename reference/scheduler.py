@@ -35,6 +35,7 @@ class _Req:
     tables: list[list[int | None]] = attrs.Factory(list)
     running: bool = False
     preemptions: int = 0  # output of a step planned before a preemption is stale: dropped
+    prefill_chunk: bool = False  # its last step left prompt to compute
 
     def known(self) -> int:
         return len(self.tokens) + self.placeholders
@@ -63,7 +64,9 @@ class ReferenceScheduler:
             num_blocks=self.num_blocks,
             max_lookahead=shape.num_spec_tokens,
         )
-        self.num_lookahead_tokens = 0
+        # EAGLE proposes from the target's hidden states: vLLM reserves slots for the next
+        # step's drafts beyond every step (scheduler.py:298, vllm_config.num_lookahead_tokens).
+        self.num_lookahead_tokens = shape.num_spec_tokens if shape.eagle else 0
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -157,6 +160,8 @@ class ReferenceScheduler:
 
     def _tokens_for(self, req: _Req, budget: int) -> tuple[int, tuple[int, ...]]:
         """Tokens the next step of a request computes, and its draft ids."""
+        if self._done_in_flight(req):
+            return 0, ()
         remaining = req.known() - req.computed
         if remaining > 1 or (req.outputs == 0 and req.placeholders == 0):
             return min(remaining, budget), ()
@@ -168,18 +173,64 @@ class ReferenceScheduler:
         n = min(1 + len(drafts), budget)
         return n, drafts[: n - 1]
 
-    def _schedule_one(self, req: _Req, budget: int) -> Scheduled | None:
-        n, drafts = self._tokens_for(req, budget)
+    def _done_in_flight(self, req: _Req) -> bool:
+        """Async: the steps in flight already sample the request's last token, even if every
+        draft among them is rejected, so it gets no step (vLLM 0.33.0 scheduler.py:802-816)."""
+        prompt = len(req.tokens) - req.outputs
+        return req.placeholders > 0 and req.computed + 2 - req.placeholders >= prompt + req.max_tokens
+
+    def _padded(self, req: _Req, budget: int, running_scheduled: bool) -> tuple[int, tuple[int, ...]] | None:
+        """A request admitted with one token to compute while others decode is padded with
+        ``num_spec_tokens`` placeholder drafts, so the batch decodes uniformly (vLLM 0.33.0
+        scheduler.py:1308-1330: not beside a prefill chunk, only within max_model_len).  ``(0,
+        ())`` when the padded step does not fit the budget (vLLM then admits nobody more);
+        None when no padding applies."""
+        k = self.shape.num_spec_tokens
+        if not k or req.known() - req.computed != 1 or not (running_scheduled or req.computed):
+            return None
+        if req.computed + 1 + k + 1 > self.shape.max_model_len:
+            return None
+        return (0, ()) if 1 + k > budget else (1 + k, (-1,) * k)
+
+    def _schedule_one(
+        self, req: _Req, budget: int, planned: tuple[int, tuple[int, ...]] | None = None
+    ) -> Scheduled | None:
+        n, drafts = self._tokens_for(req, budget) if planned is None else planned
         if n < 1:
             return None
-        self._grow(req, req.computed + n)
+        self._grow(req, req.computed + n + self.num_lookahead_tokens)
         start = req.computed
         req.computed += n
         req.in_flight += n
+        req.prefill_chunk = req.computed < req.known()
         if req.computed >= req.known():
             req.placeholders += 1 + len(drafts) if self.shape.async_scheduling else 0
         req.drafts = []
         return Scheduled(req.seq_id, start, n, len(drafts), drafts)
+
+    def _admissible(self, req: _Req) -> bool:
+        """``full_sequence_must_fit`` (``scheduler_reserve_full_isl``): a waiting request is
+        admitted only if the pool's free blocks hold its whole sequence so far
+        (spec/admission.py ``AdmissionPolicy``; vLLM 0.33.0 kv_cache_manager.py:531-548).  A
+        local group's share is capped at what it can hold at its peak: the window (or chunk)
+        plus every token in flight, as vLLM's startup sizing counts it
+        (kv_cache_interface.py ``max_admission_blocks_per_request``, :864-881, :918-943)."""
+        if not self.shape.full_sequence_must_fit:
+            return True
+        tokens = min(len(req.tokens), self.shape.max_model_len)
+        return sum(self._admission_blocks(tokens, g) for g in self.group_specs) <= len(self.free)
+
+    def _admission_blocks(self, tokens: int, group: GroupSpec) -> int:
+        blocks = blocks_for_tokens(tokens, group.block_size)
+        in_flight = (2 if self.shape.async_scheduling else 1) * self.shape.max_num_batched_tokens
+        length = self.shape.max_model_len
+        chunk = group.attention_chunk_size
+        if group.sliding_window is not None:
+            span = min(group.sliding_window - 1 + in_flight, length)
+            return min(blocks, blocks_for_tokens(span, group.block_size) + 1)
+        if chunk is not None:
+            return min(blocks, blocks_for_tokens(min(chunk + in_flight, length), group.block_size))
+        return blocks
 
     def _full(self) -> bool:
         return self.max_num_seqs is not None and len(self.running) >= self.max_num_seqs
@@ -198,10 +249,12 @@ class ReferenceScheduler:
         budget = self.shape.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[int] = []
+        prefill_scheduled = False
         for seq_id in list(self.running):
             if seq_id not in self.running or budget == 0:
                 continue
             req = self.reqs[seq_id]
+            was_prefill_chunk = req.prefill_chunk
             while True:
                 try:
                     s = self._schedule_one(req, budget)
@@ -216,10 +269,15 @@ class ReferenceScheduler:
             if s is not None:
                 scheduled.append(s)
                 budget -= s.num_tokens
+                prefill_scheduled |= was_prefill_chunk
+        running_scheduled = bool(scheduled)
         while self.waiting and budget > 0 and not preempted and not self._full():
             req = self.reqs[self.waiting[0]]
+            padded = None if prefill_scheduled else self._padded(req, budget, running_scheduled)
+            if padded == (0, ()) or not self._admissible(req):
+                break
             try:
-                s = self._schedule_one(req, budget)
+                s = self._schedule_one(req, budget, padded)
             except NoRoom:
                 break
             self.waiting.pop(0)
@@ -241,24 +299,32 @@ class ReferenceScheduler:
         _, lives = plan.handle
         for s in plan.scheduled:
             req = self.reqs.get(s.seq_id)
-            if req is None or req.preemptions != lives[s.seq_id]:
-                continue  # finished, or stale: planned before a preemption
-            req.in_flight -= s.num_tokens
+            if req is None:
+                continue  # finished
             new = list(sampled.get(s.seq_id, ()))
+            if req.preemptions != lives[s.seq_id]:
+                # Planned before a preemption: the tokens are still delivered, the counters
+                # (reset by the preemption) stay as they are (vLLM 0.33.0 scheduler.py:1824-1835).
+                self._deliver(req, new)
+                continue
+            req.in_flight -= s.num_tokens
             if not new:
                 continue
             rejected = s.drafts - (len(new) - 1)
             self._roll_back(req, rejected)
             if self.shape.async_scheduling:
                 req.placeholders -= 1 + s.drafts
-            req.tokens.extend(new)
-            req.outputs += len(new)
-            if req.outputs >= req.max_tokens:
-                self._finish(s.seq_id)
+            self._deliver(req, new)
         if drafts and not self.shape.async_scheduling:
             for seq_id, ids in drafts.items():
                 if seq_id in self.reqs:
                     self.reqs[seq_id].drafts = list(ids)
+
+    def _deliver(self, req: _Req, new: list[int]) -> None:
+        req.tokens.extend(new)
+        req.outputs += len(new)
+        if new and req.outputs >= req.max_tokens:
+            self._finish(req.seq_id)
 
     def _roll_back(self, req: _Req, rejected: int) -> None:
         if req.running and req.computed > 0:

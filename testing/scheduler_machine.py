@@ -168,9 +168,15 @@ class SchedulerLockstep:
     # ------------------------------------------------ the SchedulerTarget surface
 
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
-        # A request's domain (``extra``) goes to the target only: the reference has no prefix
-        # cache, where alone a domain matters.
+        # A request's domain (``extra``) goes to the target only: a cache salt or a LoRA
+        # adapter matters to prefix hits alone (the reference has no prefix cache; LoRA counts
+        # against max_loras only under a LoRA config, which the scheduler adapter builds none
+        # of).  Multimodal inputs are scheduled against the encoder budget (vllm/v1/core/sched/
+        # scheduler.py _try_schedule_encoder_inputs), which the reference does not model: the
+        # comparison ends there.
         self.target.add(seq_id, tokens, max_tokens, *extra)
+        if self.comparing and any(getattr(e, "mm", ()) for e in extra):
+            self._end("multimodal request")
         if self.comparing:
             self.reference.add(seq_id, tokens, max_tokens)
 
