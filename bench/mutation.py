@@ -1002,8 +1002,9 @@ def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render_search(runs: dict[str, dict[str, Any]]) -> str:
-    """The search evidence: per mutant, how many seeds each machine killed it in, and the
-    median seconds to the kill (a survivor counts its whole budget)."""
+    """The search evidence: per mutant, how many seeds each machine killed it in (a violation
+    or a crash; a run cut at the time limit is not a kill here: the other machine ran the same
+    mutant), and the median examples to the kill (load-independent, unlike seconds)."""
     import statistics
 
     first = runs["default"]
@@ -1011,20 +1012,21 @@ def render_search(runs: dict[str, dict[str, Any]]) -> str:
              "", f"Same budget for both machines: {first['examples']} hypothesis examples per "
              f"seed (random search, seeds 0-{first['seeds'] - 1}), 40 steps, no shrinking, "
              f"oracle `{first['oracle']}` without the scheduler shapes (the block-manager "
-             "machine is what the search changes); swarm: "
-             + runs["swarm"]["command"].split("python -m bench ", 1)[-1], ""]
+             "machine is what the search changes); the swarm runs are the same commands with "
+             "`--search swarm`.", ""]
     rows = []
     for m in first["mutants"]:
         row: list[Any] = [m["describe"]]
         for name in ("default", "swarm"):
             mine = [r for r in runs[name]["runs"] if r["key"].rsplit("#", 1)[0] == m["key"]]
-            kills = [r for r in mine if r["status"] in KILLED]
-            row += [f"{len(kills)}/{len(mine)}",
-                    f"{statistics.median(r['seconds'] for r in mine):.0f}" if mine else "-"]
+            kills = [r for r in mine if r["status"] == "killed"]
+            cut = sum(r["status"] == "timeout" for r in mine)
+            row += [f"{len(kills)}/{len(mine)}" + (f" ({cut} cut at the time limit)" if cut else ""),
+                    f"{statistics.median(r['examples'] for r in kills):.0f}" if kills else "-"]
         rows.append(row)
-    total = {name: sum(r["status"] in KILLED for r in runs[name]["runs"]) for name in runs}
-    parts += [table(["mutant", "default: seeds killed", "median s", "swarm: seeds killed",
-                     "median s"], rows), "",
+    total = {name: sum(r["status"] == "killed" for r in runs[name]["runs"]) for name in runs}
+    parts += [table(["mutant", "default: seeds killed", "median examples to the kill",
+                     "swarm: seeds killed", "median examples to the kill"], rows), "",
               f"Kills over all mutant x seed runs: default {total['default']}/"
               f"{len(runs['default']['runs'])}, swarm {total['swarm']}/"
               f"{len(runs['swarm']['runs'])}."]
