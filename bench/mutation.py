@@ -220,6 +220,20 @@ def _check_factory(make):
     return build
 
 
+def _known_step_past(impl: str, version: str | None):
+    """The step-past policy ``kvspec check`` applies in its first round: every shipped known
+    finding of this implementation and release is stepped past (the example discarded, or
+    gone on past a violation the finding declares ``go_on``); the first other failure is a
+    kill.  None when no known finding concerns the target."""
+    from kvspec.cli.search import Sieve
+    from kvspec.testing.known import SHIPPED, load_known
+
+    mine = [k for k in load_known([SHIPPED]) if k.concerns(impl, version)]
+    if not mine:
+        return None
+    return Sieve(reported=frozenset(), known=mine, stepped=frozenset(k.id for k in mine))
+
+
 def _shapes(focus: list[str] | None, examples: int, steps: int) -> dict[str, Any]:
     """The scheduler-shapes half of ``kvspec check`` on V1 (cli/shapes.py): vLLM's own
     Scheduler/AsyncScheduler in hybrid, async, spec-decode, budget and startup-minimum
@@ -254,12 +268,16 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
 
     from .common import factory, hypothesis_settings, machine_options, run_machine, strategy
 
-    impl, _ = split_target(target)
+    impl, version = split_target(target)
     make = factory(impl)
+    opts: dict[str, Any] = {}
     if oracle == "check":
         from kvspec.cli.run import config_strategy
 
         make = _check_factory(make)
+        sieve = _known_step_past(impl, version)
+        if sieve is not None:
+            opts["step_past"] = sieve
     runs: list[tuple[Any, list]] = []
 
     class Recorder(RunStats):
@@ -277,7 +295,8 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
     out: dict[str, Any] = {}
     start = time.perf_counter()
     try:
-        opts = {} if oracle == "check" else machine_options(workload)
+        if oracle != "check":
+            opts = machine_options(workload)
         machine = KVCacheMachine
         if search == "swarm":
             from kvspec.testing.swarm import SwarmMachine as machine
@@ -310,6 +329,8 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
         out["kind"] = f"crash: {type(err).__name__}"
         out["error"] = f"{type(err).__name__}: {err}"[:300]
     out["seconds"] = time.perf_counter() - start
+    if "step_past" in opts:
+        out["known_fired"] = dict(opts["step_past"].fired)
     out["examples"] = stats.examples
     out["operations"] = stats.operations
     out["_runs"] = runs
