@@ -24,9 +24,10 @@ from hypothesis.stateful import get_state_machine_test
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
+from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
 from kvspec.testing.scheduler_driver import ShapeCounts
-from kvspec.testing.scheduler_machine import SchedulerMachine
+from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
 from rich.markup import escape
 
 from .common import out
@@ -49,6 +50,12 @@ class ShapesOutcome:
     shape: Shape | None = None
     error: str | None = None
     rejected: list[str] = attrs.Factory(list)
+    # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
+    differential: DiffCounts = attrs.Factory(DiffCounts)
+
+
+# The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
+DIFFERENTIAL_MODE = Mode.RENAMING
 
 
 def scheduler_factory() -> Callable[[Shape], Any]:
@@ -93,7 +100,11 @@ def run_shapes(
     class Machine(SchedulerMachine):
         def __init__(self) -> None:
             super().__init__(
-                build, counts=outcome.counts, focus=frozenset(focus) if focus else None
+                build,
+                counts=outcome.counts,
+                focus=frozenset(focus) if focus else None,
+                differential=DIFFERENTIAL_MODE,
+                diff_counts=outcome.differential,
             )
 
         def teardown(self):
@@ -149,6 +160,7 @@ def print_shapes(o: ShapesOutcome) -> None:
         else:
             out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
     print_cache_counts(o)
+    print_differential(o)
     if o.rejected:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
     if o.error:
@@ -161,6 +173,26 @@ def print_shapes(o: ShapesOutcome) -> None:
         out.print("trace (what the worker did -> what the scheduler planned):")
         for i, s in enumerate(o.trace, 1):
             out.print(f"  {i}. {escape(s.describe())}", soft_wrap=True)
+
+
+def differential_line(d: DiffCounts) -> str:
+    """What the scheduler differential compared, the divergences it allowed by ID, and why
+    comparisons ended before their example did (a run that compared nothing says so)."""
+    if not d.steps:
+        return "differential vs the reference scheduler: [yellow]no step compared[/]"
+    allowed = ", ".join(f"{k} {n}" for k, n in sorted(d.allowed.items())) or "none"
+    ended = sum(d.ended.values())
+    why = ", ".join(f"{k} {n}" for k, n in sorted(d.ended.items()))
+    return (
+        f"differential vs the reference scheduler ({DIFFERENTIAL_MODE.value}): {d.examples} "
+        f"examples, {d.steps} steps and {d.states} states compared; divergences allowed: "
+        f"{allowed}; compared to the end in {d.examples - ended} examples"
+        + (f", ended early in {ended} ({why})" if ended else "")
+    )
+
+
+def print_differential(o: ShapesOutcome) -> None:
+    out.print(f"  {differential_line(o.differential)}")
 
 
 def print_cache_counts(o: ShapesOutcome) -> None:
@@ -210,6 +242,14 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "operations": o.operations,
         "seconds": round(o.seconds, 2),
         "prefix_cache": dict(sorted(o.counts.cache.items())),
+        "differential": {
+            "mode": DIFFERENTIAL_MODE.value,
+            "examples": o.differential.examples,
+            "steps_compared": o.differential.steps,
+            "states_compared": o.differential.states,
+            "divergences_allowed": dict(sorted(o.differential.allowed.items())),
+            "ended_early": dict(sorted(o.differential.ended.items())),
+        },
         "per_shape": {
             t: [o.counts.examples.get(t, 0), o.counts.operations.get(t, 0)] for t in SHAPE_TAGS
         },

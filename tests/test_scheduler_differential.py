@@ -41,3 +41,21 @@ def test_invariants_accept_what_the_differential_rejects(name):
         )
     assert {v.invariant for v in caught.value.violations} == {caught_as}, caught.value
     assert len(caught.value.trace) <= 6, caught.value
+
+
+def test_check_summary_counts_comparisons_and_reports_the_differential():
+    """``kvspec check``'s shapes run compares every example with the reference scheduler and
+    says how much it compared; a scheduler only the differential catches fails it."""
+    from kvspec.cli.shapes import differential_line, run_shapes
+
+    held = run_shapes(ReferenceScheduler, profile="ci", examples=20, steps=None, seed=None, focus=None)
+    assert held.status == "holds", held
+    d = held.differential
+    assert d.examples >= 20 and d.steps > 0 and d.states > 0, d
+    assert f"{d.steps} steps and {d.states} states compared" in differential_line(d)
+    assert "divergences allowed: none" in differential_line(d)
+
+    variant, caught_as = DIFFERENTIAL_ONLY["serial-admission"]
+    found = run_shapes(variant, profile="ci", examples=EXAMPLES, steps=None, seed=None, focus=None)
+    assert found.status == "violated", found
+    assert {v.invariant for v in found.violations} == {caught_as}, found.violations
