@@ -245,7 +245,6 @@ def _identity_json(sieve) -> dict[str, str] | None:
 
 
 MAX_BASELINE_ROUNDS = 8  # distinct failures of the unmutated code a baseline steps past
-TRACED_RECURSION_LIMIT = 20000
 
 
 def _shapes(focus: list[str] | None, examples: int, steps: int) -> dict[str, Any]:
@@ -389,10 +388,6 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
         if r["status"] == "survived" or not r.get("identity"):
             break
         reported.append(r["identity"])
-    # The line tracer runs inside every traced frame: a deep recursion of the target (a
-    # legacy fork copies block chains recursively) must not hit the limit only under it.
-    recursion = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(recursion, TRACED_RECURSION_LIMIT))
     sys.settrace(tracer)
     threading.settrace(tracer)
     from kvspec.spec.config import Config
@@ -409,7 +404,6 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
                      shape_examples=p.get("shape_examples", 0), reported=reported)
     sys.settrace(None)
     threading.settrace(None)
-    sys.setrecursionlimit(recursion)
     _check_loaded(paths)
     # The same budget again without the tracer: the clean pass the mutants are held to.
     clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True,
