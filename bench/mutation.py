@@ -718,7 +718,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
         return {"target": target, "generated": len(mutants),
                 "by_module": dict(Counter(m.module for m in mutants))}
     progress = (Path(args.results) if args.results else RESULTS) / (
-        f"mutation-progress-{split_target(target)[0]}.jsonl")
+        _progress_name(target, args.oracle))
     progress.parent.mkdir(parents=True, exist_ok=True)
     progress.write_text("")
     shape_examples = 0
@@ -919,7 +919,7 @@ def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, 
     has_tests = any(j.get("kind") == "vllm-tests" for j in jobs)
     tested = {j["key"] for j in jobs if j.get("kind") == "vllm-tests"}
     progress = (Path(args.results) if args.results else RESULTS) / (
-        f"mutation-progress-{split_target(target)[0]}.jsonl")
+        _progress_name(target, args.oracle))
     rows = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()]
     kv = {r["key"]: r for r in rows if r["job"] == "kvspec"}
     vt = {r["key"]: r for r in rows if r["job"] == "vllm-tests"}
@@ -1139,6 +1139,12 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- report
 
 KILLED = ("killed", "timeout")
+
+
+def _progress_name(target: str, oracle: str) -> str:
+    """The progress file of a run: one per target and oracle, so that a run under one oracle
+    leaves the other's partial results alone."""
+    return f"mutation-progress-{split_target(target)[0]}{'' if oracle == 'narrow' else '-check'}.jsonl"
 
 
 def _oracle_of(result: dict[str, Any]) -> str:
