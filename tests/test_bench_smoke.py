@@ -103,3 +103,17 @@ def test_mutation_report_keeps_the_narrowed_oracle_beside_the_checks(tmp_path):
     cache.write_text(json.dumps({"key": "m:1:ROR:0", "status": "killed"}) + "\n"
                      + json.dumps({"key": "m:2:ROR:0", "status": "missing"}) + "\n")
     assert set(_verdicts({"verdicts": str(cache)})) == {"m:1:ROR:0"}
+
+
+def test_reach_scenarios_pass_the_reference_and_catch_a_broken_variant():
+    """bench.reach's straight-line scenarios (admit and free one block-aligned prompt three
+    times) hold on the reference and fail on a variant that keeps a freed block cached."""
+    sys.path.insert(0, str(REPO))
+    from kvspec.spec.config import Config
+    from kvspec.testing.implementations import factory
+
+    from bench.reach import scenarios
+
+    assert scenarios(factory("reference"), Config) == []
+    found = scenarios(factory("broken:release-cached-as-free"), Config)
+    assert found and "[conservation]" in found[0]
