@@ -335,13 +335,24 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
         out["invariants"] = sorted({v.invariant for v in err.violations})
         out["error"] = str(err.violations[0])[:300]
     except HypothesisException as err:  # Unsatisfiable (every config rejected), Flaky, ...
+        import traceback
+
         out["status"] = "killed"
         out["kind"] = f"hypothesis: {type(err).__name__}"
         out["error"] = str(err)[:300]
+        inner = next(iter(getattr(err, "exceptions", ())), None)  # a Flaky failure's cause
+        if inner is not None:
+            out["error"] += f" -- {type(inner).__name__}: {inner}"[:300]
+            out["where"] = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                            for f in traceback.extract_tb(inner.__traceback__)[-8:]]
     except Exception as err:  # vLLM (or the adapter) crashed: assertion, IndexError, ...
+        import traceback
+
         out["status"] = "killed"
         out["kind"] = f"crash: {type(err).__name__}"
         out["error"] = f"{type(err).__name__}: {err}"[:300]
+        out["where"] = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                        for f in traceback.extract_tb(err.__traceback__)[-6:]]
     out["seconds"] = time.perf_counter() - start
     if "step_past" in opts:
         out["known_fired"] = dict(opts["step_past"].fired)
