@@ -31,6 +31,8 @@ class Mismatch:
     # An allowed difference, a sequence no longer compared, or prefix caches holding different
     # keys came earlier in the run: only after one can the two sides' hits differ.
     earlier_difference: bool = False
+    # The scheduler runs asynchronously (outputs of the previous step still in flight).
+    async_scheduling: bool = False
 
 
 @attrs.frozen
@@ -118,8 +120,67 @@ def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence 
     return None
 
 
-SCHEDULER_KNOWN: tuple[Divergence, ...] = ()
+def _release_before(name: str, version: tuple[int, ...]) -> bool:
+    """Whether a scheduler target's name (``vllm-v1-scheduler-X.Y.Z``) is of a release before
+    ``version``."""
+    tail = name.rsplit("-", 1)[-1]
+    try:
+        found = tuple(int(p) for p in tail.split(".")[:3])
+    except ValueError:
+        return False
+    return name.startswith("vllm-") and found < version
+
+
+def _unpadded_admission(m: Mismatch) -> bool:
+    if m.op != "scheduled (start, tokens, drafts)" or not _release_before(m.target_name, (0, 33)):
+        return False
+    got, want = m.target, m.reference
+    return (
+        isinstance(got, tuple)
+        and isinstance(want, tuple)
+        and got == (want[0], 1, 0)
+        and want[2] > 0
+        and want[1] == 1 + want[2]
+    )
+
+
+def _optimistic_local_free(m: Mismatch) -> bool:
+    group = m.op.removeprefix("held blocks in group ")
+    return (
+        m.async_scheduling
+        and group != m.op
+        and group != "full"
+        and _release_before(m.target_name, (0, 33))
+        and isinstance(m.target, int)
+        and isinstance(m.reference, int)
+        and m.target < m.reference
+    )
+
+
+SCHEDULER_KNOWN: tuple[Divergence, ...] = (
+    Divergence(
+        "optimistic-local-free",
+        "under async scheduling, releases before 0.33 free a sliding-window or chunked-local "
+        "group's out-of-window blocks by the scheduler's optimistic computed count (tokens in "
+        "flight included); 0.33.0 and the reference free by the processed count, because the "
+        "steps in flight still read those blocks and rejected drafts roll the count back "
+        "(whether that is safe is kv-readback's to judge, per step)",
+        "vllm/v1/core/kv_cache_manager.py:264-266 (0.12.0, num_computed_tokens); "
+        "kv_cache_manager.py:561-568 (0.33.0, total_computed_tokens - num_in_flight_tokens)",
+        _optimistic_local_free,
+    ),
+    Divergence(
+        "unpadded-admission",
+        "the reference scheduler follows 0.33.0, which pads a request admitted with one token "
+        "to compute beside decoding requests with placeholder drafts (uniform decode batches); "
+        "earlier releases admit it with its one token and no drafts",
+        "vllm/v1/core/sched/scheduler.py:1308-1330 (0.33.0); absent in 0.12.0's scheduler.py",
+        _unpadded_admission,
+    ),
+)
 """Differences between vLLM's V1 scheduler and the reference scheduler the spec allows
 (testing/scheduler_machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
 names what was compared (``scheduled``, ``preempted``, ``scheduled (start, tokens, drafts)``,
-``held blocks in group G``, ``(table length, dropped slots) in group G``)."""
+``held blocks in group G``, ``(table length, dropped slots) in group G``).  The reference
+scheduler's policies are 0.33.0's (reference/scheduler.py); a release whose policy differs is
+stated here, by release, and the comparison of that example ends at the difference."""

@@ -217,7 +217,15 @@ class SchedulerLockstep:
 
     def _differ(self, mode: Mode, op: str, seq: int | None, got: object, want: object) -> None:
         m = Mismatch(
-            mode.value, op, seq, got, want, self.target.name, prefill=False, caching=self.caching
+            mode.value,
+            op,
+            seq,
+            got,
+            want,
+            self.target.name,
+            prefill=False,
+            caching=self.caching,
+            async_scheduling=self.reference.shape.async_scheduling,
         )
         why = explained(m, self.known)
         if why is not None:

@@ -59,3 +59,39 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     found = run_shapes(variant, profile="ci", examples=EXAMPLES, steps=None, seed=None, focus=None)
     assert found.status == "violated", found
     assert {v.invariant for v in found.violations} == {caught_as}, found.violations
+
+
+def test_scheduler_divergences_are_narrow():
+    """``unpadded-admission`` allows exactly an unpadded one-token admission on a release
+    before 0.33, nothing on 0.33.0 and no other count."""
+    from kvspec.testing.divergences import SCHEDULER_KNOWN, Mismatch, explained
+
+    def m(target, got, want):
+        return Mismatch("counts", "scheduled (start, tokens, drafts)", 1, got, want, target, prefill=False)
+
+    old, new = "vllm-v1-scheduler-0.12.0", "vllm-v1-scheduler-0.33.0"
+    assert explained(m(old, (0, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN).id == "unpadded-admission"
+    assert explained(m(new, (0, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
+    assert explained(m(old, (0, 2, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
+    assert explained(m(old, (0, 3, 2), (0, 1, 0)), SCHEDULER_KNOWN) is None
+    assert explained(m(old, (1, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
+
+
+def test_optimistic_local_free_is_narrow():
+    """``optimistic-local-free`` allows a local group holding fewer blocks than the reference,
+    under async scheduling, on a release before 0.33; nothing else."""
+    from kvspec.testing.divergences import SCHEDULER_KNOWN, Mismatch, explained
+
+    def m(target, op, got, want, async_scheduling=True):
+        return Mismatch(
+            "counts", op, 0, got, want, target, prefill=False, async_scheduling=async_scheduling
+        )
+
+    old, new = "vllm-v1-scheduler-0.12.0", "vllm-v1-scheduler-0.33.0"
+    swa = "held blocks in group swa"
+    assert explained(m(old, swa, 1, 2), SCHEDULER_KNOWN).id == "optimistic-local-free"
+    assert explained(m(old, "held blocks in group chunked", 1, 2), SCHEDULER_KNOWN) is not None
+    assert explained(m(new, swa, 1, 2), SCHEDULER_KNOWN) is None
+    assert explained(m(old, swa, 2, 1), SCHEDULER_KNOWN) is None
+    assert explained(m(old, swa, 1, 2, async_scheduling=False), SCHEDULER_KNOWN) is None
+    assert explained(m(old, "held blocks in group full", 1, 2), SCHEDULER_KNOWN) is None
