@@ -364,29 +364,87 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
     return out
 
 
+class _LineRecorder:
+    """The lines of the copies that run, as (file, line) pairs.  coverage.py's C tracer when
+    the release's test deps hold it (bench.vllm_tests installs it there): it adds no Python
+    frame per call, so a deep recursion of the target behaves as it does untraced; else a
+    ``sys.settrace`` line tracer."""
+
+    def __init__(self, by_file: dict[str, str], target: str) -> None:
+        self.by_file = by_file
+        self.coverage = None
+        version = split_target(target)[1]
+        if version is not None:
+            from .vllm_tests import cache_root
+
+            deps = cache_root(version) / "deps"
+            if (deps / "coverage").is_dir():
+                sys.path.insert(0, str(deps))
+                try:
+                    import coverage
+
+                    self.coverage = coverage
+                except ImportError:
+                    pass
+
+    def recording(self, into: set):
+        import contextlib
+        import threading
+
+        @contextlib.contextmanager
+        def run():
+            if self.coverage is not None:
+                cov = self.coverage.Coverage(data_file=None, include=list(self.by_file))
+                cov.start()
+                try:
+                    yield
+                finally:
+                    cov.stop()
+                    data = cov.get_data()
+                    for f in self.by_file:
+                        into.update((f, line) for line in data.lines(f) or ())
+                return
+
+            def local(frame, event, arg):
+                if event == "line":
+                    into.add((frame.f_code.co_filename, frame.f_lineno))
+                return local
+
+            def tracer(frame, event, arg):
+                if frame.f_code.co_filename in self.by_file:
+                    into.add((frame.f_code.co_filename, frame.f_lineno))
+                    return local
+                return None
+
+            sys.settrace(tracer)
+            threading.settrace(tracer)
+            try:
+                yield
+            finally:
+                sys.settrace(None)
+                threading.settrace(None)
+
+        return run()
+
+
 def baseline(p: dict[str, Any]) -> dict[str, Any]:
     """Unmutated copies through the hook: coverage, a clean pass, and the trace digests."""
-    import threading
-
     paths: dict[str, str] = p["paths"]
     by_file = {path: name for name, path in paths.items()}
     phase: dict[str, set] = {"import": set(), "run": set()}
-    current = {"set": phase["import"]}
-
-    def local(frame, event, arg):
-        if event == "line":
-            current["set"].add((frame.f_code.co_filename, frame.f_lineno))
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code.co_filename in by_file:
-            current["set"].add((frame.f_code.co_filename, frame.f_lineno))
-            return local
-        return None
+    recorder = _LineRecorder(by_file, p["target"])
 
     for name in p["preimport"]:
         __import__(name)
     _install(paths)
+    from kvspec.spec.config import Config
+
+    from .common import factory
+
+    # Import (and build once) under the recorder: module-level lines count as import coverage.
+    with recorder.recording(phase["import"]):
+        factory(split_target(p["target"])[0])(Config(block_size=4, num_blocks=8,
+                                                     prefix_caching=True))
     # kvspec check's rounds on the unmutated code: each failure it still shows (beyond the
     # known findings) is stepped past from then on, in the baseline and in every mutant.
     reported: list[dict[str, str]] = []
@@ -399,22 +457,11 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
         if r["status"] == "survived" or not r.get("identity"):
             break
         reported.append(r["identity"])
-    sys.settrace(tracer)
-    threading.settrace(tracer)
-    from kvspec.spec.config import Config
-
-    from .common import factory
-
-    # Import (and build once) with tracing: module-level lines count as import coverage.
-    factory(split_target(p["target"])[0])(Config(block_size=4, num_blocks=8,
-                                                 prefix_caching=True))
-    current["set"] = phase["run"]
-    traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
-                     focus=p.get("focus"), search=p.get("search", "default"),
-                     oracle=p.get("oracle", "narrow"),
-                     shape_examples=p.get("shape_examples", 0), reported=reported)
-    sys.settrace(None)
-    threading.settrace(None)
+    with recorder.recording(phase["run"]):
+        traced = _oracle(p["target"], p["workload"], p["examples"], p["steps"],
+                         focus=p.get("focus"), search=p.get("search", "default"),
+                         oracle=p.get("oracle", "narrow"),
+                         shape_examples=p.get("shape_examples", 0), reported=reported)
     _check_loaded(paths)
     # The same budget again without the tracer: the clean pass the mutants are held to.
     clean = _oracle(p["target"], p["workload"], p["examples"], p["steps"], record=True,
