@@ -4,7 +4,8 @@ token-budget chunking, ``full_sequence_must_fit`` on and off, pools at vLLM's st
 Every invariant per group and over the shared pool (spec/groups.py), checked by the scheduler
 machine.  0.33.0 runs in CI; 0.9.1 (the API generation before request-side hashing) runs with
 ``~/.cache/kvspec/venvs/vllm-0.9.1/bin/python -m pytest tests/targets/test_scheduler_v1.py``
-and holds FINDINGS V1-S4a."""
+and holds FINDINGS V1-S4a; 0.12.0 holds V1-S2a
+(``~/.cache/kvspec/venvs/vllm-0.12.0/bin/python -m pytest tests/targets/test_scheduler_v1.py -k 012``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import logging
 
 import pytest
 from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.groups import SHAPE_TAGS, Shape
+from kvspec.testing import SpecViolation
 from kvspec.testing.scheduler_driver import SchedulerDriver, ShapeCounts
 from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
 
@@ -21,6 +24,7 @@ from .conftest import requires_vllm
 
 on_033 = requires_vllm("0.33.0", pin="0.33.0")
 on_091 = requires_vllm("0.9.1", "0.9.1", pin="0.9.1")
+on_012 = requires_vllm("0.12.0", "0.12.0", pin="0.12.0")
 
 
 def _settings(n: int):
@@ -106,3 +110,30 @@ def test_091_v1_s4a_window_crash_is_found_from_scratch(adapter):
         run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(60))
     where = crash.traceback[-1]
     assert where.path.name == "block_pool.py" and "cache_full_blocks" in str(where.name), crash
+
+
+@on_012
+def test_012_v1_s2a_async_drafts_free_window_blocks_still_read(adapter):
+    """FINDINGS V1-S2a: under async scheduling with EAGLE drafts, 0.12.0 frees a sliding
+    window's blocks by the scheduler's optimistic count (drafts in flight counted as accepted,
+    kv_cache_manager.py:265); when the drafts are rejected the next token's window reaches back
+    into a freed block.  Fixed upstream by vllm#47728 (frees on the processed-token basis)."""
+    within = st.builds(
+        Shape,
+        block_size=st.just(2),
+        swa_block_size=st.just(2),
+        sliding_window=st.integers(2, 5),
+        extra_blocks=st.sampled_from([0, 4]),
+        prefix_caching=st.just(False),
+        num_spec_tokens=st.integers(1, 3),
+        async_scheduling=st.just(True),
+        max_num_batched_tokens=st.just(16),
+        max_model_len=st.just(16),
+        full_sequence_must_fit=st.just(False),
+        max_tokens=st.sampled_from([4, 8]),
+        eagle=st.just(True),
+    )
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(60))
+    found = {v.invariant for v in caught.value.violations}
+    assert "kv-readback" in found, caught.value
