@@ -1282,8 +1282,9 @@ def render_mutation(data: dict[str, Any], seconds: float | None = None) -> str:
             shapes = r.get("baseline", {}).get("clean", {}).get("shapes")
             what = (f"the configurations `kvspec check` draws (cli/run.py config_strategy: "
                     f"every feature the target supports), machine {machine}"
-                    + (f", then the scheduler machine's shapes (cli/shapes.py) with "
-                       f"{shapes['examples']} examples" if shapes else ""))
+                    + (f", then the scheduler machine's shapes (cli/shapes.py), "
+                       f"{s.get('shape_examples') or s['examples']} examples requested"
+                       if shapes else ""))
         else:
             what = f"workload {json.dumps(r['workload'])}; machine {machine}"
         parts.append(
