@@ -266,3 +266,19 @@ def test_after_narrows_a_finding_to_traces_that_hold_the_operations():
     assert f8.matches(crash, "AssertionError: ", windowed, {"admit", "fork", "step"})
     assert not f8.matches(crash, "AssertionError: ", windowed, {"admit", "step"})  # no fork: not F8
     assert not f8.matches(crash, "AssertionError: ", Config(block_size=3, num_blocks=13), {"fork", "step"})
+
+
+def test_a_known_finding_not_met_prints_the_budget_that_reaches_it():
+    from collections import Counter
+
+    from kvspec.cli.common import out
+    from kvspec.cli.search import Search, print_known
+
+    slow = KnownFinding("K9", "slow", ("refcount-exact",), ("admit",), reach="--impl x --examples 600")
+    met = KnownFinding("K3", "met", ("immutability",), ("step",), reach="--examples 900")
+    search = Search([], [], Counter({"K3": 2}), [slow, met])
+    with out.capture() as captured:
+        print_known(search)
+    text = captured.get()
+    assert "not met in this run: K9; its budget: kvspec check --impl x --examples 600" in text
+    assert "not met in this run: K3" not in text
