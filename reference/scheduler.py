@@ -49,11 +49,23 @@ class ReferenceScheduler:
     name = "reference-scheduler"
 
     def __init__(
-        self, shape: Shape, *, num_blocks: int | None = None, max_num_seqs: int | None = None
+        self,
+        shape: Shape,
+        *,
+        num_blocks: int | None = None,
+        max_num_seqs: int | None = None,
+        num_lookahead_tokens: int | None = None,
+        lookahead_at_admission: bool = True,
+        pad_admissions: bool = True,
     ) -> None:
-        """``num_blocks`` and ``max_num_seqs`` (running requests at most) are those of a target
-        the reference runs beside (the differential): its pool is sized by its own startup
-        check.  Alone, the reference sizes its pool itself and runs any number of requests."""
+        """``num_blocks``, ``max_num_seqs`` (running requests at most) and
+        ``num_lookahead_tokens`` are those of a target the reference runs beside (the
+        differential): its pool is sized by its own startup check, and whether its EAGLE
+        reserves lookahead slots is its release's configuration.  Alone, the reference sizes
+        its pool itself, runs any number of requests and reserves as 0.33.0 does.
+        ``lookahead_at_admission`` False: a request's first step reserves no lookahead slots
+        (0.12.0 scheduler.py:556-557; 0.33.0 reserves them, scheduler.py:1403-1406).
+        ``pad_admissions`` False: no uniform-decode padding (``_padded``; absent in 0.12.0)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -66,7 +78,13 @@ class ReferenceScheduler:
         )
         # EAGLE proposes from the target's hidden states: vLLM reserves slots for the next
         # step's drafts beyond every step (scheduler.py:298, vllm_config.num_lookahead_tokens).
-        self.num_lookahead_tokens = shape.num_spec_tokens if shape.eagle else 0
+        self.num_lookahead_tokens = (
+            (shape.num_spec_tokens if shape.eagle else 0)
+            if num_lookahead_tokens is None
+            else num_lookahead_tokens
+        )
+        self.lookahead_at_admission = lookahead_at_admission
+        self.pad_admissions = pad_admissions
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -185,7 +203,7 @@ class ReferenceScheduler:
         scheduler.py:1308-1330: not beside a prefill chunk, only within max_model_len).  ``(0,
         ())`` when the padded step does not fit the budget (vLLM then admits nobody more);
         None when no padding applies."""
-        k = self.shape.num_spec_tokens
+        k = self.shape.num_spec_tokens if self.pad_admissions else 0
         if not k or req.known() - req.computed != 1 or not (running_scheduled or req.computed):
             return None
         if req.computed + 1 + k + 1 > self.shape.max_model_len:
@@ -198,7 +216,9 @@ class ReferenceScheduler:
         n, drafts = self._tokens_for(req, budget) if planned is None else planned
         if n < 1:
             return None
-        self._grow(req, req.computed + n + self.num_lookahead_tokens)
+        fresh = req.computed == 0
+        lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
+        self._grow(req, req.computed + n + lookahead)
         start = req.computed
         req.computed += n
         req.in_flight += n

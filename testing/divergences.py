@@ -120,7 +120,7 @@ def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence 
     return None
 
 
-def _release_before(name: str, version: tuple[int, ...]) -> bool:
+def release_before(name: str, version: tuple[int, ...]) -> bool:
     """Whether a scheduler target's name (``vllm-v1-scheduler-X.Y.Z``) is of a release before
     ``version``."""
     tail = name.rsplit("-", 1)[-1]
@@ -131,26 +131,13 @@ def _release_before(name: str, version: tuple[int, ...]) -> bool:
     return name.startswith("vllm-") and found < version
 
 
-def _unpadded_admission(m: Mismatch) -> bool:
-    if m.op != "scheduled (start, tokens, drafts)" or not _release_before(m.target_name, (0, 33)):
-        return False
-    got, want = m.target, m.reference
-    return (
-        isinstance(got, tuple)
-        and isinstance(want, tuple)
-        and got == (want[0], 1, 0)
-        and want[2] > 0
-        and want[1] == 1 + want[2]
-    )
-
-
 def _optimistic_local_free(m: Mismatch) -> bool:
     group = m.op.removeprefix("held blocks in group ")
     return (
         m.async_scheduling
         and group != m.op
         and group != "full"
-        and _release_before(m.target_name, (0, 33))
+        and release_before(m.target_name, (0, 33))
         and isinstance(m.target, int)
         and isinstance(m.reference, int)
         and m.target < m.reference
@@ -169,18 +156,12 @@ SCHEDULER_KNOWN: tuple[Divergence, ...] = (
         "kv_cache_manager.py:561-568 (0.33.0, total_computed_tokens - num_in_flight_tokens)",
         _optimistic_local_free,
     ),
-    Divergence(
-        "unpadded-admission",
-        "the reference scheduler follows 0.33.0, which pads a request admitted with one token "
-        "to compute beside decoding requests with placeholder drafts (uniform decode batches); "
-        "earlier releases admit it with its one token and no drafts",
-        "vllm/v1/core/sched/scheduler.py:1308-1330 (0.33.0); absent in 0.12.0's scheduler.py",
-        _unpadded_admission,
-    ),
 )
 """Differences between vLLM's V1 scheduler and the reference scheduler the spec allows
 (testing/scheduler_machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
 names what was compared (``scheduled``, ``preempted``, ``scheduled (start, tokens, drafts)``,
-``held blocks in group G``, ``(table length, dropped slots) in group G``).  The reference
-scheduler's policies are 0.33.0's (reference/scheduler.py); a release whose policy differs is
-stated here, by release, and the comparison of that example ends at the difference."""
+``held blocks in group G``, ``(table length, dropped slots) in group G``).  A release's
+scheduling policy that differs from 0.33.0's and is safe by construction is the reference
+scheduler's to follow (``reference_beside``: lookahead slots at admission, uniform-decode
+padding); a difference whose safety is in question is stated here, by release, and ends the
+example's comparison."""

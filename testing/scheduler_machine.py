@@ -43,7 +43,7 @@ from kvspec.spec.groups import HybridState, Plan, Shape
 from kvspec.spec.invariants import Violation
 
 from .differential import Mode
-from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
+from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
 from .driver import SpecViolation
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
@@ -315,9 +315,17 @@ def _sharing(tables: Mapping) -> list[list[tuple[int, int]]]:
 
 
 def reference_beside(target: SchedulerTarget, shape: Shape) -> ReferenceScheduler:
-    """The reference scheduler on the target's pool and running-request cap."""
+    """The reference scheduler on the target's pool, running-request cap and lookahead slots,
+    with the scheduling policies of the target's release where they differ from 0.33.0's
+    (reference/scheduler.py ``ReferenceScheduler``: read from each release's scheduler.py)."""
+    before_033 = release_before(target.name, (0, 33))
     return ReferenceScheduler(
-        shape, num_blocks=target.num_blocks, max_num_seqs=_running_cap(target)
+        shape,
+        num_blocks=target.num_blocks,
+        max_num_seqs=_running_cap(target),
+        num_lookahead_tokens=target.num_lookahead_tokens,
+        lookahead_at_admission=not before_033,
+        pad_admissions=not before_033,
     )
 
 

@@ -61,22 +61,6 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     assert {v.invariant for v in found.violations} == {caught_as}, found.violations
 
 
-def test_scheduler_divergences_are_narrow():
-    """``unpadded-admission`` allows exactly an unpadded one-token admission on a release
-    before 0.33, nothing on 0.33.0 and no other count."""
-    from kvspec.testing.divergences import SCHEDULER_KNOWN, Mismatch, explained
-
-    def m(target, got, want):
-        return Mismatch("counts", "scheduled (start, tokens, drafts)", 1, got, want, target, prefill=False)
-
-    old, new = "vllm-v1-scheduler-0.12.0", "vllm-v1-scheduler-0.33.0"
-    assert explained(m(old, (0, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN).id == "unpadded-admission"
-    assert explained(m(new, (0, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
-    assert explained(m(old, (0, 2, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
-    assert explained(m(old, (0, 3, 2), (0, 1, 0)), SCHEDULER_KNOWN) is None
-    assert explained(m(old, (1, 1, 0), (0, 3, 2)), SCHEDULER_KNOWN) is None
-
-
 def test_optimistic_local_free_is_narrow():
     """``optimistic-local-free`` allows a local group holding fewer blocks than the reference,
     under async scheduling, on a release before 0.33; nothing else."""
