@@ -5,8 +5,13 @@ is the victim: legacy ``_schedule_running`` pops ``running_queue`` from the righ
 ``schedule()`` preempts ``self.running.pop()``):
 
 1. every running request, oldest first, steps by one chunk (a block's worth of tokens when
-   the target chunks prefills, else the rest); refused, the newest other running request is
-   preempted and the step retried; refused alone, it is preempted itself;
+   the target chunks prefills, else the rest); refused, the newest running request is
+   preempted and the step retried, until the victim is the refused request itself.  A request
+   that already stepped in this iteration is older, so it is never the victim: V1 FCFS takes
+   ``self.running.pop()`` from the part of ``running`` not yet visited (or the request
+   itself), V1's priority policy takes ``max(running, key=(priority, arrival_time))``, the
+   request itself included (0.33.0 ``vllm/v1/core/sched/scheduler.py:929-980``), and legacy
+   ``_schedule_running`` pops ``running_queue``, from which the already scheduled are gone;
 2. swapped-out requests are swapped in, oldest first, while that succeeds;
 3. waiting requests are re-admitted, oldest first, until one is refused (FCFS).  A request
    refused while no sequence holds a block is dropped when it cannot fit an empty pool
@@ -113,12 +118,14 @@ def drain(driver: Driver) -> list[Violation]:
                     return found
                 if ok:
                     break
-                others = sorted(s for s in driver.running() if s != seq)
-                driver.preempt(others[-1] if others else seq)
+                # The victim is the newest running request, ``seq`` itself when it is the
+                # newest: one that already stepped this iteration is never preempted for it.
+                victim = max(driver.running())
+                driver.preempt(victim)
                 found = driver.check()
                 if found:
                     return found
-                if not others:
+                if victim == seq:
                     break
             found = settle(seq)
             if found:
