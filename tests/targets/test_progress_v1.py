@@ -12,7 +12,7 @@ from kvspec.testing.progress import drain
 
 from .conftest import requires_vllm
 
-pytestmark = requires_vllm("0.11.0", pin="0.33.0")
+pytestmark = requires_vllm("0.33.0", pin="0.33.0")
 
 
 def test_v1_two_lookahead_requests_both_finish():
