@@ -460,13 +460,15 @@ class VLLMV1SchedulerAdapter:
             scheduled.append(
                 Scheduled(self._seq_of[req_id], starts[req_id], n, len(drafts), drafts)
             )
-        if hasattr(so, "preempted_req_ids"):
-            preempted = tuple(self._seq_of[r] for r in (so.preempted_req_ids or ()))
+        if hasattr(so, "preempted_req_ids"):  # a set (0.33.0 sched/output.py:276)
+            ids = set(so.preempted_req_ids or ())
         else:  # before 0.11 the output does not say; the request's status does
             status = self._v.request.RequestStatus.PREEMPTED
-            preempted = tuple(
-                self._seq_of[r] for r in running if self.scheduler.requests[r].status == status
-            )
+            ids = {r for r in running if self.scheduler.requests[r].status == status}
+        # Listed in the order vLLM preempted them: from the end of the running queue
+        # (``self.running.pop()``, 0.33.0 sched/scheduler.py:970), not in the set's order.
+        place = {r: i for i, r in enumerate(running)}
+        preempted = tuple(self._seq_of[r] for r in sorted(ids, key=lambda r: -place.get(r, -1)))
         finished = tuple(self._seq_of[r] for r in so.finished_req_ids if r in self._seq_of)
         for r in self._req.values():
             self._learn(r)
