@@ -57,6 +57,7 @@ class ReferenceScheduler:
         num_lookahead_tokens: int | None = None,
         lookahead_at_admission: bool = True,
         pad_admissions: bool = True,
+        free_by_processed: bool = True,
     ) -> None:
         """``num_blocks``, ``max_num_seqs`` (running requests at most) and
         ``num_lookahead_tokens`` are those of a target the reference runs beside (the
@@ -65,7 +66,11 @@ class ReferenceScheduler:
         its pool itself, runs any number of requests and reserves as 0.33.0 does.
         ``lookahead_at_admission`` False: a request's first step reserves no lookahead slots
         (0.12.0 scheduler.py:556-557; 0.33.0 reserves them, scheduler.py:1403-1406).
-        ``pad_admissions`` False: no uniform-decode padding (``_padded``; absent in 0.12.0)."""
+        ``pad_admissions`` False: no uniform-decode padding (``_padded``; absent in 0.12.0).
+        ``free_by_processed`` False: a local group drops out-of-window blocks by the optimistic
+        computed count, steps in flight included (0.12.0 kv_cache_manager.py:264-266; 0.33.0
+        frees by the processed count, kv_cache_manager.py:561-568, because the steps in flight
+        still read those blocks and rejected drafts roll the count back)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -85,6 +90,7 @@ class ReferenceScheduler:
         )
         self.lookahead_at_admission = lookahead_at_admission
         self.pad_admissions = pad_admissions
+        self.free_by_processed = free_by_processed
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -148,7 +154,7 @@ class ReferenceScheduler:
     def _first_needed(self, req: _Req, group: GroupSpec) -> int:
         """The first position the worker still reads: the window (or the attention chunk) of
         its processed count."""
-        return group.first_attended(req.computed - req.in_flight)
+        return group.first_attended(req.computed - req.in_flight * self.free_by_processed)
 
     def _slots_for(self, req: _Req, end: int, group: GroupSpec) -> int:
         return blocks_for_tokens(end, group.block_size)

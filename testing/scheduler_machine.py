@@ -326,6 +326,7 @@ def reference_beside(target: SchedulerTarget, shape: Shape) -> ReferenceSchedule
         num_lookahead_tokens=target.num_lookahead_tokens,
         lookahead_at_admission=not before_033,
         pad_admissions=not before_033,
+        free_by_processed=not before_033,
     )
 
 

@@ -60,22 +60,3 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     assert found.status == "violated", found
     assert {v.invariant for v in found.violations} == {caught_as}, found.violations
 
-
-def test_optimistic_local_free_is_narrow():
-    """``optimistic-local-free`` allows a local group holding fewer blocks than the reference,
-    under async scheduling, on a release before 0.33; nothing else."""
-    from kvspec.testing.divergences import SCHEDULER_KNOWN, Mismatch, explained
-
-    def m(target, op, got, want, async_scheduling=True):
-        return Mismatch(
-            "counts", op, 0, got, want, target, prefill=False, async_scheduling=async_scheduling
-        )
-
-    old, new = "vllm-v1-scheduler-0.12.0", "vllm-v1-scheduler-0.33.0"
-    swa = "held blocks in group swa"
-    assert explained(m(old, swa, 1, 2), SCHEDULER_KNOWN).id == "optimistic-local-free"
-    assert explained(m(old, "held blocks in group chunked", 1, 2), SCHEDULER_KNOWN) is not None
-    assert explained(m(new, swa, 1, 2), SCHEDULER_KNOWN) is None
-    assert explained(m(old, swa, 2, 1), SCHEDULER_KNOWN) is None
-    assert explained(m(old, swa, 1, 2, async_scheduling=False), SCHEDULER_KNOWN) is None
-    assert explained(m(old, "held blocks in group full", 1, 2), SCHEDULER_KNOWN) is None

@@ -1,0 +1,57 @@
+"""vLLM's own V1 scheduler beside the reference scheduler (testing/scheduler_machine.py
+``SchedulerLockstep``), compared in the strictest mode after every step: the same requests
+scheduled and preempted, the same start and token counts, the same blocks per (request, group)
+up to renaming.  A broken scheduler no invariant sees (``DIFFERENTIAL_ONLY``) beside vLLM fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
+from kvspec.testing import SpecViolation
+from kvspec.testing.differential import Mode
+from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine, shapes
+
+from .conftest import requires_vllm
+
+pytestmark = requires_vllm("0.33.0", pin="0.33.0")
+EXAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+
+    return VLLMV1SchedulerAdapter
+
+
+def _settings():
+    return settings(settings(), max_examples=EXAMPLES, report_multiple_bugs=False, deadline=None)
+
+
+def test_vllm_scheduler_agrees_with_the_reference_scheduler(adapter):
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(),
+    )
+    assert counts.steps >= 5 * EXAMPLES and counts.states >= 10 * EXAMPLES, counts
+    assert not counts.allowed, counts
+
+
+def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, monkeypatch):
+    """The reference replaced by ``serial-admission``: vLLM batches what it serialises."""
+    import kvspec.testing.scheduler_machine as machine
+
+    variant, caught_as = DIFFERENTIAL_ONLY["serial-admission"]
+    monkeypatch.setattr(machine, "ReferenceScheduler", variant)
+    plain = shapes().filter(lambda s: not s.prefix_caching)
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, plain, differential=Mode.RENAMING), settings=_settings()
+        )
+    assert {v.invariant for v in caught.value.violations} == {caught_as}, caught.value
