@@ -21,8 +21,9 @@ renaming  also, every group's tables have the same length, drop the same slots (
 
 A difference a known divergence (``divergences.SCHEDULER_KNOWN``) explains is allowed and
 counted; from there the two schedulers no longer plan from the same state, so the comparison
-ends for the example.  With prefix caching on, the comparison also ends at the target's first
-prefix hit: the reference scheduler has no prefix cache (hits are judged per lookup by
+ends for the example.  With prefix caching on, the comparison also ends at the first step where
+the target may hit (a waiting request's prompt starts with a key it has cached, or it admits a
+request past position 0): the reference scheduler has no prefix cache (hits are judged per lookup by
 ``hit-completeness`` in the block-manager machines), so it is not an oracle past a hit.
 Either way the run counts the steps compared and why comparisons ended (``DiffCounts``).
 """
@@ -148,7 +149,7 @@ class SchedulerLockstep:
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
         self._running: set[int] = set()  # requests the target runs (scheduled since admission)
-        self._computing: dict[int, bool] = {}  # request -> it has prompt left to compute
+        self._tokens: dict[int, tuple[int, ...]] = {}  # request -> its prompt
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
@@ -175,6 +176,7 @@ class SchedulerLockstep:
         # scheduler.py _try_schedule_encoder_inputs), which the reference does not model: the
         # comparison ends there.
         self.target.add(seq_id, tokens, max_tokens, *extra)
+        self._tokens[seq_id] = tuple(tokens)
         if self.comparing and any(getattr(e, "mm", ()) for e in extra):
             self._end("multimodal request")
         if self.comparing:
@@ -189,7 +191,7 @@ class SchedulerLockstep:
     def schedule(self) -> Plan:
         plan = self.target.schedule()
         if self.comparing:
-            if self.caching and self._hit(plan):
+            if self.caching and (self._hit(plan) or self._hit_possible()):
                 self._end("prefix hit")
             else:
                 ref = self.reference.schedule()
@@ -212,6 +214,17 @@ class SchedulerLockstep:
     def _hit(self, plan: Plan) -> bool:
         """The target starts a request it admits (or readmits) past position 0: a prefix hit."""
         return any(s.start > 0 and s.seq_id not in self._running for s in plan.scheduled)
+
+    def _hit_possible(self) -> bool:
+        """A waiting request's prompt starts with a key the target has cached: its admission
+        (and what fits beside it) may turn on the hit, which the reference cannot have."""
+        chains = {key.chain for key, _ in self.target.observe().pool.cached}
+        return any(
+            tokens[: len(chain)] == chain
+            for seq, tokens in self._tokens.items()
+            if seq not in self._running and self.target.live(seq)
+            for chain in chains
+        )
 
     # ------------------------------------------------ comparing
 
