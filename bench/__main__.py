@@ -25,8 +25,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="time to first counterexample: broken variants and the seed bug")
     c.add_argument("--seeds", type=int, default=5)
     c.add_argument("--variants", nargs="*", help="broken variant names (default: all)")
-    c.add_argument("--findings", nargs="*", help="FINDINGS.md cases on vLLM 0.6.3 (default: "
-                   "F1 F2 F3 F4 F9 F12; F1 is the seed bug)")
+    c.add_argument("--findings", nargs="*", help="pinned FINDINGS.md cases (default: all of "
+                   "bench/commands.py TTC_FINDINGS and TTC_SCHEDULER_FINDINGS; F1 is the seed bug)")
+    c.add_argument("--scheduler-variants", nargs="*", metavar="NAME",
+                   help="broken schedulers of reference/broken_scheduler.py, the differential-only "
+                   "ones included (default: all)")
+    c.add_argument("--merge", action="store_true",
+                   help="keep the saved rows of the cases this run does not run")
     c.add_argument("--max-examples", type=int, default=2000)
     c.add_argument("--steps", type=int, default=40, help="stateful_step_count (the dev profile's)")
     c.add_argument("--explain", nargs="*", default=[], metavar="CASE",

@@ -159,7 +159,55 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     "F13": ("F13: BlockSpaceManagerV2 frees a swapped-out sequence into the wrong pool",
             "legacy-v2@0.6.3", {"window": "none", "caching": "off", "max_blocks": 16,
                                 "max_lookahead": 0}, []),
+    # Pinned by its trace (test_stateful_legacy.py); here found from scratch, progress watched,
+    # away from F12 and F13 as the suite's full-attention V2 run steers.
+    "F14": ("F14: BlockSpaceManagerV2 never finishes a chunked prompt that fills the pool",
+            "legacy-v2@0.6.3", {"window": "none", "caching": "off", "max_blocks": 16,
+                                "max_lookahead": 0, "free_swapped": False}, ["progress"]),
+    # tests/targets/test_tenancy_targets.py: configs(swap=False, max_blocks=8, caching on).
+    "F-KV1": ("F-KV1: V1 KVCacheManager with KV events crashes on a LoRA request (0.10.1.1)",
+              "v1@0.10.1.1", {"window": "none", "caching": "on", "swap": False, "max_blocks": 8},
+              []),
+    # On 0.12.0 (F-KV1 fixed there, so LoRA stays drawn), windowed, the prefix-cache focus.
+    "F-KV2": ("F-KV2: V1 KVCacheManager with KV events asserts on a window's null parent (0.12.0)",
+              "v1@0.12.0", {"window": "only", "caching": "on", "swap": False, "max_blocks": 8},
+              ["event-consistency", "prefix-cache-consistency", "prefix-cache-isolation"]),
 }
+# Findings on vLLM's own V1 scheduler (testing/scheduler_machine.py), as their pinned tests in
+# tests/targets/test_scheduler_v1.py draw them: label, the release whose venv runs it, the
+# scheduler implementation (testing/implementations.py ``lookup_scheduler``), the shapes
+# (bench/worker.py ``_scheduler_shapes``), the focus.
+TTC_SCHEDULER_FINDINGS: dict[str, tuple[str, str, str, str, list[str]]] = {
+    "V1-S4a": ("V1-S4a: 0.9.1 Scheduler, sliding window + prefix caching crash cache_full_blocks",
+               "v1@0.9.1", "v1-scheduler", "v1-s4a", []),
+    "V1-S2a": ("V1-S2a: 0.12.0 AsyncScheduler + EAGLE frees window blocks still read",
+               "v1@0.12.0", "v1-scheduler", "v1-s2a", []),
+}
+
+
+def _scheduler_variant_cases(names: list[str] | None) -> list[dict[str, Any]]:
+    """The scheduler machine's broken variants (reference/broken_scheduler.py): each in its
+    shape, watching what it is caught by; the differential-only ones under the differential
+    (renaming mode), every invariant watched, as tests/test_scheduler_differential.py runs them."""
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS, DIFFERENTIAL_ONLY
+    from kvspec.testing.implementations import BROKEN_SCHEDULER_PREFIX, lookup_scheduler
+
+    every = sorted(BROKEN_SCHEDULERS) + sorted(DIFFERENTIAL_ONLY)
+    cases = []
+    for name in every if names is None else names:
+        if name in BROKEN_SCHEDULERS:
+            impl = lookup_scheduler(BROKEN_SCHEDULER_PREFIX + name)
+            cases.append({"case": f"scheduler:{name}", "label": f"broken-scheduler:{name}",
+                          "scheduler": impl.name, "shapes": f"tag:{impl.shape}",
+                          "focus": sorted(BROKEN_SCHEDULERS[name].catches)})
+        elif name in DIFFERENTIAL_ONLY:
+            cases.append({"case": f"scheduler:{name}",
+                          "label": f"broken-scheduler:{name} (differential only)",
+                          "scheduler": f"differential-only:{name}", "shapes": "any",
+                          "focus": [], "differential": True})
+        else:
+            raise SystemExit(f"unknown scheduler variant {name!r}; one of: {', '.join(every)}")
+    return cases
 
 
 def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,10 +225,40 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         if v.needs.get("prefix_caching"):
             workload["caching"] = "on"
         cases.append((name, f"broken:{name}", f"broken:{name}", workload, sorted(v.catches)))
-    for key in (TTC_FINDINGS if args.findings is None else args.findings):
+    scheduler_cases: list[dict[str, Any]] = []
+    findings = list(TTC_FINDINGS) + list(TTC_SCHEDULER_FINDINGS) if args.findings is None \
+        else args.findings
+    for key in findings:
+        if key in TTC_SCHEDULER_FINDINGS:
+            label, target, scheduler, shapes, focus = TTC_SCHEDULER_FINDINGS[key]
+            scheduler_cases.append({"case": key, "label": label, "target": target,
+                                    "scheduler": scheduler, "shapes": shapes, "focus": focus})
+            continue
+        if key not in TTC_FINDINGS:
+            raise SystemExit(f"unknown finding {key!r}; one of: "
+                             f"{', '.join([*TTC_FINDINGS, *TTC_SCHEDULER_FINDINGS])}")
         label, target, workload, focus = TTC_FINDINGS[key]
         cases.append((key, label, target, workload, focus))
-    results = []
+    scheduler_cases += _scheduler_variant_cases(args.scheduler_variants)
+    results_dir, md = _out(args)
+    results: list[dict[str, Any]] = []
+    earlier: dict[str, Any] = {}
+    if args.merge:
+        import json
+
+        from .common import RESULTS
+
+        saved = (results_dir or RESULTS) / "ttc.json"
+        earlier = json.loads(saved.read_text()) if saved.exists() else {}
+    run_no = len(earlier.get("runs") or ([{}] if earlier else []))
+
+    def record(r: dict[str, Any], name: str, label: str) -> None:
+        r["label"], r["case"], r["run"] = label, name, run_no
+        results.append(r)
+        # Saved as it goes: a long run cut short keeps the cases it finished.
+        save_result("ttc-progress", {"machine": info, "command": command_line(),
+                                     "results": results}, results_dir)
+
     with Timer() as timer:
         for name, label, target, workload, focus in cases:
             for explain in ([False, True] if name in (args.explain or []) else [False]):
@@ -189,21 +267,32 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
                     "max_examples": args.max_examples, "steps": args.steps,
                     "explain": explain,
                 })
-                r["label"] = label + (" (with the explain phase)" if explain else "")
-                r["case"] = name
-                results.append(r)
-                # Saved as it goes: a long run cut short keeps the cases it finished.
-                save_result("ttc-progress", {"machine": info, "command": command_line(),
-                                             "results": results}, _out(args)[0])
-    data = {"machine": info, "command": command_line(), "results": results}
-    results_dir, md = _out(args)
-    data["seconds"] = timer.seconds
+                record(r, name, label + (" (with the explain phase)" if explain else ""))
+        for case in scheduler_cases:
+            r = run_worker(case.get("target", "reference"), "ttc-scheduler", {
+                "scheduler": case["scheduler"], "shapes": case["shapes"],
+                "focus": case["focus"] or None, "differential": case.get("differential", False),
+                "seeds": seeds, "max_examples": args.max_examples, "steps": args.steps,
+            })
+            r["shapes"] = case["shapes"]
+            record(r, case["case"], case["label"])
+    info["loadavg_end"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    run = {"machine": info, "command": command_line(), "seconds": timer.seconds}
+    if earlier:
+        runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("machine", "command", "seconds")}]
+        done = {r["case"] for r in results}
+        kept = [dict(r, run=r.get("run", 0)) for r in earlier["results"] if r["case"] not in done]
+        data = {"runs": [*runs, run], "results": kept + results}
+    else:
+        data = {"runs": [run], "results": results}
     save_result("ttc", data, results_dir)
-    write_section("ttc", render_ttc(data, timer.seconds), md)
+    write_section("ttc", render_ttc(data), md)
     return data
 
 
 def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
+    runs = data.get("runs") or [{"machine": data["machine"], "command": data["command"],
+                                  "seconds": seconds if seconds is not None else data.get("seconds")}]
     rows = []
     for r in data["results"]:
         seeds = len(r["rows"])
@@ -212,7 +301,7 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         lens = [row["shrunk_trace_len"] for row in r["rows"] if "shrunk_trace_len" in row]
         other = sorted({row["outcome"] for row in r["rows"] if row["outcome"] != "found"})
         rows.append([
-            r["label"], ", ".join(r["focus"] or ["all"]), f"{r['found']}/{seeds}",
+            r.get("run", 0) + 1, r["label"], ", ".join(r["focus"] or ["all"]), f"{r['found']}/{seeds}",
             _fmt(r["median_discovery"]), _span(r["min_discovery"], r["max_discovery"]),
             f"{statistics.median(exs):.0f} ({min(exs)}-{max(exs)})" if exs else "-",
             _fmt(r["median_total"]), _fmt(r["max_total"]),
@@ -227,8 +316,13 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         example = ["", f"Shrunk counterexample for the seed bug (seed {best['seed']}, "
                    f"config {best.get('config', '?')}): {best['message']}", "", "```",
                    *[f"{i}. {line}" for i, line in enumerate(best["trace"], 1)], "```"]
+    headers = []
+    for i, run in enumerate(runs, 1):
+        headers += [f"Run {i}: " + header(run["command"], run["machine"], run.get("seconds")), ""]
     return "\n".join([
-        header(data["command"], data["machine"], seconds),
+        *headers,
+        "The *run* column says which of those runs made each row; a later run replaces only the "
+        "rows of the cases it ran (`--merge`).",
         "",
         "Per case, one hypothesis run per seed (`settings(derandomize=False, database=None)` "
         "under `@seed(n)`, n = 0..seeds-1), the machine watching the listed invariants "
@@ -241,9 +335,20 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         " N <= 16, window or not, caching or not; F13, pinned by its trace there, is searched "
         "from scratch with every invariant watched). Steps per example: the dev (default) "
         f"profile's {data['results'][0].get('steps', 40) if data['results'] else 40}; "
-        "examples capped at the command's --max-examples.",
+        "examples capped at the command's --max-examples. F14 (pinned by its trace) is searched "
+        "from scratch with `progress` watched, no lookahead and no frees of swapped-out "
+        "sequences (F12, F13). F-KV1 and F-KV2: vLLM's V1 KVCacheManager with KV-cache events, "
+        "the configurations and focus of tests/targets/test_tenancy_targets.py (N <= 8, caching "
+        "on, no swap; F-KV2 windowed, on 0.12.0 where F-KV1 is fixed). V1-S4a, V1-S2a and the "
+        "`broken-scheduler:` rows: the scheduler machine (testing/scheduler_machine.py "
+        "`SchedulerMachine`, the implementation from testing/implementations.py "
+        "`lookup_scheduler`), drawing the shapes of the pinned tests (tests/targets/"
+        "test_scheduler_v1.py; a broken scheduler its own shape, as tests/test_scheduler_shapes.py;"
+        " the differential-only ones every shape under the differential in renaming mode, as "
+        "tests/test_scheduler_differential.py), one example = one shape and up to the steps "
+        "below.",
         "",
-        table(["case", "focus", "found", "median discovery s", "discovery range s",
+        table(["run", "case", "focus", "found", "median discovery s", "discovery range s",
                "examples to discovery, median (range)", "median total s", "max total s",
                "median shrunk trace", "reported"], rows),
         *example,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import logging
 import pstats
 import statistics
 import sys
@@ -277,18 +278,25 @@ def _timed_machine(make, strat, focus, mark: dict[str, Any], options: dict[str, 
 def ttc(p: dict[str, Any]) -> dict[str, Any]:
     """Time to the first counterexample, per seed: discovery (first failing example) and
     total (with shrinking), and the invariants reported."""
-    from kvspec.testing import SpecViolation
-
     target = p["target"]
     impl, _ = split_target(target)
     make = factory(impl)
     _warm(make)
     focus = p.get("focus")
     strat = strategy(p["workload"])
+    options = machine_options(p["workload"])
+    return _ttc_seeds(p, lambda mark: _timed_machine(make, strat, focus, mark, options))
+
+
+def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
+    """One hypothesis run per seed of the machine ``machine_for(mark)`` builds; the summary
+    row of ``python -m bench ttc``."""
+    from kvspec.testing import SpecViolation
+
     rows = []
     for seed in p["seeds"]:
         mark: dict[str, Any] = {}
-        machine = _timed_machine(make, strat, focus, mark, machine_options(p["workload"]))
+        machine = machine_for(mark)
         extra: dict[str, Any] = {}
         if p.get("explain"):
             from hypothesis import Phase
@@ -311,7 +319,11 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
             row["config"] = mark.get("config", "")
             row["trace"] = [s.describe()[:160] for s in err.trace][:12]
         except Exception as err:  # a crash of the implementation is a finding too
-            row["outcome"] = f"crash: {type(err).__name__}: {str(err)[:200]}"
+            import traceback
+
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            row["outcome"] = (f"crash: {type(err).__name__}: {str(err)[:200]} "
+                              f"({Path(where.filename).name} {where.name})")
         end = time.perf_counter()
         row["total_seconds"] = end - start
         row["examples_run"] = mark["examples"]
@@ -320,12 +332,12 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
             row["examples_to_discovery"] = mark["at_example"]
         rows.append(row)
     found = [r["discovery_seconds"] for r in rows if "discovery_seconds" in r]
-    totals = [r["total_seconds"] for r in rows if r["outcome"] == "found"]
+    totals = [r["total_seconds"] for r in rows if "discovery_seconds" in r]
     return {
-        "target": target,
-        "focus": focus,
+        "target": p["target"],
+        "focus": p.get("focus"),
         "explain": bool(p.get("explain")),
-        "workload": p["workload"],
+        "workload": p.get("workload"),
         "steps": p["steps"],
         "max_examples": p["max_examples"],
         "rows": rows,
@@ -336,6 +348,95 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
         "median_total": statistics.median(totals) if totals else None,
         "max_total": max(totals) if totals else None,
     }
+
+
+# ---------------------------------------------------------------- the scheduler machine
+
+
+def _scheduler_shapes(key: str):
+    """The shapes a scheduler case draws: ``tag:<SHAPE_TAGS entry>`` (a broken scheduler's
+    shape, as tests/test_scheduler_shapes.py draws it), ``any``, or a finding's shapes as its
+    pinned test in tests/targets/test_scheduler_v1.py draws them (V1-S4a: prefix caching and a
+    window no longer than its group's block, in the shapes 0.9.1 has; V1-S2a: async
+    scheduling with EAGLE drafts and a sliding window, no caching)."""
+    from hypothesis import strategies as st
+    from kvspec.spec.groups import Shape
+    from kvspec.testing.scheduler_machine import shapes
+
+    if key == "any":
+        return shapes()
+    if key.startswith("tag:"):
+        tag = key[len("tag:"):]
+        return shapes().filter(lambda s: tag in s.tags())
+    if key == "v1-s4a":
+        return shapes().filter(
+            lambda s: s.prefix_caching and s.sliding_window is not None
+            and s.sliding_window <= s.swa_block_size and s.swa_block_size == s.block_size
+            and not s.async_scheduling and not s.full_sequence_must_fit)
+    if key == "v1-s2a":
+        return st.builds(
+            Shape, block_size=st.just(2), swa_block_size=st.just(2),
+            sliding_window=st.integers(2, 5), extra_blocks=st.sampled_from([0, 4]),
+            prefix_caching=st.just(False), num_spec_tokens=st.integers(1, 3),
+            async_scheduling=st.just(True), max_num_batched_tokens=st.just(16),
+            max_model_len=st.just(16), full_sequence_must_fit=st.just(False),
+            max_tokens=st.sampled_from([4, 8]), eagle=st.just(True))
+    raise SystemExit(f"unknown scheduler shape set {key!r}")
+
+
+def _scheduler_factory(name: str):
+    """A scheduler implementation (testing/implementations.py ``lookup_scheduler``), or
+    ``differential-only:<variant>`` (reference/broken_scheduler.py ``DIFFERENTIAL_ONLY``)."""
+    if name.startswith("differential-only:"):
+        from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
+
+        return DIFFERENTIAL_ONLY[name[len("differential-only:"):]][0]
+    from kvspec.testing.implementations import lookup_scheduler
+
+    return lookup_scheduler(name).factory
+
+
+def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: dict[str, Any]):
+    """A SchedulerMachine that notes when (and after how many examples) it first fails: a
+    reported violation or a crash of the target, both raised through a rule or the
+    invariant, both in flight when hypothesis calls teardown."""
+    from hypothesis.errors import HypothesisException, StopTest
+    from kvspec.testing.differential import Mode
+    from kvspec.testing.scheduler_machine import SchedulerMachine
+
+    mark["examples"] = 0
+    mode = Mode.RENAMING if differential else None
+
+    class Timed(SchedulerMachine):
+        def __init__(self) -> None:
+            super().__init__(make, shapes_strategy, focus=focus, differential=mode)
+            mark["examples"] += 1
+
+        def teardown(self):
+            failed = sys.exc_info()[1]
+            try:
+                super().teardown()
+            except Exception as err:
+                failed = err
+                raise
+            finally:
+                if failed is not None and not isinstance(failed, HypothesisException | StopTest):
+                    mark.setdefault("t", time.perf_counter())
+                    mark.setdefault("at_example", mark["examples"])
+                    mark["config"] = repr(self.shape)
+
+    return Timed
+
+
+def ttc_scheduler(p: dict[str, Any]) -> dict[str, Any]:
+    """``ttc`` for the scheduler machine (testing/scheduler_machine.py): a scheduler
+    implementation, the shapes it draws, the invariants it watches, the differential or not."""
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    make = _scheduler_factory(p["scheduler"])
+    strat = _scheduler_shapes(p["shapes"])
+    focus = frozenset(p["focus"]) if p.get("focus") else None
+    return _ttc_seeds(p, lambda mark: _timed_scheduler_machine(
+        make, strat, focus, p.get("differential", False), mark))
 
 
 def scale(p: dict[str, Any]) -> dict[str, Any]:
@@ -403,6 +504,7 @@ def _proof_task(name: str):
 TASKS = {
     "throughput": throughput,
     "ttc": ttc,
+    "ttc-scheduler": ttc_scheduler,
     "scale": scale,
     "proof": _proof_task("proof_one"),
     "proof-list": _proof_task("proof_list"),

@@ -46,6 +46,26 @@ def test_bench_commands_run_on_the_reference_and_write_results(tmp_path):
     assert "Command: `python -m bench" in md and "Python " in md
 
 
+def test_ttc_runs_the_scheduler_machine_and_merges_runs(tmp_path):
+    """The scheduler cases of ``bench ttc`` (a broken scheduler in its shape, a differential-only
+    one under the differential) are found, and a ``--merge`` run keeps the rows it did not redo."""
+    _bench("ttc", "--seeds", "1", "--variants", "--findings", "--scheduler-variants",
+           "no-draft-rollback", "serial-admission", "--max-examples", "200", tmp=tmp_path)
+    _bench("ttc", "--seeds", "1", "--variants", "leak-on-free", "--findings",
+           "--scheduler-variants", "--max-examples", "100", "--merge", tmp=tmp_path)
+
+    data = json.loads((tmp_path / "ttc.json").read_text())
+    by_case = {r["case"]: r for r in data["results"]}
+    assert set(by_case) == {"scheduler:no-draft-rollback", "scheduler:serial-admission",
+                            "leak-on-free"}, sorted(by_case)
+    assert [r["run"] for r in data["results"]] == [0, 0, 1] and len(data["runs"]) == 2
+    assert by_case["scheduler:no-draft-rollback"]["found"] == 1
+    assert by_case["scheduler:no-draft-rollback"]["rows"][0]["invariants"] == ["kv-readback"]
+    assert by_case["scheduler:serial-admission"]["rows"][0]["invariants"] == ["differential/outcomes"]
+    md = (tmp_path / "B.md").read_text()
+    assert "Run 1: Command: `python -m bench ttc" in md and "Run 2: Command:" in md
+
+
 def test_mutation_operators_apply_and_compile():
     sys.path.insert(0, str(REPO))
     from bench.mutants import enumerate_mutants, mutate_tree
