@@ -204,6 +204,27 @@ def learn_hash_keys(
             collisions.append((h, old, key))
 
 
+def spec_event(
+    event: Any, external: Mapping[Any, PrefixKey], formats: Counter[str], vllm_version: str
+) -> CacheEvent:
+    """One KV event the release emitted, as the spec's ``CacheEvent``: ``AllBlocksCleared``, or
+    a ``BlockStored`` / ``BlockRemoved`` of the keys its hashes stand for (through
+    ``external``, filled by ``learn_hash_keys``); ``formats`` counts the hash forms seen.  A
+    hash no request produced becomes a key that says so (not dropped): event-consistency
+    then names it."""
+    kind = type(event).__name__
+    if kind == "AllBlocksCleared":
+        return CacheEvent(EventKind.CLEARED)
+    if kind not in ("BlockStored", "BlockRemoved"):
+        raise RuntimeError(f"vLLM {vllm_version}: unknown KV event {kind}")
+    keys = []
+    for h in event.block_hashes:
+        formats[type(h).__name__] += 1
+        key = external.get(h)
+        keys.append(key if key is not None else PrefixKey((), ("unknown event hash", h)))
+    return CacheEvent(EventKind.STORED if kind == "BlockStored" else EventKind.REMOVED, tuple(keys))
+
+
 class VLLMV1Adapter:
     """kvspec ``Implementation`` over vLLM V1's ``KVCacheManager`` (single KV cache group).
 
@@ -506,22 +527,8 @@ class VLLMV1Adapter:
         if Capability.KV_EVENTS not in self.capabilities:
             return
         for event in self._raw.block_pool.take_events():
-            kind = type(event).__name__
-            if kind == "AllBlocksCleared":
-                self._events.append(CacheEvent(EventKind.CLEARED))
-                continue
-            keys = []
-            for h in event.block_hashes:
-                self.event_hash_formats[type(h).__name__] += 1
-                key = self._external.get(h)
-                # An event for a hash no request produced is reported as such, not dropped:
-                # event-consistency then names it.
-                keys.append(key if key is not None else PrefixKey((), ("unknown event hash", h)))
-            stored = kind == "BlockStored"
-            if not stored and kind != "BlockRemoved":
-                raise RuntimeError(f"vLLM {self.vllm_version}: unknown KV event {kind}")
             self._events.append(
-                CacheEvent(EventKind.STORED if stored else EventKind.REMOVED, tuple(keys))
+                spec_event(event, self._external, self.event_hash_formats, self.vllm_version)
             )
 
     # ------------------------------------------------------------------ requests

@@ -56,7 +56,7 @@ from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Capability
 from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
 
-from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params, learn_hash_keys
+from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params, learn_hash_keys, spec_event
 
 # The kinds of extra key a request may carry (testing/strategies.py EXTRA_KINDS), by capability.
 EXTRA_KIND_OF = {
@@ -168,25 +168,17 @@ class SchedulerCacheView:
         manager.take_events()
         raw, self._raw[:] = list(self._raw), []
         for event in raw:
-            kind = type(event).__name__
-            if kind == "AllBlocksCleared":
+            translated = spec_event(event, self._external, self.event_hash_formats, self.vllm_version)
+            if translated.kind is EventKind.CLEARED:
                 for stream in self._events:
-                    stream.append(CacheEvent(EventKind.CLEARED))
+                    stream.append(translated)
                 continue
-            if kind not in ("BlockStored", "BlockRemoved"):
-                raise RuntimeError(f"vLLM {self.vllm_version}: unknown KV event {kind}")
             group = event.group_idx
             if group is None or not 0 <= group < len(self._events):
-                raise ConfigError(f"vLLM {self.vllm_version}: a {kind} event names group {group!r}")
-            keys = []
-            for h in event.block_hashes:
-                self.event_hash_formats[type(h).__name__] += 1
-                key = self._external.get(h)
-                # An event for a hash no request produced is reported as such, not dropped:
-                # event-consistency then names it.
-                keys.append(key if key is not None else PrefixKey((), ("unknown event hash", h)))
-            stored = kind == "BlockStored"
-            self._events[group].append(CacheEvent(EventKind.STORED if stored else EventKind.REMOVED, tuple(keys)))
+                raise ConfigError(
+                    f"vLLM {self.vllm_version}: a {type(event).__name__} event names group {group!r}"
+                )
+            self._events[group].append(translated)
 
     def group_events(self, group: int) -> tuple[CacheEvent, ...] | None:
         return tuple(self._events[group]) if self.emits_events else None
