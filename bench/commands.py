@@ -240,6 +240,8 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         label, target, workload, focus = TTC_FINDINGS[key]
         cases.append((key, label, target, workload, focus))
     scheduler_cases += _scheduler_variant_cases(args.scheduler_variants)
+    if not cases and not scheduler_cases:
+        raise SystemExit("nothing to run: every case list given is empty")
     results_dir, md = _out(args)
     results: list[dict[str, Any]] = []
     earlier: dict[str, Any] = {}
@@ -282,7 +284,7 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("machine", "command", "seconds")}]
         done = {r["case"] for r in results}
         kept = [dict(r, run=r.get("run", 0)) for r in earlier["results"] if r["case"] not in done]
-        data = {"runs": [*runs, run], "results": kept + results}
+        data = _prune_runs({"runs": [*runs, run], "results": kept + results})
     else:
         data = {"runs": [run], "results": results}
     save_result("ttc", data, results_dir)
@@ -290,7 +292,17 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
+def _prune_runs(data: dict[str, Any]) -> dict[str, Any]:
+    """Drop the runs whose every row a later run replaced; renumber the rows' runs."""
+    used = sorted({r.get("run", 0) for r in data["results"]})
+    number = {old: new for new, old in enumerate(used)}
+    return {"runs": [data["runs"][i] for i in used],
+            "results": [dict(r, run=number[r.get("run", 0)]) for r in data["results"]]}
+
+
 def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
+    if data.get("runs"):
+        data = _prune_runs(data)
     runs = data.get("runs") or [{"machine": data["machine"], "command": data["command"],
                                   "seconds": seconds if seconds is not None else data.get("seconds")}]
     rows = []
@@ -306,7 +318,7 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
             f"{statistics.median(exs):.0f} ({min(exs)}-{max(exs)})" if exs else "-",
             _fmt(r["median_total"]), _fmt(r["max_total"]),
             f"{statistics.median(lens):.0f}" if lens else "-",
-            ", ".join(invs) + (f"; {'; '.join(other)}" if other else ""),
+            "; ".join(x for x in (", ".join(invs), *other) if x),
         ])
     seed_rows = [row for r in data["results"] if r.get("case") == "F1"
                  and not r.get("explain") for row in r["rows"] if row.get("trace")]
@@ -346,7 +358,11 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         "test_scheduler_v1.py; a broken scheduler its own shape, as tests/test_scheduler_shapes.py;"
         " the differential-only ones every shape under the differential in renaming mode, as "
         "tests/test_scheduler_differential.py), one example = one shape and up to the steps "
-        "below.",
+        "below. *Examples to discovery* counts the machines hypothesis built, draws a filter "
+        "or an unsupported shape rejected included (V1-S4a's filter keeps few shapes: one seed "
+        "ended Unsatisfiable, reported as not found). A crash's *reported* cell names the "
+        "exception and where it was raised; hypothesis shrinks a crash too, but the row records "
+        "no trace length for it (the target's own exception carries no kvspec trace).",
         "",
         table(["run", "case", "focus", "found", "median discovery s", "discovery range s",
                "examples to discovery, median (range)", "median total s", "max total s",

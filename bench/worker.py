@@ -291,6 +291,7 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
 def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
     """One hypothesis run per seed of the machine ``machine_for(mark)`` builds; the summary
     row of ``python -m bench ttc``."""
+    from hypothesis.errors import Unsatisfiable
     from kvspec.testing import SpecViolation
 
     rows = []
@@ -318,6 +319,8 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
             row["message"] = str(err.violations[0])[:240]
             row["config"] = mark.get("config", "")
             row["trace"] = [s.describe()[:160] for s in err.trace][:12]
+        except Unsatisfiable:
+            row["outcome"] = "not found (Unsatisfiable: the filters rejected every draw)"
         except Exception as err:  # a crash of the implementation is a finding too
             import traceback
 
