@@ -172,6 +172,11 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     "F-KV2": ("F-KV2: V1 KVCacheManager with KV events asserts on a window's null parent (0.12.0)",
               "v1@0.12.0", {"window": "only", "caching": "on", "swap": False, "max_blocks": 8},
               ["event-consistency", "prefix-cache-consistency", "prefix-cache-isolation"]),
+    # Pinned by its shrunk trace (a random dev-profile search of prefix-cache-isolation on
+    # 0.12.0 found it); here from scratch, full attention (F-KV2 stops windowed runs there).
+    "F-KV3": ("F-KV3: V1 multimodal key without the item's offset in the block (0.12.0)",
+              "v1@0.12.0", {"window": "none", "caching": "on", "swap": False, "max_blocks": 8},
+              ["prefix-cache-isolation"]),
 }
 # Findings on vLLM's own V1 scheduler (testing/scheduler_machine.py), as their pinned tests in
 # tests/targets/test_scheduler_v1.py draw them: label, the release whose venv runs it, the
@@ -351,7 +356,8 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         "from scratch with `progress` watched, no lookahead and no frees of swapped-out "
         "sequences (F12, F13). F-KV1 and F-KV2: vLLM's V1 KVCacheManager with KV-cache events, "
         "the configurations and focus of tests/targets/test_tenancy_targets.py (N <= 8, caching "
-        "on, no swap; F-KV2 windowed, on 0.12.0 where F-KV1 is fixed). V1-S4a, V1-S2a and the "
+        "on, no swap; F-KV2 windowed, on 0.12.0 where F-KV1 is fixed); F-KV3, pinned by its trace, "
+        "from scratch on 0.12.0, full attention, `prefix-cache-isolation` watched. V1-S4a, V1-S2a and the "
         "`broken-scheduler:` rows: the scheduler machine (testing/scheduler_machine.py "
         "`SchedulerMachine`, the implementation from testing/implementations.py "
         "`lookup_scheduler`), drawing the shapes of the pinned tests (tests/targets/"
