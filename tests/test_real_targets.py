@@ -21,7 +21,7 @@ def test_stateful_real_target(version):
     install_kvspec(t, lambda msg: print(msg, file=sys.stderr))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run(
-        [str(t.python), "-m", "pytest", "tests/targets", "-q", "-rs", "-p", "no:cacheprovider"],
+        [str(t.python), "-m", "pytest", "tests/targets", "-q", "-rfEs", "-p", "no:cacheprovider"],
         cwd=REPO,
         env=env,
         capture_output=True,

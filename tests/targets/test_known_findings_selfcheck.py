@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import settings
-from kvspec.cli.run import config_strategy
+from kvspec.cli.run import config_strategy, parse_overrides
 from kvspec.cli.search import Search, masking, run_search
 from kvspec.cli.target import factory_for
 from kvspec.testing.known import SHIPPED, load_known
@@ -19,32 +19,39 @@ pytestmark = requires_vllm("0.6.3", "0.6.3", pin="0.6.3")
 
 # impl -> the pinned findings its default search must report (FINDINGS.md "Pinned" column).
 # F12 needs lookahead slots and swap without a window or caching (whose known findings drown
-# it): a round behind them, under a feature mask, reaches it.  F9 (legacy-v1) shows as a missed
-# copy-on-write in the default search (its fingerprint covers that form).
-# A pinned finding the default search stops reaching gets `reach` flags in its known-findings
-# entry (the report then prints them) and a test here that runs with them.
-PINNED = {"legacy-v2": ("F1", "F2", "F4", "F6", "F12"), "legacy-v1": ("F3", "F9")}
-_runs: dict[str, Search] = {}
+# it): a round behind them, under a feature mask, reaches it.
+# A pinned finding the default search does not reach within the ci budget gets `reach` flags in
+# its known-findings entry (the report prints them when it did not fire) and runs with them
+# here: F9 (legacy-v1), which the default search meets only on some draws, behind F3.
+PINNED = {"legacy-v2": ("F1", "F2", "F4", "F6", "F12"), "legacy-v1": ("F3",)}
+NEEDS = {
+    ("legacy-v1", "F9"): (("window=off", "caching=off"), "refcount-exact", 600),
+}
+_runs: dict[tuple, Search] = {}
 
 
-def _search(impl: str) -> Search:
-    if impl not in _runs:
+def _search(
+    impl: str, pins: tuple[str, ...] = (), focus: str | None = None, examples: int | None = None
+) -> Search:
+    key = (impl, pins, focus, examples)
+    if key not in _runs:
         known = [k for k in load_known([SHIPPED]) if k.concerns(impl, VLLM)]
-        masked, maskable = masking(impl, {})
-        _runs[impl] = run_search(
+        overrides = parse_overrides(pins)
+        masked, maskable = masking(impl, overrides)
+        _runs[key] = run_search(
             factory_for(impl),
-            config_strategy(impl, {}),
+            config_strategy(impl, overrides),
             profile="ci",
-            examples=None,  # the profile's budget
+            examples=examples,  # None: the profile's budget
             steps=None,
             seed=None,
-            focus=None,
+            focus=(focus,) if focus else None,
             label=impl,
             known=known,
             masked=masked,
             maskable=maskable,
         )
-    return _runs[impl]
+    return _runs[key]
 
 
 def _assert_reported(search: Search, ident: str) -> None:
@@ -62,3 +69,13 @@ def _assert_reported(search: Search, ident: str) -> None:
 def test_default_search_reports_the_pinned_finding(impl, ident):
     assert settings.get_profile("ci").max_examples == 150  # the budget this file claims
     _assert_reported(_search(impl), ident)
+
+
+@pytest.mark.parametrize(("impl", "ident"), sorted(NEEDS))
+def test_pinned_finding_is_reached_with_the_flags_its_entry_names(impl, ident):
+    pins, focus, examples = NEEDS[impl, ident]
+    (entry,) = [k for k in load_known([SHIPPED]) if k.id == ident]
+    flags = " ".join(f"--config {p}" for p in pins) + f" --invariant {focus}"
+    flags += f" --examples {examples}" if examples else ""
+    assert entry.reach == f"--impl {impl} {flags}", entry.reach  # what the report tells a user
+    _assert_reported(_search(impl, pins, focus, examples), ident)
