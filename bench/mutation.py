@@ -1024,6 +1024,17 @@ def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, 
     return result
 
 
+def _assembled(target: str, workdir: Path) -> tuple[dict[str, Any], dict[str, str], list[Mutant]]:
+    """A kept run's target table entry, its module copies and every mutant generated in them."""
+    spec = TARGETS[target]
+    paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
+             for n in spec["mutate"] + spec["served"]}
+    mutants: list[Mutant] = []
+    for name in spec["mutate"]:
+        mutants += enumerate_mutants(name, Path(paths[name]).read_text())
+    return spec, paths, mutants
+
+
 def cmd_reach(args: argparse.Namespace) -> dict[str, Any]:
     """``--reach --assemble WORKDIR``: the straight-line scenarios of ``bench.reach`` on every
     mutant the kept run's baseline covered (or on ``--keys``); saved as ``reach-<impl>.json``."""
@@ -1031,12 +1042,7 @@ def cmd_reach(args: argparse.Namespace) -> dict[str, Any]:
 
     (target,) = args.targets
     workdir = Path(args.assemble)
-    spec = TARGETS[target]
-    paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
-             for n in spec["mutate"] + spec["served"]}
-    mutants: list[Mutant] = []
-    for name in spec["mutate"]:
-        mutants += enumerate_mutants(name, Path(paths[name]).read_text())
+    spec, paths, mutants = _assembled(target, workdir)
     base = json.loads((workdir / "baseline.out.json").read_text())
     cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
@@ -1070,12 +1076,7 @@ def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
     run's budget; saved as ``search-<search>-<impl>.json`` (the search evidence)."""
     (target,) = args.targets
     workdir = Path(args.assemble)
-    spec = TARGETS[target]
-    paths = {n: str(workdir / "src" / (n.replace(".", "/") + ".py"))
-             for n in spec["mutate"] + spec["served"]}
-    mutants: list[Mutant] = []
-    for name in spec["mutate"]:
-        mutants += enumerate_mutants(name, Path(paths[name]).read_text())
+    spec, paths, mutants = _assembled(target, workdir)
     chosen = [m for m in mutants if m.key in set(args.keys or ())]
     shape_examples = 0
     if args.oracle == "check" and split_target(target)[0] == "v1":
