@@ -285,7 +285,42 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
     focus = p.get("focus")
     strat = strategy(p["workload"])
     options = machine_options(p["workload"])
-    return _ttc_seeds(p, lambda mark: _timed_machine(make, strat, focus, mark, options))
+    finding = p.get("finding")
+    if finding is None:
+        return _ttc_seeds(p, lambda mark: _timed_machine(make, strat, focus, mark, options))
+
+    def machine_for(mark: dict[str, Any]):
+        mark["sieve"] = _sieve_for(finding, target)
+        return _timed_machine(make, strat, focus, mark, {**options, "step_past": mark["sieve"]})
+
+    return _ttc_seeds(p, machine_for)
+
+
+def _sieve_for(finding: str, target: str):
+    """``kvspec check``'s step-past policy with every known finding of ``target`` but
+    ``finding`` stepped past: the first other failure is the run's (cli/search.py ``Sieve``)."""
+    from kvspec.cli.search import Sieve
+    from kvspec.testing.known import SHIPPED, load_known
+
+    impl, version = split_target(target)
+    mine = [k for k in load_known([SHIPPED]) if k.concerns(impl, version)]
+    if finding not in {k.id for k in mine}:
+        raise SystemExit(f"{finding} is not a known finding of {target}")
+    return Sieve(reported=frozenset(), known=mine,
+                 stepped=frozenset(k.id for k in mine if k.id != finding))
+
+
+def _judge_identity(row: dict[str, Any], mark: dict[str, Any], finding: str) -> None:
+    """With a sieve, a seed is found only when the failure it ended on is ``finding``."""
+    sieve = mark["sieve"]
+    row["stepped_past"] = dict(sieve.fired)
+    if sieve.target is None:
+        return
+    identity = sieve.target if isinstance(sieve.target, str) else sieve.target.describe()
+    row["identity"] = identity
+    if identity != finding:
+        row["outcome"] = f"another failure first: {identity[:160]}"
+        mark.pop("t", None)
 
 
 def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
@@ -328,6 +363,8 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
             row["outcome"] = (f"crash: {type(err).__name__}: {str(err)[:200]} "
                               f"({Path(where.filename).name} {where.name})")
         end = time.perf_counter()
+        if "sieve" in mark:
+            _judge_identity(row, mark, p["finding"])
         row["total_seconds"] = end - start
         row["examples_run"] = mark["examples"]
         if "t" in mark:
@@ -343,6 +380,7 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
         "workload": p.get("workload"),
         "steps": p["steps"],
         "max_examples": p["max_examples"],
+        "finding": p.get("finding"),
         "rows": rows,
         "found": len(found),
         "median_discovery": statistics.median(found) if found else None,
