@@ -73,9 +73,13 @@ def drain(driver: Driver) -> list[Violation]:
     policy = policy_of(driver.impl)
     capacity = len(driver.state.gpu.ids) - admission_reserve(policy, others_running=False)
     for seq in sorted(goal):
-        # Out of scope: a request that cannot run to its end even alone in the pool (vLLM's
-        # startup check sizes the pool for one request of max_model_len).
-        if _alone(driver, goal[seq] - 1, chunk, policy) > capacity:
+        # Out of scope: a request that cannot run to its end even alone in the pool, or whose
+        # length at its end (the tokens it has and the one it samples) exceeds what the pool
+        # stores: vLLM refuses at startup a max_model_len above N * B (0.6.3
+        # worker/worker.py:490-497 ``raise_if_cache_size_invalid``; V1
+        # ``check_enough_kv_cache_memory``), so such a request would have hit the length cap.
+        if (_alone(driver, goal[seq] - 1, chunk, policy) > capacity
+                or goal[seq] > config.num_blocks * config.block_size):
             driver.log(f"progress: seq {seq} cannot finish even alone in the pool; not drained")
             driver.free(seq)
             del goal[seq]
