@@ -162,6 +162,10 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
     # (see TTC_OTHERS_STEPPED_PAST).
     "F13": ("F13: BlockSpaceManagerV2 frees a swapped-out sequence into the wrong pool",
             "legacy-v2@0.6.3", {"window": "none", "caching": "off", "max_blocks": 16}, []),
+    # Pinned by its trace; here found from scratch, windowed with swap and lookahead, past
+    # C1 (the windowed livelock after F6) and the other window findings.
+    "F15": ("F15: BlockSpaceManagerV2 can_swap_in counts the blocks a window drops",
+            "legacy-v2@0.6.3", {**_WINDOWED, "swap": True}, ["progress"]),
     # Pinned by its trace (test_stateful_legacy.py); here found from scratch, progress watched,
     # away from F12 and F13 as the suite's full-attention V2 run steers.
     "F14": ("F14: BlockSpaceManagerV2 never finishes a chunked prompt that fills the pool",
@@ -181,11 +185,12 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
               "v1@0.12.0", {"window": "none", "caching": "on", "swap": False, "max_blocks": 8},
               ["prefix-cache-isolation"]),
 }
-# Findings another known finding of the same configurations shadows (F1 fires on the admission
-# before F6's append; F14's livelock and F12 before F13's crash): these cases step past every
-# other known finding of the target, as `kvspec check`'s rounds do (cli/search.py ``Sieve``),
-# and a seed counts as found only when its first other failure is the case's own finding.
-TTC_OTHERS_STEPPED_PAST = frozenset({"F6", "F13"})
+# Findings another known finding of the same configurations shadows (F1 fires on the
+# admission before F6's append; F14's livelock and F12 before F13's crash; C1 before F15):
+# these cases step past every other known finding of the target, as `kvspec check`'s rounds
+# do (cli/search.py ``Sieve``), and a seed counts as found only when its first other failure
+# is the case's own finding.
+TTC_OTHERS_STEPPED_PAST = frozenset({"F6", "F13", "F15"})
 # Findings on vLLM's own V1 scheduler (testing/scheduler_machine.py), as their pinned tests in
 # tests/targets/test_scheduler_v1.py draw them: label, the release whose venv runs it, the
 # scheduler implementation (testing/implementations.py ``lookup_scheduler``), the shapes
