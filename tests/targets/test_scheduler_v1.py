@@ -137,3 +137,61 @@ def test_012_v1_s2a_async_drafts_free_window_blocks_still_read(adapter):
         run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(60))
     found = {v.invariant for v in caught.value.violations}
     assert "kv-readback" in found, caught.value
+
+
+# FINDINGS V1-S2b: full attention + chunked-local C=2, both B=2, prefix caching, async
+# scheduling, the pool at the startup minimum; budget 8 of max_model_len 16.
+V1_S2B = Shape(
+    block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=True,
+    num_spec_tokens=0, async_scheduling=True, max_num_batched_tokens=8, max_model_len=16,
+    full_sequence_must_fit=False, attention_chunk_size=2,
+)
+
+
+def _two_identical_requests(adapter, shape: Shape, requests: int = 2) -> SchedulerDriver:
+    driver = SchedulerDriver(adapter(shape), async_depth=1 if shape.async_scheduling else 0)
+    for seq in range(requests):
+        driver.arrive(seq, [0], 3)
+    for _ in range(4):
+        driver.step(bytes(4), bytes(4))
+        assert driver.check() == []
+    return driver
+
+
+@on_012
+def test_012_v1_s2b_async_chunked_local_caches_the_null_block(adapter):
+    """FINDINGS V1-S2b: under async scheduling a block's hash waits for the token in flight,
+    but the chunked-local group nulls the block once the optimistic count leaves its chunk
+    (``remove_skipped_blocks`` before ``cache_blocks`` in ``allocate_slots``); 0.12.0 then
+    caches the null block under the block's hash, and the second request with the same
+    prefix trips ``assert blk.block_hash is None`` (block_pool.py:257)."""
+    with pytest.raises(AssertionError) as crash:
+        _two_identical_requests(adapter, V1_S2B)
+    where = crash.traceback[-1]
+    assert where.path.name == "block_pool.py" and "cache_full_blocks" in str(where.name), crash
+
+
+@on_012
+@pytest.mark.parametrize("change", [{"async_scheduling": False}, {"prefix_caching": False}],
+                         ids=["sync", "no-caching"])
+def test_012_v1_s2b_controls_run(adapter, change):
+    import attrs
+
+    driver = _two_identical_requests(adapter, attrs.evolve(V1_S2B, **change))
+    assert not driver.seqs, "both requests finish"
+
+
+@on_012
+def test_012_v1_s2b_is_found_from_scratch(adapter):
+    within = st.builds(
+        Shape,
+        block_size=st.just(2), swa_block_size=st.just(2), sliding_window=st.none(),
+        extra_blocks=st.sampled_from([0, 2]), prefix_caching=st.just(True),
+        num_spec_tokens=st.just(0), async_scheduling=st.just(True),
+        max_num_batched_tokens=st.sampled_from([8, 16]), max_model_len=st.just(16),
+        full_sequence_must_fit=st.just(False), attention_chunk_size=st.just(2),
+        max_tokens=st.sampled_from([2, 4]),
+    )
+    with pytest.raises(AssertionError) as crash:
+        run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(200))
+    assert crash.traceback[-1].path.name == "block_pool.py", crash
