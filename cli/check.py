@@ -52,7 +52,7 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
-from .shapes import ShapesOutcome, run_v1_shapes, shapes_exit
+from .shapes import SCHEDULER_IMPL, ShapesOutcome, run_v1_shapes, shapes_exit
 from .target import (
     VllmHere,
     check_impl_name,
@@ -279,7 +279,8 @@ def _guarded_shapes(
         return None  # the target already hung or ran away: its scheduler is not run again
     try:
         with guard.armed():
-            return run_v1_shapes(args, impl, here, focus, guard=guard)
+            known = known_for(args, SCHEDULER_IMPL, here)
+            return run_v1_shapes(args, impl, here, focus, guard=guard, known=known)
     except GuardTripped as trip:
         out.print(f"[bold red]scheduler shapes: {escape(trip.message)}[/]", soft_wrap=True)
         return None

@@ -26,6 +26,7 @@ from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.known import Fingerprint, KnownFinding, which_known
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
 from rich.markup import escape
@@ -52,6 +53,7 @@ class ShapesOutcome:
     rejected: list[str] = attrs.Factory(list)
     # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
     differential: DiffCounts = attrs.Factory(DiffCounts)
+    known: KnownFinding | None = None  # the known finding (testing/known_findings.toml) it is
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
@@ -165,6 +167,8 @@ def print_shapes(o: ShapesOutcome) -> None:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
     if o.error:
         out.print(f"  {escape(o.error)}")
+    if o.known is not None:
+        out.print(f"  known finding {o.known.id} (FINDINGS.md): {escape(o.known.title)}")
     if o.status in ("violated", "error"):
         if o.shape is not None:
             out.print(f"shape: {escape(o.shape.describe())}")
@@ -257,15 +261,36 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "trace": [s.to_json() for s in o.trace],
         "shape": attrs.asdict(o.shape) if o.shape is not None else None,
         "error": o.error,
+        "known": o.known.id if o.known is not None else None,
     }
 
 
+SCHEDULER_IMPL = "v1-scheduler"  # the scheduler target's name in known findings (``impl``)
+
+
+def label_known(o: ShapesOutcome, known: list[KnownFinding]) -> KnownFinding | None:
+    """The known finding a violation of the shapes run is (its fingerprint: the first
+    violation's invariant after the trace's last operation), if any."""
+    if o.status != "violated" or not o.violations:
+        return None
+    fp = Fingerprint(o.violations[0].invariant, o.trace[-1].op if o.trace else "teardown")
+    message = "\n".join(str(v) for v in o.violations)
+    return which_known(known, fp, message, None, {s.op for s in o.trace})
+
+
 def run_v1_shapes(
-    args: Any, impl: str, here: Any, focus: tuple[str, ...] | None, guard: Any = None
+    args: Any,
+    impl: str,
+    here: Any,
+    focus: tuple[str, ...] | None,
+    guard: Any = None,
+    known: list[KnownFinding] | None = None,
 ) -> ShapesOutcome | None:
     """The scheduler-shapes run of ``kvspec check``: on a V1 target checked as ``v1`` (the
     default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply.
-    ``guard`` (``testing.guard.Guard``, armed by the caller) limits every scheduler call."""
+    ``guard`` (``testing.guard.Guard``, armed by the caller) limits every scheduler call;
+    ``known``: the known findings that concern the scheduler target (``SCHEDULER_IMPL``), by
+    which a violation is labelled."""
     if here is None or impl != "v1" or getattr(args, "no_shapes", False):
         return None
     try:
@@ -283,6 +308,7 @@ def run_v1_shapes(
         seed=args.seed,
         focus=focus,
     )
+    o.known = label_known(o, known or [])
     print_shapes(o)
     return o
 

@@ -118,6 +118,20 @@ class ChunkDropsItsStart(ReferenceScheduler):
         return min(first + group.block_size, req.computed - req.in_flight)
 
 
+class WaitsForAFullBatch(ReferenceScheduler):
+    """Token budget: with nothing running, admits waiting requests only once their prompts
+    fill the step's budget (a batch-forming delay).  Every state it reaches is sound; but with
+    no new arrivals the last requests never fill it, and wait forever: only ``progress`` sees
+    it."""
+
+    name = "waits-for-a-full-batch"
+
+    def _full(self) -> bool:
+        waiting = sum(len(self.reqs[s].tokens) for s in self.waiting)
+        forming = not self.running and waiting < self.shape.max_num_batched_tokens
+        return super()._full() or (self.shape.budget_bound and forming)
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -142,6 +156,9 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     ),
     ChunkDropsItsStart.name: BrokenScheduler(
         ChunkDropsItsStart, "hybrid-chunked-local", frozenset({"kv-readback"})
+    ),
+    WaitsForAFullBatch.name: BrokenScheduler(
+        WaitsForAFullBatch, "budget-chunked", frozenset({"progress"})
     ),
 }
 

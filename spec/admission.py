@@ -20,6 +20,7 @@ is picked; eviction order among unreferenced cached blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -247,6 +248,38 @@ def progress_bound(tokens_per_request: Sequence[int], chunk: int) -> int:
     return sum(-(-n // chunk) + 2 for n in tokens_per_request) + 1
 
 
+class AttendingGroup(Protocol):
+    """What the capacity reasoning reads of a KV-cache group (spec/groups.py ``GroupSpec``)."""
+
+    block_size: int
+
+    def first_attended(self, position: int) -> int: ...
+
+
+def least_blocks_alone(
+    groups: Sequence[AttendingGroup], length: int, lookahead: int, in_flight: int
+) -> int:
+    """The fewest blocks, over every KV-cache group of one pool, that a request growing to
+    ``length`` tokens must hold at once to run to its end alone, whatever the scheduler plans.
+
+    A scheduler picks each step's token count up to its budget, drafts included (they are
+    optional); the fewest blocks are held when every step computes one position and verifies
+    no draft (a local group then keeps only that position's window).  The step at position p
+    (every p below ``length - 1``: the last token is sampled, not computed) holds in each group
+    the slots from the first position attended from ``p - in_flight`` (the steps still in
+    flight read from there) through p, and the ``lookahead`` slots reserved beyond it (EAGLE's,
+    which the target reserves on every step).  A request over this many blocks cannot finish in
+    the pool under any schedule; one within it can, so a scheduler that never finishes it is
+    not live (``progress``).
+    """
+    peak = 0
+    for p in range(max(1, length - 1)):
+        first = max(0, p - in_flight)
+        held = sum(blocks_touched(g.first_attended(first), p + lookahead, g.block_size) for g in groups)
+        peak = max(peak, held)
+    return peak
+
+
 # ---------------------------------------------------------------- what the checks are given
 
 
@@ -303,3 +336,5 @@ class ProgressFacts:
     repeated: bool = False  # the loop came back to an earlier state with nothing finished
     unfinished: tuple[int, ...] = ()
     refused_when_empty: tuple[tuple[int, int], ...] = ()
+    # (seq, blocks it holds alone at least): preempted while no other request held a block
+    preempted_alone: tuple[tuple[int, int], ...] = ()

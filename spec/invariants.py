@@ -490,12 +490,21 @@ def progress(facts: ProgressFacts) -> Iterator[str]:
     fits an empty pool is admitted once the pool is empty.
 
     A request that cannot fit an empty pool even alone (NEVER) is dropped, as vLLM ignores it.
+    A scheduler-driven target plans its own steps: there the requests in scope are those that
+    can run to their end alone in the pool (``least_blocks_alone``), and the bound's premise is
+    that the oldest running request is preempted for nobody, itself included, once it is the
+    only one holding blocks.
     """
     f = facts
     for seq, held_alone in f.refused_when_empty:
         yield (
             f"seq {seq} was refused while no sequence held a block, although alone it holds "
             f"{held_alone} block(s) of {f.num_blocks}"
+        )
+    for seq, held_alone in f.preempted_alone:
+        yield (
+            f"seq {seq} was preempted while no other sequence held a block, although it can run "
+            f"to its end alone holding {held_alone} block(s) of {f.num_blocks}"
         )
     if f.unfinished and f.repeated:
         yield (

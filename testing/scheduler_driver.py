@@ -97,6 +97,7 @@ class SchedulerDriver:
         self.async_depth = async_depth  # steps whose output is still in flight after a step
         self.log = log or (lambda _m: None)
         self.seqs: dict[int, SeqModel] = {}
+        self.max_tokens: dict[int, int] = {}  # a request's sampled tokens at most (its arrival's)
         self.memory: dict = {}
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
@@ -125,6 +126,7 @@ class SchedulerDriver:
         self.seqs[seq_id] = SeqModel(
             seq_id, tokens, status=Status.WAITING, prompt_len=len(tokens), extra=extra
         )
+        self.max_tokens[seq_id] = max_tokens
         args: dict[str, Any] = {"seq": seq_id, "tokens": list(tokens), "max_tokens": max_tokens}
         if extra:
             args["extra"] = extra.to_json()
@@ -139,8 +141,9 @@ class SchedulerDriver:
         self._observe()
 
     @_marks_crash
-    def step(self, accept: bytes, tokens: bytes) -> None:
-        """One engine iteration: schedule, execute, and hand back the output that is due."""
+    def step(self, accept: bytes, tokens: bytes) -> Any:
+        """One engine iteration: schedule, execute, and hand back the output that is due; the
+        step's plan."""
         prior = self.state
         plan = self.target.schedule()
         for seq_id in plan.preempted:
@@ -166,6 +169,7 @@ class SchedulerDriver:
         )
         while len(self.in_flight) > self.async_depth:
             self._update(*self.in_flight.popleft())
+        return plan
 
     @_marks_crash
     def drain(self) -> None:

@@ -3,9 +3,11 @@
 Rules: requests arrive (prompts drawn from earlier ones, so prefixes are shared), the engine
 iterates (schedule, execute, output; under async scheduling the output of a step comes back
 after the next step is planned), requests are aborted.  Every invariant is checked per
-KV-cache group and over the shared pool after every rule; teardown aborts everything, drains
-the outputs in flight and checks ``no-leak``.  The shape of each example (hybrid groups,
-async, speculative decoding, token budget, startup-minimum pool) is drawn by ``shapes``.
+KV-cache group and over the shared pool after every rule.  Teardown stops the arrivals and
+steps the target until every request finishes (``progress``, testing/scheduler_progress.py),
+then aborts what is left, drains the outputs in flight and checks ``no-leak``.  The shape of
+each example (hybrid groups, async, speculative decoding, token budget, startup-minimum pool)
+is drawn by ``shapes``.
 
 With ``differential`` set, the reference scheduler (reference/scheduler.py) runs in lockstep
 (``SchedulerLockstep``): the same arrivals, aborts and worker outputs, the same pool size and
@@ -30,6 +32,7 @@ Either way the run counts the steps compared and why comparisons ended (``DiffCo
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,6 +50,7 @@ from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
 from .driver import SpecViolation
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
+from .scheduler_progress import drain
 from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
 
 
@@ -424,10 +428,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.driver is None or self.d.operations == self.checked_at:
             return
         self.checked_at = self.d.operations
+        self._raise(self._checks())
+
+    def _checks(self) -> list[Violation]:
+        """Every invariant on the state now, and the differential's mismatches so far."""
         found = self.d.check()
         if self.lockstep is not None:
             found += self.lockstep.compare_states()
-        self._raise(found)
+        return found
 
     def _raise(self, found):
         if self.focus is not None:
@@ -444,4 +452,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.diff_counts.add(self.lockstep)
         if self.failed or self.d.crashed is not None:
             return  # a violation or a crash ended the example: its state is not a finished one
+        # Not when hypothesis is abandoning the example (StopTest, a rejection): no verdict.
+        abandoned = sys.exc_info()[1] is not None
+        if not abandoned and (self.focus is None or "progress" in self.focus):
+            # progress: with no new arrivals, the target's own loop finishes every request.
+            self._raise(drain(self.d, self._checks))
         self._raise(self.d.finish())

@@ -74,3 +74,36 @@ def test_scheduler_implementations_are_in_the_one_table():
         assert impl.factory is BROKEN_SCHEDULERS[name].cls and impl.shape in SHAPE_TAGS
     with pytest.raises(UnknownImplementation):
         lookup_scheduler("no-such-scheduler")
+
+
+def test_only_progress_sees_a_scheduler_that_waits_forever():
+    """``waits-for-a-full-batch`` reaches only sound states: with ``progress`` left out of the
+    watched invariants (the drain is not run) its shape passes."""
+    from kvspec.spec.invariants import INVARIANTS
+
+    variant = BROKEN_SCHEDULERS["waits-for-a-full-batch"]
+    within = shapes().filter(lambda s: variant.shape in s.tags())
+    others = frozenset(INVARIANTS) - {"progress"}
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(variant.cls, within, focus=others), settings=_settings(EXAMPLES // 2)
+    )
+
+
+def test_a_stalled_request_of_0_33_is_labelled_c3():
+    """``kvspec check`` labels a shapes-run violation by the shipped known findings of the
+    scheduler target: a lone request preempted at the startup minimum on 0.33.0 is C3."""
+    from kvspec.cli.shapes import SCHEDULER_IMPL, ShapesOutcome, label_known
+    from kvspec.spec.invariants import Violation
+    from kvspec.testing.driver import TraceStep
+    from kvspec.testing.known import SHIPPED, load_known
+
+    o = ShapesOutcome(
+        "violated",
+        ShapeCounts(),
+        violations=[Violation("progress", "seq 0 was preempted while no other sequence held a block, ...")],
+        trace=[TraceStep("arrive", {"seq": 0}), TraceStep("step", {})],
+    )
+    known = load_known([SHIPPED])
+    found = label_known(o, [k for k in known if k.concerns(SCHEDULER_IMPL, "0.33.0")])
+    assert found is not None and found.id == "C3"
+    assert label_known(o, [k for k in known if k.concerns(SCHEDULER_IMPL, "0.12.0")]) is None

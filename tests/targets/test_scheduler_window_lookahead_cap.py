@@ -64,3 +64,43 @@ def test_c3_runs_with_one_block_more_or_lookahead_within_the_block(change):
     the window group's block size (EAGLE with 1 draft; ngram drafts reserve no lookahead)."""
     target, _ = _run(attrs.evolve(C3, **change))
     assert not target.live(0)
+
+
+def test_c3_is_found_from_scratch_by_the_scheduler_machine():
+    """The scheduler machine's ``progress`` drain (testing/scheduler_progress.py) finds C3 in
+    its neighbourhood (B=2 full attention + a window group of 1-token blocks, EAGLE drafts past
+    the block, the startup minimum) within the CI budget, and ``kvspec check`` labels it C3."""
+    from hypothesis import settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import run_state_machine_as_test
+    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.known import SHIPPED, fingerprint, load_known, message_of, which_known
+    from kvspec.testing.scheduler_machine import SchedulerMachine
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    within = st.builds(
+        Shape,
+        block_size=st.just(2),
+        swa_block_size=st.just(1),
+        sliding_window=st.integers(1, 2),
+        extra_blocks=st.just(0),
+        prefix_caching=st.just(False),
+        num_spec_tokens=st.sampled_from([2, 3]),
+        async_scheduling=st.just(False),
+        max_num_batched_tokens=st.sampled_from([4, 14]),
+        max_model_len=st.just(16),
+        full_sequence_must_fit=st.booleans(),
+        max_tokens=st.just(8),
+        eagle=st.just(True),
+    )
+    with pytest.raises(SpecViolation) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(VLLMV1SchedulerAdapter, within),
+            settings=settings(settings(), max_examples=60, report_multiple_bugs=False, deadline=None),
+        )
+    assert {v.invariant for v in caught.value.violations} == {"progress"}, caught.value
+    known = [k for k in load_known([SHIPPED]) if k.concerns("v1-scheduler", "0.33.0")]
+    ops = {s.op for s in caught.value.trace}
+    label = which_known(known, fingerprint(caught.value), message_of(caught.value), None, ops)
+    assert label is not None and label.id == "C3", caught.value

@@ -1,0 +1,113 @@
+"""``progress`` for a scheduler-driven target: its own loop with no new arrivals, at the end of
+an example.
+
+The target is the scheduler (testing/scheduler_driver.py), so the drain does not play one
+(testing/progress.py does, for a block manager): it stops the arrivals and aborts, and steps
+the engine with the worker's default outputs (every draft rejected, the smallest progress a
+decode step makes) until every request has finished or the bound is spent.  In scope is every
+live request that could run alone in the pool under some schedule
+(``spec.admission.least_blocks_alone``); one that could not is aborted first, as vLLM's startup
+check would refuse a pool too small for it (and it might otherwise hold blocks another needs).
+
+The bound, ``bound_of``: with FCFS and recompute preemption of the newest running request
+(0.33.0 vllm/v1/core/sched/scheduler.py:929-980, ``self.running.pop()`` from the part of
+``running`` not yet visited), the request at the head of ``running`` is never preempted but by
+itself, which it is only when it cannot fit alone; when ``running`` is empty the head of
+``waiting`` is admitted, if it fits an empty pool.  So every step either computes at least one
+position of the head request (a prefill chunk is at least one token, a decode step samples one
+token even with every draft rejected), or admits it.  A request computes at most
+``prompt + max_tokens - 1`` positions from the step it becomes the head (from scratch if it was
+preempted before: preemptions ahead of that cost nothing), plus one step for its admission and,
+under async scheduling, ``async_depth`` steps whose output is still in flight (its last token
+already planned, vLLM gives it no step; 0.33.0 scheduler.py:802-816).  Summed over the requests,
+with ``async_depth + 1`` more for the outputs in flight when the drain starts.
+
+The bound rests on the head never being preempted while it fits alone: a step that preempts a
+request no other request held a block beside is reported there (``ProgressFacts.preempted_alone``;
+it may still finish, recomputing from scratch each time, but no bound on the target's own loop
+holds).  A step that plans nothing, preempts nothing, has no output in flight and leaves the
+observed state as it was, leaves the scheduler where it was: every later step does the same, so
+the drain stops there (``ProgressFacts.repeated``) rather than spending the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvspec.spec.admission import ProgressFacts, least_blocks_alone
+from kvspec.spec.invariants import Violation, progress
+
+if TYPE_CHECKING:
+    from kvspec.spec.groups import HybridState
+
+    from .scheduler_driver import SchedulerDriver
+
+DEFAULT_OUTPUT = bytes(4)  # the step rule's accept and token bytes: no draft accepted, token 0
+
+
+def least_blocks_of(driver: SchedulerDriver, seq: int) -> int:
+    """``least_blocks_alone`` of one live request of the driver's target (one token per step,
+    so ``async_depth`` tokens in flight)."""
+    length = driver.seqs[seq].prompt_len + driver.max_tokens[seq]
+    target = driver.target
+    return least_blocks_alone(target.group_specs, length, target.num_lookahead_tokens, driver.async_depth)
+
+
+def bound_of(driver: SchedulerDriver) -> int:
+    """Steps within which every live request finishes (the module's docstring says why)."""
+    depth = driver.async_depth
+    return sum(driver.seqs[s].prompt_len + driver.max_tokens[s] + 1 + depth for s in live(driver)) + depth + 1
+
+
+def live(driver: SchedulerDriver) -> list[int]:
+    """The requests the target has not finished.  The driver's own list may keep one a stale
+    output finished after its preemption (async scheduling delivers the tokens of a step
+    planned before it, 0.33.0 scheduler.py:1824-1835): the worker saw it preempted, not done."""
+    return sorted(s for s in driver.seqs if driver.target.live(s))
+
+
+def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list[Violation]:
+    """Step the target with no new arrivals until every request finished or the bound is spent;
+    the violations found: those ``check`` (every invariant, after every step) reports, else
+    ``progress``'s."""
+    num_blocks = len(driver.state.pool.ids)
+    for seq in live(driver):
+        need = least_blocks_of(driver, seq)
+        if need > num_blocks:
+            driver.log(f"progress: seq {seq} needs {need} of {num_blocks} blocks even alone; aborted")
+            driver.abort(seq)
+    found = check()
+    if found or not live(driver):
+        return found
+    bound = bound_of(driver)
+    steps = 0
+    repeated = False
+    alone: list[tuple[int, int]] = []
+    while live(driver) and steps < bound and not alone:
+        before = driver.state
+        holders = _holders(before)
+        plan = driver.step(DEFAULT_OUTPUT, DEFAULT_OUTPUT)
+        steps += 1
+        found = check()
+        if found:
+            return found
+        alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s}]
+        idle = not plan.scheduled and not plan.preempted
+        if idle and driver.state == before and all(not p.scheduled for p, _, _ in driver.in_flight):
+            repeated = True
+            break
+    facts = ProgressFacts(
+        iterations=steps,
+        bound=bound,
+        num_blocks=num_blocks,
+        repeated=repeated,
+        unfinished=() if alone else tuple(live(driver)),  # stopped at the broken premise
+        preempted_alone=tuple(alone),
+    )
+    return progress(facts)
+
+
+def _holders(state: HybridState) -> set[int]:
+    """The requests holding a block in some group."""
+    return {s for g in state.groups for s, t in g.tables.items() if any(b is not None for b in t.slots)}
