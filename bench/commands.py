@@ -200,6 +200,8 @@ TTC_SCHEDULER_FINDINGS: dict[str, tuple[str, str, str, str, list[str]]] = {
                "v1@0.9.1", "v1-scheduler", "v1-s4a", []),
     "V1-S2a": ("V1-S2a: 0.12.0 AsyncScheduler + EAGLE frees window blocks still read",
                "v1@0.12.0", "v1-scheduler", "v1-s2a", []),
+    "C3": ("C3: 0.33.0 Scheduler, window + EAGLE lookahead past the admission cap: a lone request stalls",
+           "v1@0.33.0", "v1-scheduler", "c3", []),
 }
 
 

@@ -399,7 +399,9 @@ def _scheduler_shapes(key: str):
     shape, as tests/test_scheduler_shapes.py draws it), ``any``, or a finding's shapes as its
     pinned test in tests/targets/test_scheduler_v1.py draws them (V1-S4a: prefix caching and a
     window no longer than its group's block, in the shapes 0.9.1 has; V1-S2a: async
-    scheduling with EAGLE drafts and a sliding window, no caching)."""
+    scheduling with EAGLE drafts and a sliding window, no caching; C3, as
+    tests/targets/test_scheduler_window_lookahead_cap.py draws it: a window of 1-token blocks
+    beside B=2, EAGLE drafts past the block, the startup minimum)."""
     from hypothesis import strategies as st
     from kvspec.spec.groups import Shape
     from kvspec.testing.scheduler_machine import shapes
@@ -422,6 +424,14 @@ def _scheduler_shapes(key: str):
             async_scheduling=st.just(True), max_num_batched_tokens=st.just(16),
             max_model_len=st.just(16), full_sequence_must_fit=st.just(False),
             max_tokens=st.sampled_from([4, 8]), eagle=st.just(True))
+    if key == "c3":
+        return st.builds(
+            Shape, block_size=st.just(2), swa_block_size=st.just(1),
+            sliding_window=st.integers(1, 2), extra_blocks=st.just(0),
+            prefix_caching=st.just(False), num_spec_tokens=st.sampled_from([2, 3]),
+            async_scheduling=st.just(False), max_num_batched_tokens=st.sampled_from([4, 14]),
+            max_model_len=st.just(16), full_sequence_must_fit=st.booleans(),
+            max_tokens=st.just(8), eagle=st.just(True))
     raise SystemExit(f"unknown scheduler shape set {key!r}")
 
 
