@@ -43,6 +43,12 @@ budget          ``SchedulerConfig.max_num_batched_tokens`` below ``max_model_len
                 scheduler chunks long prompts by the token budget (scheduler.py:719);
                 ``scheduler_reserve_full_isl`` (0.33: scheduler.py:426, 1449; absent in
                 0.12.0 and before) on and off.
+Mamba           a full-attention group and a ``MambaSpec`` group (Jamba, Granite-4, Qwen3-Next):
+                ``MambaManager`` (single_type_kv_cache_manager.py:1428-2137) in
+                ``mamba_cache_mode`` "align" with prefix caching (Mamba block = the block size)
+                and "none" without (Mamba block = ``max_model_len``, the scheduler's block size
+                the groups' least common multiple, kv_cache_utils.py:860-863); no drafts beside
+                it.  0.33.0 only (``_mamba_supported``).
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
@@ -186,7 +192,11 @@ class VLLMV1SchedulerAdapter:
         so_mod = importlib.import_module("vllm.v1.structured_output")
 
         groups = shape.groups()
-        B = shape.block_size
+        if shape.mamba:
+            self._mamba_supported(v)
+        # The scheduling granularity: the groups' least common multiple (one Mamba state block
+        # per request spans the whole context in "none" mode).
+        B = shape.scheduler_block_size
         if any(B % g.block_size for g in groups):
             raise ConfigError(f"group block sizes must divide the scheduler's block size {B}")
         self.hash_block_size = math.gcd(*(g.block_size for g in groups))
@@ -259,7 +269,7 @@ class VLLMV1SchedulerAdapter:
         self.event_hash_formats = self.cache_view.event_hash_formats
         self.group_specs = groups
         self.config = Config(
-            block_size=B,
+            block_size=shape.block_size,
             num_blocks=pool_blocks,
             sliding_window=None,
             prefix_caching=shape.prefix_caching,
@@ -321,7 +331,13 @@ class VLLMV1SchedulerAdapter:
             ),
         )
         cache_config = c.CacheConfig(
-            block_size=shape.block_size, enable_prefix_caching=shape.prefix_caching
+            block_size=shape.block_size,
+            enable_prefix_caching=shape.prefix_caching,
+            **(
+                {"mamba_cache_mode": shape.mamba_cache_mode, "mamba_block_size": shape.mamba_block}
+                if shape.mamba
+                else {}
+            ),
         )
         speculative_config = None
         if shape.num_spec_tokens and shape.eagle:
@@ -387,7 +403,32 @@ class VLLMV1SchedulerAdapter:
                 **common,
             )
             out.append((LAYER_SWA, chunked))
+        if shape.mamba:
+            # A one-number state (vLLM's own test recipe, tests/v1/core/test_scheduler.py
+            # ``_create_hybrid_mamba_connector_scheduler``): the scheduler reads only the block
+            # size, the cache mode and the speculative block count (none here).
+            mamba = _build(
+                kci.MambaSpec,
+                block_size=shape.mamba_block,
+                shapes=((1, 1),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode=shape.mamba_cache_mode,
+                num_speculative_blocks=0,
+            )
+            out.append((LAYER_SWA, mamba))
         return out
+
+    @staticmethod
+    def _mamba_supported(v: Any) -> None:
+        """Refuse a Mamba shape on a release whose ``MambaManager`` kvspec has not read: the
+        state-group rules (spec/groups.py ``state_faults``) cite 0.33.0's block layout per
+        ``mamba_cache_mode`` (single_type_kv_cache_manager.py:1428-2137)."""
+        spec_cls = getattr(v.kci, "MambaSpec", None)
+        fields = {f.name for f in dataclasses.fields(spec_cls)} if spec_cls is not None else set()
+        if "mamba_cache_mode" not in fields or v.version != "0.33.0":
+            raise ConfigError(
+                f"vLLM {v.version}: Mamba state groups are modelled on 0.33.0's MambaManager only"
+            )
 
     def _count_allocations(self) -> None:
         """Count how often the pool hands each block out (observation only, as in v1.py)."""

@@ -132,6 +132,35 @@ class WaitsForAFullBatch(ReferenceScheduler):
         return super()._full() or (self.shape.budget_bound and forming)
 
 
+class StatePerPosition(ReferenceScheduler):
+    """Mamba: the state group takes a block for every block of positions a step computes, as
+    an attention group does, rather than only the block its state ends in.  Safe but
+    wasteful: only the state group's bound (``window-bound``) sees it."""
+
+    name = "state-per-position"
+
+    def _grow(self, req: _Req, end: int) -> None:
+        state = [g for g in self.group_specs if g.state]
+        if state:
+            self.group_specs = tuple(attrs.evolve(g, state_blocks=None) for g in self.group_specs)
+        try:
+            super()._grow(req, end)
+        finally:
+            if state:
+                self.group_specs = self.shape.groups()
+
+
+class StateFreedBeforeRead(ReferenceScheduler):
+    """Mamba: frees the block holding the processed state once the processed count reaches
+    its block's end, before the next step has read the state from it."""
+
+    name = "state-freed-before-read"
+
+    def _first_needed(self, req: _Req, group: GroupSpec) -> int:
+        first = super()._first_needed(req, group)
+        return first + 1 if group.state else first
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -159,6 +188,10 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     ),
     WaitsForAFullBatch.name: BrokenScheduler(
         WaitsForAFullBatch, "budget-chunked", frozenset({"progress"})
+    ),
+    StatePerPosition.name: BrokenScheduler(StatePerPosition, "hybrid-mamba", frozenset({"window-bound"})),
+    StateFreedBeforeRead.name: BrokenScheduler(
+        StateFreedBeforeRead, "hybrid-mamba", frozenset({"kv-readback"})
     ),
 }
 

@@ -7,7 +7,8 @@ production shape's checks can fail.  Kept small on purpose: first come first ser
 budget per step, preemption by recompute of the newest running request, draft tokens on
 every decode step, output placeholders under async scheduling, one table per (request,
 group), sliding-window groups dropping the blocks before the window of the worker's
-processed position.  No prefix caching (a hit is the manager's business, and
+processed position, and recurrent-state (Mamba) groups holding the block of the processed
+state and the block each step leaves its state in.  No prefix caching (a hit is the manager's business, and
 reference/manager.py models it): ``Shape.prefix_caching`` is ignored here.
 """
 
@@ -102,8 +103,12 @@ class ReferenceScheduler:
     # ------------------------------------------------------------ sizing
 
     def _minimum(self, shape: Shape) -> int:
-        """One request of max_model_len in every group (no window savings: kept simple)."""
-        return sum(blocks_for_tokens(shape.max_model_len, g.block_size) for g in self.group_specs)
+        """One request of max_model_len in every group (no window savings: kept simple; a
+        state group holds its ``state_blocks``)."""
+        return sum(
+            g.state_blocks if g.state_blocks is not None else blocks_for_tokens(shape.max_model_len, g.block_size)
+            for g in self.group_specs
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -171,13 +176,21 @@ class ReferenceScheduler:
                         self._decref(table[i])
                         table[i] = None
         need = sum(
-            max(0, self._slots_for(req, end, g) - len(t))
+            min(1, max(0, self._slots_for(req, end, g) - len(t)))
+            if g.state
+            else max(0, self._slots_for(req, end, g) - len(t))
             for t, g in zip(req.tables, self.group_specs, strict=True)
         )
         if need > len(self.free):
             raise NoRoom
         for table, group in zip(req.tables, self.group_specs, strict=True):
-            while len(table) < self._slots_for(req, end, group):
+            slots = self._slots_for(req, end, group)
+            if group.state and len(table) < slots:
+                # A state group holds the block of the state the step leaves, not one per
+                # block of positions: the slots between are null (vLLM's "align" mode).
+                table.extend([None] * (slots - 1 - len(table)))
+                table.append(self._allocate())
+            while len(table) < slots:
                 table.append(self._allocate())
 
     # ------------------------------------------------------------ a step
@@ -251,6 +264,8 @@ class ReferenceScheduler:
         in_flight = (2 if self.shape.async_scheduling else 1) * self.shape.max_num_batched_tokens
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
+        if group.state_blocks is not None:
+            return min(blocks, group.state_blocks)
         if group.sliding_window is not None:
             span = min(group.sliding_window - 1 + in_flight, length)
             return min(blocks, blocks_for_tokens(span, group.block_size) + 1)

@@ -34,6 +34,7 @@ No new invariant ID: the groups change the world the invariants look at, not the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,7 +43,7 @@ import attrs
 from .config import Config
 from .events import CacheEvent
 from .invariants import INVARIANTS, Violation, check_world
-from .kv_memory import readback_faults
+from .kv_memory import STATE_SLOT, readback_faults, state_of, state_readback_faults
 from .prefix_hash import PrefixKey
 from .state import Device, KVState, PoolView, SeqModel, Status, TableView, World
 from .window import blocks_for_tokens, blocks_touched, first_needed_position
@@ -55,26 +56,42 @@ POOL_INVARIANTS = ("refcount-exact", "conservation", "no-leak")
 class GroupSpec:
     """One KV-cache group: the layers of one attention kind.
 
-    name            a label for reports ("full", "swa", "chunked").
+    name            a label for reports ("full", "swa", "chunked", "mamba").
     block_size      tokens per block of this group (a divisor of the scheduler's block size).
     sliding_window  W of the group's sliding-window layers; None for full attention.
     attention_chunk_size  C of the group's chunked-local layers; None otherwise.
+    state_blocks    a recurrent-state (Mamba) group: the real blocks a request holds at most
+                    between two steps (``state_faults``); None for an attention group.
     """
 
     name: str
     block_size: int
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    state_blocks: int | None = None
 
     @property
     def local(self) -> bool:
         """Whether the group's layers attend less than the whole prefix (blocks die)."""
-        return self.sliding_window is not None or self.attention_chunk_size is not None
+        return (
+            self.sliding_window is not None
+            or self.attention_chunk_size is not None
+            or self.state_blocks is not None
+        )
+
+    @property
+    def state(self) -> bool:
+        """A recurrent-state group: a block holds one state, not one KV per position."""
+        return self.state_blocks is not None
 
     def first_attended(self, position: int) -> int:
-        """The first position the token at ``position`` attends in this group's layers."""
+        """The first position the token at ``position`` attends in this group's layers (a
+        state group reads the state after ``position`` tokens, kept in the block of the
+        position before it)."""
         if self.attention_chunk_size is not None:
             return chunk_start(position, self.attention_chunk_size)
+        if self.state_blocks is not None:
+            return max(position - 1, 0)
         return first_needed_position(position, self.sliding_window)
 
 
@@ -89,6 +106,7 @@ SHAPE_TAGS = (
     "hybrid",
     "hybrid-block-sizes",
     "hybrid-chunked-local",
+    "hybrid-mamba",
     "async",
     "spec-decode",
     "spec-decode-eagle",
@@ -124,6 +142,11 @@ class Shape:
     lookahead_hashes  the block hashes cover the token after each block instead (0.33.0's default
                       for EAGLE with prefix caching, ``VllmConfig.num_hash_lookahead_tokens``,
                       config/vllm.py:678-692; the scheduler then drops nothing, scheduler.py:342-345).
+    mamba             a Mamba (recurrent-state) second group (Jamba, Granite-4, Qwen3-Next,
+                      Nemotron-H): ``MambaSpec`` in ``mamba_cache_mode`` "align" with prefix
+                      caching, "none" without (vLLM derives the mode so, 0.33.0
+                      model_executor/models/config.py:760-787), and the Mamba block size vLLM
+                      picks for the mode (``mamba_block``).
     """
 
     block_size: int
@@ -140,14 +163,37 @@ class Shape:
     attention_chunk_size: int | None = None
     eagle: bool = False
     lookahead_hashes: bool = False
+    mamba: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.sliding_window is not None and self.attention_chunk_size is not None:
-            raise ValueError("one second group: a sliding window or a chunked-local one")
+        second = (self.sliding_window is not None, self.attention_chunk_size is not None, self.mamba)
+        if sum(second) > 1:
+            raise ValueError("one second group: a sliding window, a chunked-local or a Mamba one")
 
     @property
     def hybrid(self) -> bool:
-        return self.sliding_window is not None or self.attention_chunk_size is not None
+        return self.sliding_window is not None or self.attention_chunk_size is not None or self.mamba
+
+    @property
+    def mamba_cache_mode(self) -> str | None:
+        """vLLM's ``CacheConfig.mamba_cache_mode`` of a Mamba shape: "align" with prefix caching,
+        "none" without (model_executor/models/config.py:760-787)."""
+        if not self.mamba:
+            return None
+        return "align" if self.prefix_caching else "none"
+
+    @property
+    def mamba_block(self) -> int:
+        """The Mamba group's block size: the scheduler's block size in "align" mode, the whole
+        context in "none" mode (one state block per request; model_executor/models/config.py:
+        778-787)."""
+        return self.block_size if self.prefix_caching else self.max_model_len
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """The scheduling granularity: the least common multiple of the groups' block sizes
+        (0.33.0 kv_cache_utils.py:860-863)."""
+        return math.lcm(*(g.block_size for g in self.groups()))
 
     @property
     def budget_bound(self) -> bool:
@@ -161,6 +207,13 @@ class Shape:
         full = GroupSpec("full", self.block_size)
         if self.attention_chunk_size is not None:
             return (full, GroupSpec("chunked", self.swa_block_size, None, self.attention_chunk_size))
+        if self.mamba:
+            # One state block per request in "none" mode; in "align" mode the block the next
+            # step reads and the block it writes (MambaSpec.max_memory_usage_bytes, 0.33.0
+            # kv_cache_interface.py:1135-1141; no speculative or prefill-checkpoint blocks
+            # here), and under async scheduling the block the step in flight writes.
+            held = 1 + self.prefix_caching * (1 + self.async_scheduling)
+            return (full, GroupSpec("mamba", self.mamba_block, state_blocks=held))
         if self.sliding_window is None:
             return (full,)
         return (full, GroupSpec("swa", self.swa_block_size, self.sliding_window))
@@ -173,6 +226,8 @@ class Shape:
                 out.append("hybrid-block-sizes")
             if self.attention_chunk_size is not None:
                 out.append("hybrid-chunked-local")
+            if self.mamba:
+                out.append("hybrid-mamba")
         if self.async_scheduling:
             out.append("async")
         if self.num_spec_tokens:
@@ -190,6 +245,8 @@ class Shape:
         parts = [f"B={self.block_size}"]
         if self.attention_chunk_size is not None:
             parts.append(f"hybrid(chunked C={self.attention_chunk_size} B={self.swa_block_size})")
+        elif self.mamba:
+            parts.append(f"hybrid(mamba {self.mamba_cache_mode} B={self.mamba_block})")
         elif self.hybrid:
             parts.append(f"hybrid(swa W={self.sliding_window} B={self.swa_block_size})")
         parts.append(f"N=startup-min+{self.extra_blocks}")
@@ -329,6 +386,11 @@ def check_hybrid(
             # The group's config has no sliding window, so check_world read every position
             # back (full attention); its chunk is what its layers attend.
             found = [v for v in found if v.invariant != "kv-readback"] + list(chunk_faults(world, chunk))
+        if g.spec.state:
+            # A state block holds one state, not a KV per position: the per-position readings
+            # of kv-readback and prefix-cache-consistency are the state group's own.
+            per_position = ("kv-readback", "prefix-cache-consistency")
+            found = [v for v in found if v.invariant not in per_position] + list(state_faults(world, g.spec))
         for v in found:
             out.append(Violation(v.invariant, f"group {g.spec.name}: {v.message}"))
     return out
@@ -372,4 +434,63 @@ def chunk_faults(world: World, chunk: int) -> Iterator[Violation]:
                 "window-bound",
                 f"seq {sid} holds {held} blocks but a step over positions {start}..{last} "
                 f"with attention chunk {chunk} needs at most {bound} (block size {B})",
+            )
+
+
+def state_faults(world: World, spec: GroupSpec) -> Iterator[Violation]:
+    """A recurrent-state (Mamba) group's ``kv-readback``, ``prefix-cache-consistency`` and
+    ``window-bound``.
+
+    A Mamba layer keeps one state per request, not a KV per position: the token at position p
+    reads the state after exactly p tokens (``kv_memory.state_block``).  vLLM's ``MambaManager``
+    (0.33.0 vllm/v1/core/single_type_kv_cache_manager.py:1428-2137) frees every block before
+    the processed count's (``get_num_skipped_tokens`` is ``num_computed_tokens - 1``, :1971-1976).
+
+    kv-readback   a running sequence's state block holds the state after exactly its computed
+                  tokens.
+    prefix-cache-consistency  a block cached under a key holds the state after exactly the
+                  key's chain ("align" mode caches a block's state at its boundary,
+                  ``cache_blocks`` :1978-2023; the scheduler ends prefill chunks there,
+                  sched/scheduler.py:604-613), and a block a lookup can hand out has it written.
+    window-bound  a request holds at most ``spec.state_blocks`` real blocks: one in "none" mode
+                  (the state block spans the context); two in "align" mode, the block the next
+                  step reads and the block it writes, the older ones nulled
+                  (``remove_skipped_blocks`` :1629-1657, ``allocate_new_blocks`` :1846-1856).
+                  vLLM sizes the pool by that count (``MambaSpec.max_memory_usage_bytes``,
+                  kv_cache_interface.py:1135-1141).  Freedom: one more under async scheduling
+                  (``Shape.groups``): step t+1 is planned, and its block taken, before step t's
+                  output comes back, and vLLM frees the block step t reads only by the processed
+                  count (kv_cache_manager.py:561-568; ``remove_skipped_blocks`` :1640-1657).
+    """
+    B = world.config.block_size
+    bound = spec.state_blocks
+    assert bound is not None
+    for sid, table in world.state.tables.items():
+        seq = world.seqs.get(sid)
+        if seq is None or seq.status is not Status.RUNNING or table.device is not Device.GPU:
+            continue
+        for message in state_readback_faults(table, seq, B, world.memory):
+            yield Violation("kv-readback", message)
+        held = len(table.held())
+        if held > bound:
+            yield Violation(
+                "window-bound",
+                f"seq {sid} holds {held} state blocks, at most {bound} in this state group "
+                f"(block size {B})",
+            )
+    pool = world.state.gpu
+    for key, block in pool.cached:
+        got = world.memory.get((Device.GPU, block, STATE_SLOT))
+        want = state_of(key.chain)
+        if got is not None and got != want:
+            yield Violation(
+                "prefix-cache-consistency",
+                f"state block {block} is cached as the state after {want[0]} tokens but holds "
+                f"the state after {got[0]} tokens (or another chain)",
+            )
+        elif got is None and block in pool.computed:
+            yield Violation(
+                "prefix-cache-consistency",
+                f"state block {block} can be handed out as a cache hit for {want[0]} tokens but "
+                "holds no state",
             )

@@ -14,7 +14,7 @@ invariants cannot see wrong sharing, a missed copy-on-write or a wrong eviction;
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -311,3 +311,102 @@ def readback_faults(
                 f"seq {seq.seq_id}: position {pos} reads {shown} from block {cell[1]} "
                 f"slot {cell[2]}, expected its own token {seq.tokens[pos]}"
             )
+
+
+# ---------------------------------------------------------------- recurrent state (Mamba)
+
+STATE_SLOT = 0
+"""The one cell of a state block: a Mamba layer's block holds one state (SSM and conv state
+after some number of tokens), not one KV per position."""
+
+
+def state_of(tokens: Sequence[int]) -> KV:
+    """The recurrent state after exactly ``tokens``: it depends on every token and on how
+    many there are, so it is named by the count and a digest of the chain (a tuple of ints
+    hashes the same in every process)."""
+    return (len(tokens), hash(tuple(tokens)))
+
+
+def state_block(table: TableView, num_tokens: int, block_size: int) -> int | None:
+    """The block holding the state after ``num_tokens`` tokens: slot ``(n - 1) // B`` holds the
+    state after a prefix ending inside its block (vLLM 0.33.0 sched/scheduler.py:604-607,
+    "slot p holds the state after exactly (p + 1) * block_size tokens"); None: no real block."""
+    index = block_of(num_tokens - 1, block_size)
+    if num_tokens < 1 or index >= len(table.slots):
+        return None
+    return table.slots[index]
+
+
+def plan_state_write(
+    state: KVState,
+    seq: SeqModel,
+    end: int,
+    block_size: int,
+    memory: Memory,
+    before: KVState | None = None,
+) -> tuple[list[Write], list[WriteFault]]:
+    """The write of a step that leaves the state after ``end`` tokens, and its faults.
+
+    The state goes into ``state_block(table, end)``.  Rewriting it in place is the rule, not an
+    overwrite: the running state advances in its block until the block is full ("align" mode
+    hands a decode step no new block, single_type_kv_cache_manager.py:1827-1833; "none" mode has
+    one block per request).  A block registered in the prefix cache (before the step and still
+    after it) claims the state after exactly its key's chain, and a shared block is read by
+    its other holders: writing any other state into either is a fault.
+    """
+    table = state.tables.get(seq.seq_id)
+    block = None if table is None else state_block(table, end, block_size)
+    if table is None or block is None:
+        shown = "no block table" if table is None else f"{len(table.slots)} slots"
+        return [], [
+            WriteFault(
+                UNMAPPED,
+                f"seq {seq.seq_id}: the step leaves the state after {end} tokens but slot "
+                f"{(end - 1) // block_size} has no block ({shown})",
+            )
+        ]
+    kv = state_of(seq.tokens[:end])
+    cell = (table.device, block, STATE_SLOT)
+    faults = []
+    key = registered_through(before or state, state, table.device).get(block)
+    claimed = None if key is None else state_of(key.chain)
+    if claimed is not None and claimed != kv:
+        faults.append(
+            WriteFault(
+                CACHED_WRITE,
+                f"seq {seq.seq_id}: writing the state after {end} tokens into block {block}, "
+                f"which the prefix cache holds as the state after {claimed[0]} tokens",
+            )
+        )
+    pool = state.pool(table.device)
+    refcount = pool.refcounts.get(block, 0) if pool is not None else 0
+    if refcount > 1 and memory.get(cell, claimed) != kv:
+        faults.append(
+            WriteFault(
+                SHARED_WRITE,
+                f"seq {seq.seq_id}: writing the state after {end} tokens into block {block}, "
+                f"shared by {refcount} slots",
+            )
+        )
+    return [Write(cell, kv)], faults
+
+
+def state_readback_faults(
+    table: TableView, seq: SeqModel, block_size: int, memory: Memory
+) -> Iterable[str]:
+    """The state the sequence's next token reads: the state after exactly its computed tokens,
+    in ``state_block``."""
+    p = seq.num_computed
+    if p < 1:
+        return
+    block = state_block(table, p, block_size)
+    if block is None:
+        yield f"seq {seq.seq_id}: the state after its {p} computed tokens has no block"
+        return
+    got = memory.get((table.device, block, STATE_SLOT))
+    if got != state_of(seq.tokens[:p]):
+        shown = "nothing written" if got is None else f"the state after {got[0]} tokens"
+        yield (
+            f"seq {seq.seq_id}: block {block} holds {shown}, expected the state after its "
+            f"{p} computed tokens"
+        )

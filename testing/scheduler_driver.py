@@ -25,11 +25,18 @@ from typing import Any, Protocol
 
 import attrs
 from kvspec.spec.config import Config
-from kvspec.spec.groups import GroupSpec, HybridState, check_hybrid, group_state, pool_state
+from kvspec.spec.groups import GroupSpec, GroupState, HybridState, check_hybrid, group_state, pool_state
 from kvspec.spec.invariants import Violation, admission_soundness, immutability
-from kvspec.spec.kv_memory import ended_lifetimes, plan_step_writes
+from kvspec.spec.kv_memory import (
+    Write,
+    WriteFault,
+    ended_lifetimes,
+    plan_state_write,
+    plan_step_writes,
+    state_readback_faults,
+)
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, key_of
-from kvspec.spec.state import Device, SeqModel, Status
+from kvspec.spec.state import Device, KVState, SeqModel, Status
 
 from .driver import TraceStep
 
@@ -302,9 +309,12 @@ class SchedulerDriver:
                     )
                 )
                 continue
-            writes, fs = plan_step_writes(
-                view, seq, start, end, g.spec.block_size, self.memory, before=group_state(before, gi)
-            )
+            if g.spec.state:
+                writes, fs = self._state_step(view, seq, start, end, g, group_state(before, gi))
+            else:
+                writes, fs = plan_step_writes(
+                    view, seq, start, end, g.spec.block_size, self.memory, before=group_state(before, gi)
+                )
             faults.extend(fs)
             for w in writes:
                 self.memory[w.cell] = w.kv
@@ -312,11 +322,24 @@ class SchedulerDriver:
         self.pending.extend(immutability(faults))
         self.pending.extend(admission_soundness(unmapped=faults))
 
+    def _state_step(
+        self, view: KVState, seq: SeqModel, start: int, end: int, g: GroupState, before: KVState
+    ) -> tuple[list[Write], list[WriteFault]]:
+        """A state group's step: it reads the state after ``start`` tokens, then leaves the state
+        after ``end`` (spec/kv_memory.py ``plan_state_write``)."""
+        table = view.tables[seq.seq_id]
+        if start:
+            for message in state_readback_faults(
+                table, attrs.evolve(seq, num_computed=start), g.spec.block_size, self.memory
+            ):
+                self.pending.append(Violation("kv-readback", f"group {g.spec.name}: {message}"))
+        return plan_state_write(view, seq, end, g.spec.block_size, self.memory, before=before)
+
     def _discard(self, seq: SeqModel, positions: range) -> None:
         """A rejected draft's KV is garbage: its cells count as unwritten from now on."""
         for g in self.state.groups:
             table = g.tables.get(seq.seq_id)
-            if table is None:
+            if table is None or g.spec.state:
                 continue
             B = g.spec.block_size
             for pos in positions:

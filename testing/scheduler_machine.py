@@ -79,7 +79,7 @@ def shapes(draw) -> Shape:
         )
     max_model_len = B * draw(st.sampled_from([8, 12, 16]))
     budget = draw(st.one_of(st.just(max_model_len), st.integers(B, max_model_len - 1)))
-    return Shape(
+    shape = Shape(
         block_size=B,
         swa_block_size=swa_B,
         sliding_window=window,
@@ -97,6 +97,20 @@ def shapes(draw) -> Shape:
         eagle=chunk is None and draw(st.booleans()),
         lookahead_hashes=draw(st.booleans()),
     )
+    # A third of the hybrid shapes pair full attention with Mamba layers instead (drawn
+    # last, so the other shapes' draws stay as they were).  Without draft tokens: the worker
+    # model keeps no per-draft states (vLLM's speculative Mamba blocks).
+    if hybrid and draw(st.integers(0, 2)) == 0:
+        shape = attrs.evolve(
+            shape,
+            swa_block_size=B,
+            sliding_window=None,
+            attention_chunk_size=None,
+            num_spec_tokens=0,
+            eagle=False,
+            mamba=True,
+        )
+    return shape
 
 
 TargetFactory = Callable[[Shape], SchedulerTarget]
@@ -386,7 +400,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             reject()
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
-        if self.differential is not None:
+        # Against vLLM, Mamba shapes run no differential: the reference scheduler does not cut
+        # prefill chunks at Mamba blocks' ends as "align" mode does (vllm/v1/core/sched/
+        # scheduler.py ``_mamba_block_aligned_split``), so it is no oracle there.
+        vllm_mamba = shape.mamba and not isinstance(target, ReferenceScheduler)
+        if self.differential is not None and not vllm_mamba:
             reference = reference_beside(target, shape)
             self.lockstep = SchedulerLockstep(target, reference, self.differential, self.known)
             target = self.lockstep
