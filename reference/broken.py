@@ -11,7 +11,7 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import NotAdmitted
 from kvspec.spec.interface import Admission, BlockCopy
-from kvspec.spec.prefix_hash import ExtraKeys
+from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
 from kvspec.spec.window import blocks_for_tokens, window_cover
 
 from .block_table import BlockTable
@@ -80,6 +80,28 @@ class StaleCacheEntry(ReferenceManager):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.gpu = _StalePool(config.num_blocks, config.prefix_caching)
+
+
+class _NullKeyedPool(BlockPool):
+    def _evict(self, block: int) -> None:
+        # The key is parked on an id outside the pool instead of being removed.
+        self.cache[self.key_of.pop(block)] = self.num_blocks
+
+    def lookup(self, key: PrefixKey) -> int | None:
+        block = super().lookup(key)
+        return None if block == self.num_blocks else block
+
+
+class CachesTheNullBlock(ReferenceManager):
+    """Evicting a cached block leaves its key mapped to the null block (an id outside the
+    pool) rather than removing it; such entries never hit here.  vLLM 0.10.1.1-0.12.0 cache
+    the null block itself under a chunked-local group with async scheduling (FINDINGS V1-S2b)."""
+
+    name = "caches-the-null-block"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _NullKeyedPool(config.num_blocks, config.prefix_caching)
 
 
 class _FreeCachedPool(BlockPool):
@@ -372,6 +394,9 @@ BROKEN: dict[str, BrokenVariant] = {
     EagerWindow.name: BrokenVariant(EagerWindow, frozenset({"kv-readback"}), {"window": True}),
     StaleCacheEntry.name: BrokenVariant(
         StaleCacheEntry, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
+    ),
+    CachesTheNullBlock.name: BrokenVariant(
+        CachesTheNullBlock, frozenset({"prefix-cache-consistency"}), {"prefix_caching": True}
     ),
     ReleaseCachedAsFree.name: BrokenVariant(
         ReleaseCachedAsFree, frozenset({"conservation"}), {"prefix_caching": True}

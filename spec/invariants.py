@@ -270,7 +270,9 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     Freedoms: one key may map to several blocks (V1's BlockPool keeps duplicates, NOTE #1 in
     vllm/v1/core/block_pool.py), each holding the key's tokens; a partial last block may be
     cached under its partial chain (legacy BlockSpaceManagerV1) if its first slots hold exactly
-    those; the slots past the key may fill later.
+    those; the slots past the key may fill later.  Every entry names a block of the pool:
+    never the null block (vLLM 0.10.1.1-0.12.0 cache it, FINDINGS V1-S2b; broken variant
+    ``caches-the-null-block``).
 
     Partial keys: a partial entry claims its own tokens only, and that claim is what is checked,
     in every state -- so a superseded partial key left behind when its block is promoted and
@@ -283,7 +285,14 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     """
     block_size = world.config.block_size
     for device, pool in _pools(world.state):
+        pool_blocks = set(pool.ids)
         for key, block in pool.cached:
+            if block not in pool_blocks:
+                # The null block (or an id the pool does not hold): nothing is written there,
+                # so the content checks below cannot see it, yet a lookup would hand it out.
+                yield (f"{device.value} block {block} is cached under a {len(key.chain)}-token "
+                       "key but is not a block of the pool (the null block or an unknown id)")
+                continue
             if not is_well_formed(key, block_size):
                 yield f"{device.value} block {block} is cached under an empty key"
                 continue
