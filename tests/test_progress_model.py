@@ -36,3 +36,19 @@ def test_the_drain_still_catches_a_livelock():
     driver = _two_requests(Livelock)
     found = drain(driver)
     assert [v.invariant for v in found] == ["progress"], found
+
+
+def _drained_steps(num_blocks: int) -> tuple[list, list]:
+    driver = Driver(ReferenceManager(Config(block_size=1, num_blocks=num_blocks)), focus={"progress"})
+    assert driver.admit(0, [0, 0], 2)  # 3 tokens with the sampled one; 4 at its end
+    found = drain(driver)
+    return found, [t for t in driver.trace[1:] if t.op == "step"]
+
+
+def test_a_request_longer_than_the_pool_stores_is_left_out_of_the_drain():
+    """Its end (4 tokens) exceeds N * B = 3, a max_model_len vLLM refuses at startup: not
+    drained, so no progress verdict either way; one block more and it is drained."""
+    found, steps = _drained_steps(3)
+    assert found == [] and steps == [], steps
+    found, steps = _drained_steps(4)
+    assert found == [] and steps, "within N * B the request is drained to its end"
