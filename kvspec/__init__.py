@@ -11,3 +11,10 @@ Layers, each importing only those below it::
 """
 
 __version__ = "0.1.0"
+
+import os as _os
+from pathlib import Path as _Path
+
+# Every process kvspec starts in a target venv imports this checkout's kvspec, not whichever
+# checkout the venv's editable install names (targets/checkout_finder.py).
+_os.environ["KVSPEC_CHECKOUT"] = str(_Path(__file__).resolve().parent.parent)

@@ -166,11 +166,17 @@ def _run(cmd: list[str], progress: Progress, what: str, *, timeout: float, cwd: 
 # ------------------------------------------------------------------------------ kvspec in the venv
 
 
+FINDER_MODULE = "_kvspec_checkout"
+
+
 def kvspec_stamp() -> str:
-    """Which checkout is installed, and with which requirements (a new dependency in
-    pyproject.toml must reach every target venv)."""
+    """Which requirements the installed kvspec was made with (a new dependency in
+    pyproject.toml must reach every target venv) and which checkout finder it carries.  The
+    checkout itself is not part of it: every checkout runs its own code in the venv
+    (``checkout_finder``)."""
     digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
-    return f"{REPO}\npyproject {digest}"
+    finder = hashlib.sha256((REPO / "targets" / "checkout_finder.py").read_bytes()).hexdigest()[:16]
+    return f"pyproject {digest}\nfinder {finder}"
 
 
 def kvspec_is_current(t: Target) -> bool:
@@ -178,9 +184,18 @@ def kvspec_is_current(t: Target) -> bool:
     return marker.exists() and marker.read_text().strip() == kvspec_stamp()
 
 
+def install_finder(t: Target) -> None:
+    """Copy the checkout finder into the venv's site-packages, with the ``.pth`` line that
+    installs it at interpreter start."""
+    site = next(iter(sorted(t.venv.glob("lib/python*/site-packages"))))
+    shutil.copyfile(REPO / "targets" / "checkout_finder.py", site / f"{FINDER_MODULE}.py")
+    (site / f"{FINDER_MODULE}.pth").write_text(f"import {FINDER_MODULE}; {FINDER_MODULE}.install()\n")
+
+
 def install_kvspec(t: Target, progress: Progress) -> bool:
-    """(Re)install this checkout of kvspec into the target venv, editable; whether it did.  uv
-    keeps every installed distribution that satisfies kvspec's requirements as it is."""
+    """Install kvspec's requirements into the target venv (kvspec itself editable from this
+    checkout) and the checkout finder; whether it did.  uv keeps every installed distribution
+    that satisfies kvspec's requirements as it is."""
     if kvspec_is_current(t):
         return False
     progress(f"installing kvspec from {REPO} into {t.venv}")
@@ -190,6 +205,7 @@ def install_kvspec(t: Target, progress: Progress) -> bool:
         "installing kvspec",
         timeout=INSTALL_TIMEOUT_S,
     )
+    install_finder(t)
     (t.venv / "kvspec-source.txt").write_text(kvspec_stamp())
     return True
 
