@@ -285,3 +285,17 @@ def test_a_kept_resolution_is_reused_and_a_stale_one_made_again(tmp_path, monkey
     assert len(compiled) == 1  # same recipe: the kept lock is installed again, not re-resolved
     prov.resolve(t, datetime(2024, 8, 7, tzinfo=UTC), progress=lambda msg: None)
     assert len(compiled) == 2  # another cut-off: made again
+
+
+def test_a_venv_is_byte_compiled_once(tmp_path):
+    # Target processes run with PYTHONDONTWRITEBYTECODE in many CI images: without .pyc files
+    # on disk every one of them compiles vLLM, torch and transformers from source again.
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "probe.py").write_text("VALUE = 1\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    t = Target("0.33.0", "v1", ("v1",), path=tmp_path)
+    assert prov.compile_bytecode(t, lambda _msg: None)
+    assert list((site / "__pycache__").glob("probe.*.pyc"))
+    assert not prov.compile_bytecode(t, lambda _msg: None)
