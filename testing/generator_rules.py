@@ -37,13 +37,13 @@ class Rule:
     on: bool = True
 
 
-SHARED_IDENTIFIERS = Rule("shared-identifiers")
-SPECIAL_TOKENS = Rule("special-tokens")
-BLOCK_RELATIVE = Rule("block-relative")
-POOL_EDGES = Rule("pool-edges")
-PROMPT_EDGES = Rule("prompt-edges")
-SHARED_PREFIXES = Rule("shared-prefixes")
-RULES = (SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES)
+RULES = tuple(
+    Rule(name)
+    for name in (
+        "shared-identifiers", "special-tokens", "block-relative", "pool-edges", "prompt-edges", "shared-prefixes"
+    )
+)
+SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES = RULES
 
 # ------------------------------------------------------------------------------ identifiers
 
