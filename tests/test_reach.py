@@ -163,3 +163,17 @@ def test_legacy_reach_is_the_whole_core_folder(tmp_path):
     assert [p.relative_to(tmp_path).as_posix() for p in block_management_files(tmp_path, "v1")] == [
         "v1/core/block_pool.py"
     ]
+
+
+def test_pr_mode_reads_the_changed_lines_that_ran(tmp_path):
+    from kvspec.cli.pr import base_package, changed_lines_run
+
+    files = [
+        {"name": "core/block_manager_v2.py", "changed": [445, 446, 452], "changed_executed": [445, 446]},
+        {"name": "core/scheduler.py", "changed": [], "changed_executed": []},
+    ]
+    (tmp_path / "summary.json").write_text(json.dumps({"coverage": {"files": files}}))
+    want = {"core/block_manager_v2.py": {"changed": [445, 446, 452], "executed": [445, 446]}}
+    assert changed_lines_run(tmp_path) == want
+    assert changed_lines_run(tmp_path / "absent") is None
+    assert base_package(str(tmp_path), ["--vllm-source", str(tmp_path)]) == tmp_path / "vllm"
