@@ -24,3 +24,16 @@ def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
             if request_id.startswith(prefix):
                 return [b.block_id for b in blocks if not b.is_null]
     return []
+
+
+def cached_block_count(mgr: Any) -> int:
+    """Blocks of the pool that carry a prefix-cache hash (held or evictable)."""
+    pool = mgr.block_pool
+    return sum(1 for b in pool.blocks if b is not pool.null_block and b.block_hash is not None)
+
+
+def renamed(tables: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Block tables with every block id replaced by the order of its first appearance (by
+    sequence, then slot): equal for two managers that differ only in which ids they hand out."""
+    names: dict[int, int] = {}
+    return {s: [names.setdefault(b, len(names)) for b in tables[s]] for s in sorted(tables)}
