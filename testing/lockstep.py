@@ -815,6 +815,8 @@ class LockstepRun:
     rounds: int = 0
     seconds: float = 0.0
     status: str = "compared"  # or "no-examples" / "incomplete: ..."
+    # verdict index -> the golden file BASE wrote for it ({"text", "filename"} or {"error"})
+    goldens: dict[int, dict[str, Any]] = attrs.Factory(dict)
 
     def by_kind(self, kind: Kind) -> list[Verdict]:
         return [v for v in self.verdicts if v.kind is kind]
@@ -835,6 +837,7 @@ def run_lockstep(
     max_verdicts: int = 3,
     limits: Limits | None = None,
     progress: Callable[[str], None] | None = None,
+    golden: bool = True,
 ) -> LockstepRun:
     """Search for differences between HEAD and BASE: rounds of the same search, each stepping
     past the verdicts found before, until a round finds nothing new or ``max_verdicts``."""
@@ -863,6 +866,12 @@ def run_lockstep(
             run.verdicts.append(found)
             if progress is not None:
                 progress(found.headline())
+        if golden:
+            for i, verdict in enumerate(run.verdicts):
+                if verdict.kind is Kind.CHANGE:
+                    title = f"kvspec golden test: {verdict.headline()}, {base.description} against {head.description}"
+                    run.goldens[i] = remotes[1].call("golden", base.impl, verdict.config, list(verdict.trace),
+                                                     title, verdict.index)
     except (Unsatisfiable, FailedHealthCheck) as error:
         run.status = f"incomplete: {type(error).__name__}"
     finally:
