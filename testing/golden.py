@@ -98,6 +98,12 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
         expected["free"] = mgr.block_pool.get_num_free_blocks()
         observed["cached"], expected["cached"] = "cached_block_count(mgr)", v1_harness.cached_block_count(mgr)
         helpers += [v1_harness.cached_block_count, v1_harness.gpu_block_ids, v1_harness.renamed]
+        requests = _named(recorder, "req")
+        if config.prefix_caching and hasattr(mgr.block_pool.free_block_queue, "get_all_free_blocks"):
+            shown = ", ".join(f"{label!r}: {label}" for label in requests)
+            observed["eviction_order"] = f"eviction_order(mgr, {{{shown}}})"
+            expected["eviction_order"] = v1_harness.eviction_order(mgr, requests)
+            helpers.append(v1_harness.eviction_order)
         block_ids = v1_harness.gpu_block_ids
     else:
         observed["free"], expected["free"] = "mgr.get_num_free_gpu_blocks()", mgr.get_num_free_gpu_blocks()
@@ -136,3 +142,13 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
     source += ["    " + ln if ln else "" for ln in body]
     return {"text": "\n".join(source) + "\n", "filename": f"{name}.py", "expected": expected}
 
+
+
+def _named(recorder: Recorder, prefix: str) -> dict[str, Any]:
+    """The objects the file names ``<prefix><n>`` (e.g. every request), by name, in order."""
+    found = {}
+    for obj in recorder._keep:
+        label = recorder.names.get(id(obj), "")
+        if re.fullmatch(rf"{prefix}\d+", label):
+            found[label] = obj
+    return found
