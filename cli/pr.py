@@ -211,7 +211,7 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
     for n, verdict in enumerate(run.verdicts, 1):
         folder = root / f"{n:02d}-{verdict.kind.value.replace(' ', '-')}-{verdict.op}"
         folder.mkdir(parents=True, exist_ok=True)
-        entry: dict[str, Any] = {**verdict.to_json(), "folder": str(folder)}
+        entry: dict[str, Any] = {**verdict.to_json(), "folder": str(folder), "differs": verdict.fingerprint()[2]}
         golden = run.goldens.get(n - 1)
         if golden is not None:
             entry["golden"] = keep_golden(golden, folder, head, base, verify=not args.no_verify)
@@ -232,7 +232,7 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
         "verdicts": entries,
         "rows": [
             {"verdict": e["verdict"].upper() if e["verdict"] == Kind.REGRESSION else e["verdict"],
-             "violation": ", ".join(e["head_violations"] or e["base_violations"]) or e["field"],
+             "violation": f"{e['differs'] or e['field']} in {e['operation']}",
              "replayed": "BASE: holds" if e["verdict"] == Kind.REGRESSION else "",
              "report": e["folder"]}
             for e in entries
