@@ -1,12 +1,14 @@
-"""PR mode (``kvspec check ... --baseline BASE``) and ``kvspec bisect``.
+"""PR mode (``kvspec check ... --baseline BASE``), ``kvspec diff A B`` and ``kvspec bisect``.
 
-PR mode answers the question a pull request's author asks: what does HEAD violate that BASE
-does not?  It runs the same search (same flags, same seed) on HEAD and on BASE, each as its
-own ``kvspec check`` process with its own report folder, then compares the distinct violations
-by fingerprint (invariant, operation, crash site).  A search is a sample: a violation found
-only on HEAD may simply have been missed on BASE.  So each HEAD-only violation is replayed on
-BASE: it is a regression only if its trace holds there; if BASE violates it too, it was there
-before.  Likewise BASE-only violations replayed on HEAD are what HEAD fixed.
+PR mode answers the two questions a pull request's reviewer asks: does HEAD break anything, and
+what does it change?  Every drawn example runs on HEAD and BASE in lockstep
+(``kvspec.testing.lockstep``: two guarded target processes, the same operations in the same
+order, their observations compared after each); at the first difference the spec judges:
+HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> fix, neither ->
+behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
+call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
+behaviour change fail the PR).  ``kvspec diff A B`` is the same comparison between two releases.
+A run that compared nothing is no verdict (exit 2).
 
 ``kvspec bisect REPORT --releases A..B`` replays a report on every provisioned release in the
 range and prints the first release where it reproduces and the first later one where it no
@@ -20,7 +22,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +50,6 @@ from .target import (
 DIVERGED = ("trace diverged", "nondeterministic")
 
 
-@attrs.frozen
-class Finding:
-    """One distinct violation a run reported."""
-
-    key: tuple[str, str, str, str]  # invariant, operation, exception, location
-    report: Path
-
-    def describe(self) -> str:
-        invariant, operation, exception, location = self.key
-        site = f" {exception} at {location}" if exception else ""
-        return f"{invariant} in {operation}{site}"
-
-
 def target_flags(spec: str) -> list[str]:
     """``--vllm X`` for a release version, ``--vllm-source PATH`` for a checkout."""
     try:
@@ -72,40 +60,6 @@ def target_flags(spec: str) -> list[str]:
             raise UsageError(f"--baseline {spec}: neither a vLLM release nor a folder") from None
         return ["--vllm-source", str(path.resolve())]
     return ["--vllm", spec]
-
-
-def without(argv: Sequence[str], *flags: str) -> list[str]:
-    """``argv`` less each of ``flags`` and its value (``--flag V`` or ``--flag=V``)."""
-    out_args: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in flags:
-            skip = True
-            continue
-        if any(a.startswith(f + "=") for f in flags):
-            continue
-        out_args.append(a)
-    return out_args
-
-
-def findings(folder: Path) -> list[Finding]:
-    """The distinct violations under a ``kvspec check --out`` folder (one report.json each)."""
-    found: dict[tuple[str, str, str, str], Finding] = {}
-    for path in sorted(folder.rglob("report.json")):
-        report = json.loads(path.read_text())
-        fp = report.get("fingerprint") or {}
-        if fp:
-            key = (fp.get("invariant", ""), fp.get("operation", ""), fp.get("exception", ""), fp.get("location", ""))
-        else:
-            violations = report.get("violations") or []
-            trace = report.get("trace") or []
-            invariant = violations[0]["invariant"] if violations else str(report.get("outcome"))
-            key = (invariant, trace[-1]["op"] if trace else "", "", "")
-        found.setdefault(key, Finding(key, path))
-    return list(found.values())
 
 
 def _kvspec(args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess[str]:
@@ -128,19 +82,9 @@ def replays_on(report: Path, flags: list[str], *, unusable_ok: bool = False) -> 
     raise UsageError(f"kvspec replay {report} {' '.join(flags)} failed (exit {proc.returncode}):\n{text[-2000:]}")
 
 
-def searched(side: str, proc: subprocess.CompletedProcess[str], folder: Path) -> None:
-    """A side's search must have ended in a verdict: it held (exit 0), or it wrote reports."""
-    if proc.returncode == EXIT_OK:
-        return
-    if proc.returncode == EXIT_FOUND and any(folder.rglob("report.json")):
-        return
-    raise UsageError(
-        f"the {side} search ended without a verdict (exit {proc.returncode}, no report written)",
-        "its output is above; PR mode compares only completed searches",
-    )
-
-
-def side_for(label: str, spec: str, *, checkout: bool, impl: str | None, args: argparse.Namespace) -> Side:
+def side_for(
+    label: str, spec: str, *, checkout: bool, impl: str | None, args: argparse.Namespace, version: str | None = None
+) -> Side:
     """A lockstep side: a provisioned release's venv, or a checkout in the nearest release's
     venv (``--venv`` picks another) with the checkout first on PYTHONPATH."""
     if not checkout:
@@ -148,7 +92,7 @@ def side_for(label: str, spec: str, *, checkout: bool, impl: str | None, args: a
         gens = generations_of(t.venv)
         return Side(label, f"vLLM {spec}", str(t.python), impl or default_impl(t, gens))
     root = validate_checkout(spec)
-    version = args.source_version or read_source_version(root)
+    version = version or read_source_version(root)
     if not version or version == "dev":
         raise UsageError(f"cannot tell which vLLM release the checkout {root} is", "pass it: --source-version 0.33.0")
     gens = generations(root / "vllm")
@@ -176,7 +120,7 @@ def default_impl(t: Target, gens: dict[str, bool]) -> str:
 def lockstep_sides(head: tuple[str, bool], base: tuple[str, bool], args: argparse.Namespace) -> tuple[Side, Side]:
     impl = args.impl
     check_impl_name(impl)
-    head_side = side_for("HEAD", head[0], checkout=head[1], impl=impl, args=args)
+    head_side = side_for("HEAD", head[0], checkout=head[1], impl=impl, args=args, version=args.source_version)
     base_side = side_for("BASE", base[0], checkout=base[1], impl=impl or head_side.impl, args=args)
     if head_side.impl != base_side.impl:
         raise UsageError(
@@ -336,8 +280,6 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     base_flags = target_flags(args.baseline)
     head = (args.vllm_source, True) if args.vllm_source else (args.vllm, False)
     base = (base_flags[1], base_flags[0] == "--vllm-source")
-    if base[1] and not args.source_version:
-        args.source_version = None  # each checkout's own version is read from it
     head_side, base_side = lockstep_sides(head, base, args)
     root = Path(args.out).expanduser().resolve() if args.out else Path(tempfile.mkdtemp(prefix="kvspec-pr-"))
     run = run_compare(args, head_side, base_side, root)
@@ -360,7 +302,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             parse(version)
         except TargetError as error:
             raise UsageError(str(error), "kvspec targets lists the releases") from None
-    args.source_version, args.venv = None, None
+    args.venv = None
     base_side, head_side = (side_for(label, v, checkout=False, impl=args.impl, args=args)
                             for label, v in (("BASE", args.a), ("HEAD", args.b)))
     if head_side.impl != base_side.impl:
