@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 from kvspec.targets.registry import Target, TargetError, parse
 from kvspec.testing.golden import TAG as GOLDEN_TAG
-from kvspec.testing.lockstep import Kind, LockstepRun, Mode, Side, run_lockstep
+from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
 from rich.markup import escape
 from rich.table import Table
 
@@ -135,21 +135,12 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
     overrides = parse_overrides(args.config or [])
     err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {head.impl}", markup=False)
     err.print("starting both targets (each imports vLLM) ...", markup=False)
-    run = run_lockstep(
-        head,
-        base,
-        config_strategy(head.impl, overrides),
-        profile=args.profile or "ci",
-        examples=args.examples,
-        steps=args.steps,
-        seed=args.seed if args.seed is not None else 0,
-        focus=check_invariant_ids(args.invariant),
-        features=features_from(overrides),
-        mode=Mode(args.compare),
-        max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
-        limits=limits_from(args),
-        progress=lambda line: err.print(f"  found: {line}", markup=False),
-    )
+    try:
+        run = lockstep(args, head, base, overrides)
+    except LockstepError as error:
+        lines = str(error).strip().splitlines()
+        shown = "\n".join([lines[0], "...", *lines[-4:]]) if len(lines) > 6 else str(error)
+        raise UsageError(shown, "a side that does not start or import is no verdict") from None
     root.mkdir(parents=True, exist_ok=True)
     entries = []
     for n, verdict in enumerate(run.verdicts, 1):
@@ -194,6 +185,24 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
             f"the targets' logs: {', '.join(str(p) for p in lockstep_logs())}",
         )
     return run
+
+
+def lockstep(args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any]) -> LockstepRun:
+    return run_lockstep(
+        head,
+        base,
+        config_strategy(head.impl, overrides),
+        profile=args.profile or "ci",
+        examples=args.examples,
+        steps=args.steps,
+        seed=args.seed if args.seed is not None else 0,
+        focus=check_invariant_ids(args.invariant),
+        features=features_from(overrides),
+        mode=Mode(args.compare),
+        max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
+        limits=limits_from(args),
+        progress=lambda line: err.print(f"  found: {line}", markup=False),
+    )
 
 
 MAX_VERDICTS = 3  # distinct verdicts one lockstep run shrinks and reports before it stops

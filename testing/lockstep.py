@@ -47,7 +47,7 @@ from hypothesis import note, reject
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
-from hypothesis.errors import FailedHealthCheck, Unsatisfiable
+from hypothesis.errors import FailedHealthCheck, Flaky, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test, initialize
 from kvspec.spec.config import Config
@@ -874,6 +874,8 @@ def run_lockstep(
                                                      title, verdict.index)
     except (Unsatisfiable, FailedHealthCheck) as error:
         run.status = f"incomplete: {type(error).__name__}"
+    except Flaky as error:  # a difference that did not come back: a side is nondeterministic
+        run.status = f"nondeterministic: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
     finally:
         for remote in remotes:
             remote.close()
