@@ -141,6 +141,8 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
         lines = str(error).strip().splitlines()
         shown = "\n".join([lines[0], "...", *lines[-4:]]) if len(lines) > 6 else str(error)
         raise UsageError(shown, "a side that does not start or import is no verdict") from None
+    for label, imported in run.imported.items():
+        err.print(f"{label} imported {imported}", markup=False)
     root.mkdir(parents=True, exist_ok=True)
     entries = []
     for n, verdict in enumerate(run.verdicts, 1):
@@ -163,6 +165,7 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
         "by_op": run.stats.by_op,
         "stats": attrs.asdict(run.stats),
         "rounds": run.rounds,
+        "imported": run.imported,
         "seconds": round(run.seconds, 1),
         "verdicts": entries,
         "rows": [

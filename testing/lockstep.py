@@ -817,6 +817,7 @@ class LockstepRun:
     status: str = "compared"  # or "no-examples" / "incomplete: ..."
     # verdict index -> the golden file BASE wrote for it ({"text", "filename"} or {"error"})
     goldens: dict[int, dict[str, Any]] = attrs.Factory(dict)
+    imported: dict[str, str] = attrs.Factory(dict)  # side label -> the vLLM its process imported
 
     def by_kind(self, kind: Kind) -> list[Verdict]:
         return [v for v in self.verdicts if v.kind is kind]
@@ -856,7 +857,8 @@ def run_lockstep(
     try:
         for remote in remotes:
             remote.start()
-            remote.call("hello", remote.side.impl)
+            hello = remote.call("hello", remote.side.impl)
+            run.imported[remote.side.label] = f"vLLM {hello['version']} from {hello['vllm']}"
         while len(run.verdicts) < max_verdicts:
             run.rounds += 1
             skip = frozenset(v.fingerprint() for v in run.verdicts)
@@ -879,6 +881,8 @@ def run_lockstep(
     finally:
         for remote in remotes:
             remote.close()
+            if run.status == "compared" and not stats.restarts:
+                remote.log.unlink(missing_ok=True)  # kept only when a side died or the run failed
     run.seconds = time.perf_counter() - start
     if stats.operations == 0:
         run.status = "no-examples"
