@@ -57,6 +57,7 @@ class Line:
     answer: str | None = None  # the rendered answer of an ANSWERS call
     raised: BaseException | None = None
     target: str = ""  # the rendered call expression (without assignment)
+    result: Any = None  # what the call returned (golden tests assert it)
 
 
 class Recorder:
@@ -150,6 +151,7 @@ class Recorder:
         except BaseException as err:
             line.raised = err
             raise
+        line.result = result
         if method in ANSWERS:
             line.answer = self.render(result)
         elif _is_object(result) and id(result) not in self.names:  # a known object keeps its name

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.targets.lock import read_record, record_path
 from kvspec.targets.registry import LEGACY_RANGE, PINNED, V1_FROM, Target, TargetError, shipped, target
+from kvspec.testing.lockstep import Mode
 from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
@@ -31,7 +32,7 @@ from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage
 from .failures import add_limit_args
 from .fuzz import add_parser as add_fuzz_parser
 from .fuzz import cmd_fuzz
-from .pr import cmd_bisect, cmd_pr
+from .pr import cmd_bisect, cmd_diff, cmd_pr
 from .run import CONFIG_HELP, PROFILES
 from .search import MAX_VIOLATIONS
 from .target import IN_TARGET_FLAG, ensure_provisioned, impl_names, locate_vllm, provisioned_targets, vllm_names
@@ -95,6 +96,20 @@ def _target_args(p: argparse.ArgumentParser) -> None:
         help="show the target's own log output (vLLM's logger) while running",
     )
     p.add_argument(IN_TARGET_FLAG, dest="in_target", action="store_true", help=argparse.SUPPRESS)
+
+
+def _compare_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    g.add_argument(
+        "--compare",
+        choices=[m.value for m in Mode],
+        default=Mode.RENAMING.value,
+        help="what lockstep compares after each operation: outcomes (answers, hits, crashes), counts "
+        "(also free/evictable/cached blocks and blocks held), renaming (also block tables up to "
+        "renaming of ids, cached keys, eviction order, KV events; the default)",
+    )
+    g.add_argument(
+        "--fail-on-change", action="store_true", help="exit 1 on a behaviour change too, not only on a regression"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,11 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b = p.add_argument_group(
         "PR mode",
-        "With --baseline, the same search runs on HEAD (--vllm-source PATH or --vllm X) and on "
-        "BASE; the exit code says whether HEAD violates something BASE does not (each such "
-        "violation is replayed on BASE before it counts as a regression).",
+        "With --baseline, every drawn example runs on HEAD (--vllm-source PATH or --vllm X) and on "
+        "BASE in lockstep, each in its own guarded target process; at the first difference of "
+        "what they did, the spec judges: HEAD violates an invariant -> regression (exit 1), BASE "
+        "does -> fix, neither -> behaviour change (with a golden pytest file asserting BASE's "
+        "value, verified to fail on HEAD and pass on BASE).",
     )
     b.add_argument("--baseline", metavar="VERSION|PATH", help="the release or checkout HEAD is compared with")
+    _compare_args(b)
     o = p.add_argument_group("output")
     o.add_argument(
         "--coverage",
@@ -218,6 +236,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--releases", required=True, metavar="A..B", help="the range of releases (either end may be empty)")
 
     _target_args(add_fuzz_parser(sub))
+
+    p = sub.add_parser(
+        "diff",
+        help="what the block manager does differently between two releases (lockstep, judged by the spec)",
+    )
+    p.add_argument("a", metavar="A", help="the older release (BASE)")
+    p.add_argument("b", metavar="B", help="the newer release (HEAD)")
+    p.add_argument("--impl", metavar="NAME", help="the manager to compare (default: the engine both run by default)")
+    p.add_argument("--profile", choices=PROFILES, default="ci", help="hypothesis profile (default ci)")
+    p.add_argument("--examples", type=int, metavar="N", help="examples to compare")
+    p.add_argument("--steps", type=int, metavar="N", help="operations per example, at most")
+    p.add_argument("--seed", type=int, metavar="S", help="seed (default 0)")
+    p.add_argument("--invariant", action="append", metavar="ID", help="judge by this invariant only (repeatable)")
+    p.add_argument("--config", action="append", metavar="KEY=VALUE", help=CONFIG_HELP)
+    p.add_argument("--max-violations", type=int, metavar="N", help="stop after N distinct differences (default 3)")
+    p.add_argument("--out", metavar="DIR", help="where the verdicts and golden tests go")
+    p.add_argument("--no-verify", action="store_true", help="write golden tests without running them")
+    _compare_args(p)
+    add_limit_args(p)
 
     sub.add_parser("targets", help="list pinned, known and provisioned vLLM releases")
 
@@ -262,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_check(args, argv)
         if args.command == "bisect":
             return cmd_bisect(args)
+        if args.command == "diff":
+            return cmd_diff(args)
         if args.command == "fuzz":
             return cmd_fuzz(args, argv)
         if args.command == "replay":

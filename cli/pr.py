@@ -1,12 +1,14 @@
-"""PR mode (``kvspec check ... --baseline BASE``) and ``kvspec bisect``.
+"""PR mode (``kvspec check ... --baseline BASE``), ``kvspec diff A B`` and ``kvspec bisect``.
 
-PR mode answers the question a pull request's author asks: what does HEAD violate that BASE
-does not?  It runs the same search (same flags, same seed) on HEAD and on BASE, each as its
-own ``kvspec check`` process with its own report folder, then compares the distinct violations
-by fingerprint (invariant, operation, crash site).  A search is a sample: a violation found
-only on HEAD may simply have been missed on BASE.  So each HEAD-only violation is replayed on
-BASE: it is a regression only if its trace holds there; if BASE violates it too, it was there
-before.  Likewise BASE-only violations replayed on HEAD are what HEAD fixed.
+PR mode answers the two questions a pull request's reviewer asks: does HEAD break anything, and
+what does it change?  Every drawn example runs on HEAD and BASE in lockstep
+(``kvspec.testing.lockstep``: two guarded target processes, the same operations in the same
+order, their observations compared after each); at the first difference the spec judges:
+HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> fix, neither ->
+behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
+call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
+behaviour change fail the PR).  ``kvspec diff A B`` is the same comparison between two releases.
+A run that compared nothing is no verdict (exit 2).
 
 ``kvspec bisect REPORT --releases A..B`` replays a report on every provisioned release in the
 range and prints the first release where it reproduces and the first later one where it no
@@ -20,33 +22,32 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-from kvspec.targets.registry import TargetError, parse, target
+from kvspec.targets.registry import Target, TargetError, parse
+from kvspec.testing.golden import TAG as GOLDEN_TAG
+from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
 from rich.markup import escape
 from rich.table import Table
 
-from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, out
-from .target import provisioned_targets
+from .check import check_invariant_ids
+from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, first_lines, out
+from .failures import limits_from
+from .run import config_strategy, features_from, parse_overrides
+from .target import (
+    check_impl_name,
+    ensure_provisioned,
+    generations,
+    provisioned_targets,
+    read_source_version,
+    validate_checkout,
+    venv_for_source,
+)
 
 # What a `kvspec replay` printed when the trace could not be applied as recorded.
 DIVERGED = ("trace diverged", "nondeterministic")
-
-
-@attrs.frozen
-class Finding:
-    """One distinct violation a run reported."""
-
-    key: tuple[str, str, str, str]  # invariant, operation, exception, location
-    report: Path
-
-    def describe(self) -> str:
-        invariant, operation, exception, location = self.key
-        site = f" {exception} at {location}" if exception else ""
-        return f"{invariant} in {operation}{site}"
 
 
 def target_flags(spec: str) -> list[str]:
@@ -59,40 +60,6 @@ def target_flags(spec: str) -> list[str]:
             raise UsageError(f"--baseline {spec}: neither a vLLM release nor a folder") from None
         return ["--vllm-source", str(path.resolve())]
     return ["--vllm", spec]
-
-
-def without(argv: Sequence[str], *flags: str) -> list[str]:
-    """``argv`` less each of ``flags`` and its value (``--flag V`` or ``--flag=V``)."""
-    out_args: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in flags:
-            skip = True
-            continue
-        if any(a.startswith(f + "=") for f in flags):
-            continue
-        out_args.append(a)
-    return out_args
-
-
-def findings(folder: Path) -> list[Finding]:
-    """The distinct violations under a ``kvspec check --out`` folder (one report.json each)."""
-    found: dict[tuple[str, str, str, str], Finding] = {}
-    for path in sorted(folder.rglob("report.json")):
-        report = json.loads(path.read_text())
-        fp = report.get("fingerprint") or {}
-        if fp:
-            key = (fp.get("invariant", ""), fp.get("operation", ""), fp.get("exception", ""), fp.get("location", ""))
-        else:
-            violations = report.get("violations") or []
-            trace = report.get("trace") or []
-            invariant = violations[0]["invariant"] if violations else str(report.get("outcome"))
-            key = (invariant, trace[-1]["op"] if trace else "", "", "")
-        found.setdefault(key, Finding(key, path))
-    return list(found.values())
 
 
 def _kvspec(args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess[str]:
@@ -115,22 +82,215 @@ def replays_on(report: Path, flags: list[str], *, unusable_ok: bool = False) -> 
     raise UsageError(f"kvspec replay {report} {' '.join(flags)} failed (exit {proc.returncode}):\n{text[-2000:]}")
 
 
-def searched(side: str, proc: subprocess.CompletedProcess[str], folder: Path) -> None:
-    """A side's search must have ended in a verdict: it held (exit 0), or it wrote reports."""
-    if proc.returncode == EXIT_OK:
-        return
-    if proc.returncode == EXIT_FOUND and any(folder.rglob("report.json")):
-        return
-    raise UsageError(
-        f"the {side} search ended without a verdict (exit {proc.returncode}, no report written)",
-        "its output is above; PR mode compares only completed searches",
+def side_for(
+    label: str, spec: str, *, checkout: bool, impl: str | None, args: argparse.Namespace, version: str | None = None
+) -> Side:
+    """A lockstep side: a provisioned release's venv, or a checkout in the nearest release's
+    venv (``--venv`` picks another) with the checkout first on PYTHONPATH."""
+    if not checkout:
+        t = ensure_provisioned(spec)
+        gens = generations_of(t.venv)
+        return Side(label, f"vLLM {spec}", str(t.python), impl or default_impl(t, gens))
+    root = validate_checkout(spec)
+    version = version or read_source_version(root)
+    if not version or version == "dev":
+        raise UsageError(f"cannot tell which vLLM release the checkout {root} is", "pass it: --source-version 0.33.0")
+    gens = generations(root / "vllm")
+    t = venv_for_source(version, gens, getattr(args, "venv", None))
+    description = f"the checkout {root} (vLLM {version}, run in the vLLM {t.version} venv)"
+    return Side(label, description, str(t.python), impl or default_impl(t, gens), pythonpath=str(root))
+
+
+def generations_of(venv: Path) -> dict[str, bool]:
+    found = sorted(venv.glob("lib/python*/site-packages/vllm"))
+    return generations(found[0]) if found else {"legacy": False, "v1": False}
+
+
+def default_impl(t: Target, gens: dict[str, bool]) -> str:
+    """The manager the engine runs by default: V1's KVCacheManager where the tree has it, else
+    the release's default legacy manager."""
+    if gens.get("v1"):
+        return "v1"
+    legacy = [m for m in t.managers if m != "v1"]
+    if not legacy:
+        raise UsageError(f"vLLM {t.version} ships no block manager kvspec drives", "kvspec targets lists them")
+    return legacy[0]
+
+
+def lockstep_sides(head: tuple[str, bool], base: tuple[str, bool], args: argparse.Namespace) -> tuple[Side, Side]:
+    impl = args.impl
+    check_impl_name(impl)
+    head_side = side_for("HEAD", head[0], checkout=head[1], impl=impl, args=args, version=args.source_version)
+    base_side = side_for("BASE", base[0], checkout=base[1], impl=impl or head_side.impl, args=args)
+    if head_side.impl != base_side.impl:
+        raise UsageError(
+            f"HEAD runs {head_side.impl} by default, BASE {base_side.impl}: lockstep compares one manager",
+            "name it: --impl v1 (or a legacy manager both ship)",
+        )
+    return head_side, base_side
+
+
+def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) -> LockstepRun:
+    """The lockstep search, printed; every behaviour change's golden test verified on both."""
+    overrides = parse_overrides(args.config or [])
+    err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {head.impl}", markup=False)
+    err.print("starting both targets (each imports vLLM) ...", markup=False)
+    try:
+        run = lockstep(args, head, base, overrides)
+    except LockstepError as error:
+        lines = str(error).strip().splitlines()
+        shown = "\n".join([lines[0], "...", *lines[-4:]]) if len(lines) > 6 else str(error)
+        raise UsageError(shown, "a side that does not start or import is no verdict") from None
+    for label, imported in run.imported.items():
+        err.print(f"{label} imported {imported}", markup=False)
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for n, verdict in enumerate(run.verdicts, 1):
+        folder = root / f"{n:02d}-{verdict.kind.value.replace(' ', '-')}-{verdict.op}"
+        folder.mkdir(parents=True, exist_ok=True)
+        entry: dict[str, Any] = {**verdict.to_json(), "folder": str(folder), "differs": verdict.fingerprint()[2]}
+        golden = run.goldens.get(n - 1)
+        if golden is not None:
+            entry["golden"] = keep_golden(golden, folder, head, base, verify=not args.no_verify)
+        (folder / "verdict.json").write_text(json.dumps(entry, indent=1))
+        entries.append(entry)
+    print_lockstep(run, entries)
+    summary = {
+        "head": attrs.asdict(head),
+        "base": attrs.asdict(base),
+        "status": run.status,
+        "mode": args.compare,
+        "examples": run.stats.examples,
+        "operations": run.stats.operations,
+        "by_op": run.stats.by_op,
+        "stats": attrs.asdict(run.stats),
+        "rounds": run.rounds,
+        "imported": run.imported,
+        "seconds": round(run.seconds, 1),
+        "verdicts": entries,
+        "rows": [
+            {"verdict": e["verdict"].upper() if e["verdict"] == Kind.REGRESSION else e["verdict"],
+             "violation": f"{e['differs'] or e['field']} in {e['operation']}",
+             "replayed": "BASE: holds" if e["verdict"] == Kind.REGRESSION else "",
+             "report": e["folder"]}
+            for e in entries
+        ],
+        "regressions": len(run.by_kind(Kind.REGRESSION)),
+        "fixes": len(run.by_kind(Kind.FIX)),
+        "changes": len(run.by_kind(Kind.CHANGE)),
+    }
+    (root / "pr.json").write_text(json.dumps(summary, indent=1, default=str))
+    out.print(f"summary: {root / 'pr.json'}", markup=False, soft_wrap=True)
+    if run.status != "compared" or run.stats.examples == 0:
+        raise UsageError(
+            f"lockstep compared {run.stats.examples} example(s), {run.stats.operations} operation(s) ({run.status}): "
+            "no verdict",
+            f"the targets' logs: {', '.join(str(p) for p in lockstep_logs())}",
+        )
+    return run
+
+
+def lockstep(args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any]) -> LockstepRun:
+    return run_lockstep(
+        head,
+        base,
+        config_strategy(head.impl, overrides),
+        profile=args.profile or "ci",
+        examples=args.examples,
+        steps=args.steps,
+        seed=args.seed if args.seed is not None else 0,
+        focus=check_invariant_ids(args.invariant),
+        features=features_from(overrides),
+        mode=Mode(args.compare),
+        max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
+        limits=limits_from(args),
+        progress=lambda line: err.print(f"  found: {line}", markup=False),
     )
+
+
+MAX_VERDICTS = 3  # distinct verdicts one lockstep run shrinks and reports before it stops
+
+
+def lockstep_logs() -> list[Path]:
+    return sorted(Path(tempfile.gettempdir()).glob("kvspec-lockstep-*.log"))[-2:]
+
+
+def keep_golden(golden: dict[str, Any], folder: Path, head: Side, base: Side, *, verify: bool) -> dict[str, Any]:
+    """Write the golden test; keep it as verified only if it fails on HEAD and passes on BASE."""
+    if "error" in golden:
+        return {"status": "not written", "why": golden["error"]}
+    path = folder / golden["filename"]
+    path.write_text(golden["text"])
+    if not verify:
+        return {"status": "unverified", "path": str(path)}
+    results = {side.label: run_golden(path, side) for side in (head, base)}
+    head_code, head_text = results["HEAD"]
+    base_code, base_text = results["BASE"]
+    named = next((ln.strip() for ln in head_text.splitlines() if f"Failed: [{GOLDEN_TAG}]" in ln), "")
+    if head_code == 1 and named and base_code == 0:
+        return {"status": "verified", "path": str(path), "head_failure": named.split("Failed: ", 1)[-1]}
+    path.rename(path.with_suffix(".unverified"))
+    return {
+        "status": "not verified",
+        "path": str(path.with_suffix(".unverified")),
+        "why": f"pytest on HEAD exit {head_code}, on BASE exit {base_code}: "
+        f"{first_lines(base_text if base_code else head_text, 4)}",
+    }
+
+
+def run_golden(path: Path, side: Side) -> tuple[int, str]:
+    """Plain pytest on the file, in the side's interpreter with the side's vLLM."""
+    cmd = [side.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(path.parent), str(path)]
+    with err.status(f"running the golden test on {side.label} ...", spinner="dots"):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=path.parent,
+                                  env=side.env(), check=False)
+        except subprocess.TimeoutExpired:
+            return -1, "timed out under pytest"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+STYLE = {Kind.REGRESSION: "bold red", Kind.FIX: "green", Kind.CHANGE: "yellow"}
+
+
+def print_lockstep(run: LockstepRun, entries: list[dict[str, Any]]) -> None:
+    for n, (verdict, entry) in enumerate(zip(run.verdicts, entries, strict=True), 1):
+        out.rule(f"{n} of {len(run.verdicts)}: {verdict.kind.value}")
+        lines = verdict.describe()
+        out.print(f"[{STYLE[verdict.kind]}]{escape(lines[0])}[/]")
+        for line in lines[1:]:
+            out.print(line, markup=False, soft_wrap=True)
+        golden = entry.get("golden")
+        if golden is not None:
+            out.print(f"golden test ({golden['status']}): {golden.get('path', '')}", markup=False, soft_wrap=True)
+            if "head_failure" in golden:
+                shown = f"  fails on HEAD with: {golden['head_failure']}; passes on BASE"
+                out.print(shown, markup=False, soft_wrap=True)
+            if "why" in golden:
+                out.print(f"  {golden['why']}", markup=False, soft_wrap=True)
+        out.print(f"verdict: {entry['folder']}/verdict.json", markup=False, soft_wrap=True)
+    out.rule()
+    s = run.stats
+    out.print(
+        f"compared {s.examples} examples, {s.operations} operations ({run.status}, <= {run.steps} steps each, "
+        f"{run.rounds} round(s), {run.seconds:.0f} s): {len(run.by_kind(Kind.REGRESSION))} regression(s), "
+        f"{len(run.by_kind(Kind.FIX))} fix(es), {len(run.by_kind(Kind.CHANGE))} behaviour change(s)",
+        markup=False,
+    )
+    if s.shared_violations or s.shared_crashes:
+        out.print(
+            f"on both sides alike (not a difference): {s.shared_violations} violating operation(s), "
+            f"{s.shared_crashes} crash(es)",
+            markup=False,
+        )
 
 
 def base_package(spec: str, flags: list[str]) -> Path:
     """The ``vllm`` package folder of BASE: the release's installed one, or the checkout's."""
     if flags[0] == "--vllm-source":
         return Path(flags[1]) / "vllm"
+    from kvspec.targets.registry import target
+
     t = target(spec)
     found = sorted(t.venv.glob("lib/python*/site-packages/vllm"))
     if not found:
@@ -148,75 +308,80 @@ def changed_lines_run(head_out: Path) -> dict[str, Any] | None:
     return {f["name"]: {"changed": f["changed"], "executed": f["changed_executed"]} for f in files if f["changed"]}
 
 
+def without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` less each of ``flags`` and its value (``--flag V`` or ``--flag=V``)."""
+    kept: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        kept.append(a)
+    return kept
+
+
+def coverage_of_changes(args: argparse.Namespace, argv: list[str], base_flags: list[str], root: Path) -> None:
+    """With ``--coverage``: HEAD's own check under coverage, against BASE's vllm folder, says
+    which of the lines HEAD changed its search executed (the lockstep's two sides are not
+    measured); the figures go into pr.json."""
+    head_flags = ["--vllm-source", args.vllm_source] if args.vllm_source else ["--vllm", args.vllm]
+    common = without(argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv")
+    extra = ["--source-version", args.source_version] if args.source_version else []
+    extra += ["--venv", args.venv] if args.venv else []
+    head_out = root / "head-coverage"
+    against = ["--coverage-against", str(base_package(args.baseline, base_flags))]
+    out.rule(f"HEAD's search under coverage: {' '.join(head_flags)}")
+    _kvspec([*common, *head_flags, *extra, *against, "--out", str(head_out)])
+    summary_path = root / "pr.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary["changed_lines"] = changed_lines_run(head_out)
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+
+
 def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
-    """``kvspec check <HEAD target> --baseline BASE [flags]``."""
+    """``kvspec check <HEAD target> --baseline BASE [flags]``: HEAD and BASE in lockstep."""
     if not (args.vllm or args.vllm_source):
         raise UsageError("--baseline compares two targets", "name HEAD with --vllm-source PATH (or --vllm X)")
     base_flags = target_flags(args.baseline)
-    head_flags = ["--vllm-source", args.vllm_source] if args.vllm_source else ["--vllm", args.vllm]
-    common = without(argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv")
-    if args.seed is None:
-        common += ["--seed", "0"]  # one search path for both sides
+    head = (args.vllm_source, True) if args.vllm_source else (args.vllm, False)
+    base = (base_flags[1], base_flags[0] == "--vllm-source")
+    head_side, base_side = lockstep_sides(head, base, args)
     root = Path(args.out).expanduser().resolve() if args.out else Path(tempfile.mkdtemp(prefix="kvspec-pr-"))
-    head_out, base_out = root / "head", root / "base"
-    extra = []
-    if args.source_version:
-        extra += ["--source-version", args.source_version]
-    if args.venv:
-        extra += ["--venv", args.venv]
-    root.mkdir(parents=True, exist_ok=True)
-    against = []
-    if args.coverage:  # HEAD's run says which of the lines it changes against BASE ran
-        against = ["--coverage-against", str(base_package(args.baseline, base_flags))]
-    out.rule(f"HEAD: {' '.join(head_flags)}")
-    searched("HEAD", _kvspec([*common, *head_flags, *extra, *against, "--out", str(head_out)]), head_out)
-    out.rule(f"BASE: {' '.join(base_flags)}")
-    # A checkout BASE runs like HEAD: in the same venv, as the same release.
-    base_extra = extra if base_flags[0] == "--vllm-source" else []
-    searched("BASE", _kvspec([*common, *base_flags, *base_extra, "--out", str(base_out)]), base_out)
-    head, base = findings(head_out), findings(base_out)
-    base_keys = {f.key for f in base}
-    head_keys = {f.key for f in head}
-    rows: list[tuple[str, Finding, str]] = []
-    regressions = 0
-    for f in head:
-        if f.key in base_keys:
-            rows.append(("on both", f, "-"))
-            continue
-        verdict = replays_on(f.report, [*base_flags, *base_extra])
-        kind = {"holds": "REGRESSION", "diverged": "REGRESSION (BASE takes another path)"}.get(
-            verdict, "on both (BASE's search missed it)"
-        )
-        regressions += kind.startswith("REGRESSION")
-        rows.append((kind, f, f"BASE: {verdict}"))
-    for f in base:
-        if f.key in head_keys:
-            continue
-        verdict = replays_on(f.report, [*head_flags, *extra])
-        kind = "fixed by HEAD" if verdict == "holds" else "on both (HEAD's search missed it)"
-        rows.append((kind, f, f"HEAD: {verdict}"))
-    table = Table(title="HEAD against BASE", title_justify="left")
-    for column in ("verdict", "violation", "replayed", "report"):
-        table.add_column(column, overflow="fold")
-    for kind, f, replayed in rows:
-        style = "bold red" if kind.startswith("REGRESSION") else "green" if kind.startswith("fixed") else ""
-        shown = f"[{style}]{escape(kind)}[/]" if style else escape(kind)
-        table.add_row(shown, escape(f.describe()), escape(replayed), escape(str(f.report)))
-    out.print(table)
-    summary = {
-        "head": head_flags,
-        "base": base_flags,
-        "rows": [{"verdict": k, "violation": f.describe(), "replayed": r, "report": str(f.report)} for k, f, r in rows],
-        "regressions": regressions,
-        "changed_lines": changed_lines_run(head_out) if args.coverage else None,
-    }
-    (root / "pr.json").write_text(json.dumps(summary, indent=1))
-    out.print(f"pr summary: {root / 'pr.json'}", markup=False, soft_wrap=True)
+    run = run_compare(args, head_side, base_side, root)
+    if args.coverage:
+        coverage_of_changes(args, argv, base_flags, root)
+    regressions, changes = run.by_kind(Kind.REGRESSION), run.by_kind(Kind.CHANGE)
     if regressions:
-        out.print(f"[bold red]HEAD regressed[/]: {regressions} violation(s) BASE does not have")
+        n = len(regressions)
+        out.print(f"[bold red]HEAD regressed[/]: {n} difference(s) where HEAD violates what BASE does not")
         return EXIT_FOUND
-    out.print("[green]no regression[/]: HEAD violates nothing that BASE does not")
+    if changes and args.fail_on_change:
+        out.print(f"[yellow]HEAD changes behaviour[/] ({len(changes)}), and --fail-on-change is given")
+        return EXIT_FOUND
+    out.print("[green]no regression[/]: wherever HEAD behaves otherwise than BASE, the spec allows it")
     return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``kvspec diff A B``: what the block manager does differently between two releases."""
+    for version in (args.a, args.b):
+        try:
+            parse(version)
+        except TargetError as error:
+            raise UsageError(str(error), "kvspec targets lists the releases") from None
+    args.venv = None
+    base_side, head_side = (side_for(label, v, checkout=False, impl=args.impl, args=args)
+                            for label, v in (("BASE", args.a), ("HEAD", args.b)))
+    if head_side.impl != base_side.impl:
+        raise UsageError(f"{args.a} runs {base_side.impl}, {args.b} {head_side.impl}", "name one: --impl v1")
+    root = Path(args.out).expanduser().resolve() if args.out else Path(tempfile.mkdtemp(prefix="kvspec-diff-"))
+    run = run_compare(args, head_side, base_side, root)
+    return EXIT_FOUND if run.verdicts else EXIT_OK
 
 
 # ---------------------------------------------------------------- bisect

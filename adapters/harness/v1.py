@@ -24,3 +24,37 @@ def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
             if request_id.startswith(prefix):
                 return [b.block_id for b in blocks if not b.is_null]
     return []
+
+
+def cached_block_count(mgr: Any) -> int:
+    """Blocks of the pool that carry a prefix-cache hash (held or evictable)."""
+    pool = mgr.block_pool
+    return sum(1 for b in pool.blocks if b is not pool.null_block and b.block_hash is not None)
+
+
+def renamed(tables: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Block tables with every block id replaced by the order of its first appearance (by
+    sequence, then slot): equal for two managers that differ only in which ids they hand out."""
+    names: dict[int, int] = {}
+    return {s: [names.setdefault(b, len(names)) for b in tables[s]] for s in sorted(tables)}
+
+
+def eviction_order(mgr: Any, requests: dict[str, Any]) -> list[str]:
+    """The free queue's cached blocks in the order they would be evicted, each named by the
+    first request (of ``requests``, by name) and block index whose hash it carries: equal for
+    two managers that evict alike, whatever ids they use and however hashes are seeded."""
+    from vllm.v1.core import kv_cache_utils
+
+    names: dict[Any, str] = {}
+    for label, request in requests.items():
+        for i, h in enumerate(getattr(request, "block_hashes", ())):
+            names.setdefault(h, f"{label}[{i}]")
+    order = []
+    for block in mgr.block_pool.free_block_queue.get_all_free_blocks():
+        key = block.block_hash
+        if key is None:
+            continue
+        if hasattr(kv_cache_utils, "get_block_hash") and isinstance(key, bytes | bytearray):
+            key = kv_cache_utils.get_block_hash(key)  # 0.11+: hash bytes + group id
+        order.append(names.get(getattr(key, "block_hash", key), "?"))
+    return order

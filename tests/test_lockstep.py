@@ -1,0 +1,65 @@
+"""Lockstep (testing/lockstep.py) on kvspec's own managers: two child processes of this
+interpreter, the reference as BASE and the reference or a broken variant as HEAD.
+
+The behaviour-change verdict on a real vLLM (a planted eviction-order change) is
+tests/targets/test_lockstep_pr.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvspec.spec.invariants import Violation
+from kvspec.testing.lockstep import Kind, Mode, Observation, Side, differing, judge, run_lockstep
+from kvspec.testing.strategies import configs
+
+BUDGET = dict(profile="ci", examples=15, max_verdicts=1)
+
+
+def _sides(head_impl: str, base_impl: str = "reference") -> tuple[Side, Side]:
+    return (Side("HEAD", head_impl, sys.executable, head_impl), Side("BASE", base_impl, sys.executable, base_impl))
+
+
+def test_the_same_manager_on_both_sides_differs_nowhere_and_counts_what_it_compared():
+    run = run_lockstep(*_sides("reference"), configs(), **BUDGET)
+    assert run.status == "compared" and run.verdicts == []
+    assert run.stats.examples == 15 and run.stats.operations > run.stats.examples
+
+
+def test_a_leak_on_head_is_a_regression_shrunk_to_a_few_operations():
+    run = run_lockstep(*_sides("broken:leak-on-free"), configs(), **BUDGET)
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.REGRESSION
+    assert {v.invariant for v in verdict.head_violations} & {"no-leak", "refcount-exact"}
+    assert not verdict.base_violations
+    assert len(verdict.trace) <= 3
+
+
+def test_the_same_leak_on_base_is_a_fix():
+    head, base = _sides("broken:leak-on-free")
+    run = run_lockstep(Side("HEAD", "reference", base.python, "reference"),
+                       Side("BASE", head.impl, head.python, head.impl), configs(), **BUDGET)
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.FIX and verdict.base_violations and not verdict.head_violations
+
+
+def test_the_spec_judges_by_which_side_violates_what_the_other_does_not():
+    leak, other = Violation("no-leak", "x"), Violation("conservation", "y")
+    assert judge([leak], []) is Kind.REGRESSION
+    assert judge([], [leak]) is Kind.FIX
+    assert judge([], []) is Kind.CHANGE
+    assert judge([leak], [leak]) is Kind.CHANGE
+    assert judge([leak, other], [leak]) is Kind.REGRESSION
+
+
+def test_each_mode_compares_its_fields_and_those_of_the_modes_below():
+    base = Observation(outcome="admit: admitted, 0 cached tokens", free=(3,), tables=((0, "gpu", (0,)),))
+    tables = Observation(outcome=base.outcome, free=(3,), tables=((0, "gpu", (0, 0)),))
+    counts = Observation(outcome=base.outcome, free=(2,), tables=base.tables)
+    hit = Observation(outcome="admit: admitted, 4 cached tokens", free=(3,), tables=base.tables)
+    assert differing(tables, base, Mode.RENAMING) == ["tables"]
+    assert differing(tables, base, Mode.COUNTS) == []
+    assert differing(counts, base, Mode.COUNTS) == ["free"]
+    assert differing(counts, base, Mode.OUTCOMES) == []
+    assert differing(hit, base, Mode.OUTCOMES) == ["outcome"]
+    assert differing(base, base, Mode.RENAMING) == []
