@@ -1,20 +1,28 @@
 """The scheduler differential (testing/scheduler_machine.py ``SchedulerLockstep``): the
-reference scheduler agrees with itself in the strictest mode in every production shape, and
-a broken scheduler that every invariant accepts (reference/broken_scheduler.py
-``DIFFERENTIAL_ONLY``) passes the invariants and fails the differential with a shrunk trace."""
+reference scheduler agrees with itself in the strictest mode in every production shape; a
+broken scheduler that every invariant accepts (reference/broken_scheduler.py
+``DIFFERENTIAL_ONLY``) passes the invariants and fails the differential, with a shrunk trace,
+as a policy difference and never as an invariant violation; the declared policies
+(reference/policies.py) are consistent, and a release without one gets no differential."""
 
 from __future__ import annotations
+
+import itertools
+import re
 
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
+from kvspec.reference.policies import DECLARED, REFERENCE_OWN, Comparison, declared_for
 from kvspec.reference.scheduler import ReferenceScheduler
+from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
 from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
+from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 
 EXAMPLES = 100
+SOURCE = re.compile(r"^vllm/[\w/]+\.py:\d+(-\d+)?$")
 
 
 def _settings(n: int = EXAMPLES):
@@ -29,24 +37,81 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
     )
     assert counts.examples >= EXAMPLES and counts.steps >= 10 * EXAMPLES, counts
     assert not counts.allowed and not counts.ended, counts
+    assert counts.policy == REFERENCE_OWN and counts.undeclared is None, counts
 
 
 @pytest.mark.parametrize("name", sorted(DIFFERENTIAL_ONLY))
 def test_invariants_accept_what_the_differential_rejects(name):
-    variant, caught_as = DIFFERENTIAL_ONLY[name]
+    """Caught only as a difference from the reference's policy: a ``PolicyDifference`` (not a
+    ``SpecViolation``, not an invariant ID), in what the variant breaks, with a short trace."""
+    variant, comparison = DIFFERENTIAL_ONLY[name]
     run_state_machine_as_test(lambda: SchedulerMachine(variant), settings=_settings())
-    with pytest.raises(SpecViolation) as caught:
+    with pytest.raises(PolicyDifference) as caught:
         run_state_machine_as_test(
             lambda: SchedulerMachine(variant, differential=Mode.RENAMING), settings=_settings()
         )
-    assert {v.invariant for v in caught.value.violations} == {caught_as}, caught.value
-    assert len(caught.value.trace) <= 6, caught.value
+    found = caught.value
+    assert not isinstance(found, SpecViolation | AssertionError), found
+    assert found.comparison == comparison and found.policy == REFERENCE_OWN.id, found
+    assert found.release == variant.name, found
+    assert 0 < len(found.trace) <= 6, found
+    text = str(found)
+    assert text.startswith("differs from the reference scheduler's declared policy"), text
+    assert "violat" not in text.lower() and not any(i in text for i in INVARIANTS), text
+
+
+def test_declared_policies_cite_their_source_and_do_not_overlap():
+    """Every choice names a vLLM file:line; every entry a range of releases, first <= last;
+    no release is covered twice; every omission says why."""
+    ids = [p.id for p in DECLARED]
+    assert len(set(ids)) == len(ids) and REFERENCE_OWN.id not in ids, ids
+    spans = sorted(p.releases for p in DECLARED)
+    for first, last in spans:
+        assert len(first) == len(last) == 3 and first <= last, (first, last)
+    for (_, last), (first, _) in itertools.pairwise(spans):
+        assert last < first, spans
+    for p in DECLARED:
+        for name, choice in p.choices().items():
+            assert isinstance(choice.value, bool), (p.id, name)
+            assert SOURCE.match(choice.source), (p.id, name, choice.source)
+        assert all(o.why and isinstance(o.comparison, Comparison) for o in p.not_compared), p
+        assert declared_for(p.first) == p and declared_for(p.last) == p
+
+
+def test_a_release_without_a_declared_policy_gets_no_differential(monkeypatch):
+    """A target of an undeclared release runs without the reference beside it: even a
+    scheduler that differs from every policy (``serial-admission``) gets no verdict, and the
+    counts say the differential did not run and for which release."""
+    import kvspec.testing.scheduler_machine as machine
+
+    variant, _ = DIFFERENTIAL_ONLY["serial-admission"]
+
+    class Undeclared(variant):
+        vllm_version = "0.0.1"
+
+    assert declared_for("0.0.1") is None
+    # Not the reference to the machine: it is looked up as the vLLM release it names.
+    monkeypatch.setattr(machine, "ReferenceScheduler", type("NotTheReference", (), {}))
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(Undeclared, differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(30),
+    )
+    assert counts.undeclared == "0.0.1" and counts.examples == 0 and counts.steps == 0, counts
+
+    from kvspec.cli.shapes import differential_line
+
+    line = differential_line(counts)
+    assert line.startswith("differential not run: no declared scheduler policy for vLLM 0.0.1"), line
+    assert "declared: 0.12.0" in line, line
 
 
 def test_check_summary_counts_comparisons_and_reports_the_differential():
     """``kvspec check``'s shapes run compares every example with the reference scheduler and
-    says how much it compared; a scheduler only the differential catches fails it."""
-    from kvspec.cli.shapes import differential_line, run_shapes
+    says how much it compared; a scheduler only the differential catches ends it as a policy
+    difference (its own status, exit code and JSON field; no invariant violated)."""
+    from kvspec.cli.common import EXIT_FOUND
+    from kvspec.cli.shapes import differential_line, run_shapes, shapes_exit, shapes_json
 
     held = run_shapes(ReferenceScheduler, profile="ci", examples=20, steps=None, seed=None, focus=None)
     assert held.status == "holds", held
@@ -55,8 +120,12 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     assert f"{d.steps} steps and {d.states} states compared" in differential_line(d)
     assert "divergences allowed: none" in differential_line(d)
 
-    variant, caught_as = DIFFERENTIAL_ONLY["serial-admission"]
+    variant, comparison = DIFFERENTIAL_ONLY["serial-admission"]
     found = run_shapes(variant, profile="ci", examples=EXAMPLES, steps=None, seed=None, focus=None)
-    assert found.status == "violated", found
-    assert {v.invariant for v in found.violations} == {caught_as}, found.violations
-
+    assert found.status == "differs" and not found.violations, found
+    assert found.difference is not None and found.difference.comparison == comparison
+    assert found.trace and found.trace == found.difference.trace
+    assert shapes_exit(0, found) == EXIT_FOUND
+    j = shapes_json(found)
+    assert j["violations"] == [] and j["policy_difference"]["compared"] == comparison.value, j
+    assert j["status"] == "differs", j

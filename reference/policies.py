@@ -1,0 +1,183 @@
+"""The reference scheduler's scheduling policies, declared per vLLM release.
+
+The spec allows several schedulers: every invariant in spec/ holds whether a waiting request's
+first step reserves EAGLE lookahead slots or not, whether a one-token admission is padded to a
+uniform decode or not, whether a sliding window's blocks are dropped by the optimistic or the
+processed token count (when the steps in flight do not read them).  Which choice a vLLM
+release makes is a fact about that release, not a rule of the spec, so the table lives here,
+beside the reference scheduler that it configures (reference/scheduler.py
+``ReferenceScheduler``), and spec/ stays release-agnostic.  The scheduler differential
+(testing/scheduler_machine.py ``SchedulerLockstep``) runs the reference with the policy
+declared for the release under test, compares only what that policy declares, and runs no
+comparison at all for a release without one.
+
+Every choice names the vLLM file and lines (in that release) that make it.  An entry covers the
+releases from ``first`` to ``last``; each entry here covers one release, because only the
+releases whose code was read and whose runs were checked against the reference are declared:
+a range would need the code of every release between its ends read as well.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import attrs
+
+
+class Comparison(StrEnum):
+    """What the differential compares after a step (testing/scheduler_machine.py), in the
+    order of the modes that add them (testing/differential.py ``Mode``)."""
+
+    SCHEDULED = "scheduled"  # outcomes: which requests a step schedules
+    PREEMPTED = "preempted"  # outcomes: which it preempts, in order
+    STEP_COUNTS = "scheduled (start, tokens, drafts)"  # counts: per scheduled request
+    HELD_BLOCKS = "held blocks"  # counts: per (request, KV-cache group)
+    TABLE_LAYOUT = "(table length, dropped slots)"  # renaming: per (request, group)
+    SHARED_SLOTS = "shared slots"  # renaming: per group, up to renaming block ids
+
+
+@attrs.frozen
+class Choice:
+    """One scheduling choice of a release and the vLLM code that makes it."""
+
+    value: bool
+    source: str  # "vllm/<file>:<lines>", in the entry's releases
+
+
+@attrs.frozen
+class Omission:
+    """A comparison an entry does not make, and why."""
+
+    comparison: Comparison
+    why: str
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
+@attrs.frozen
+class SchedulerPolicy:
+    """The policies of the vLLM releases ``first`` to ``last`` (inclusive) that the reference
+    scheduler follows, and what the differential compares on them."""
+
+    id: str
+    first: str  # a release, "X.Y.Z"
+    last: str
+    # A waiting request's first step reserves the EAGLE lookahead slots as every later step
+    # does (False: it reserves none).
+    lookahead_at_admission: Choice
+    # A request admitted with one token to compute beside decoding requests is padded with
+    # ``num_spec_tokens`` placeholder drafts, so the batch decodes uniformly.
+    pad_admissions: Choice
+    # A local (sliding-window, chunked) group drops the blocks before the window of the
+    # processed token count, the steps in flight excluded (False: of the optimistic computed
+    # count, the steps in flight included).
+    free_by_processed: Choice
+    not_compared: tuple[Omission, ...] = ()
+
+    @property
+    def releases(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return _version(self.first), _version(self.last)
+
+    def covers(self, release: tuple[int, ...]) -> bool:
+        first, last = self.releases
+        return first <= release <= last
+
+    def compares(self, comparison: Comparison) -> bool:
+        return all(o.comparison != comparison for o in self.not_compared)
+
+    def choices(self) -> dict[str, Choice]:
+        return {
+            "lookahead_at_admission": self.lookahead_at_admission,
+            "pad_admissions": self.pad_admissions,
+            "free_by_processed": self.free_by_processed,
+        }
+
+    def span(self) -> str:
+        return self.first if self.first == self.last else f"{self.first}-{self.last}"
+
+
+_SCHED = "vllm/v1/core/sched/scheduler.py"
+_KVM = "vllm/v1/core/kv_cache_manager.py"
+
+DECLARED: tuple[SchedulerPolicy, ...] = (
+    SchedulerPolicy(
+        "v1-0.12.0",
+        "0.12.0",
+        "0.12.0",
+        # effective_lookahead_tokens is 0 while num_computed_tokens is 0.
+        lookahead_at_admission=Choice(False, f"{_SCHED}:556-558"),
+        # A waiting request's token count is its uncomputed tokens capped by the budget; no padding.
+        pad_admissions=Choice(False, f"{_SCHED}:515-529"),
+        # remove_skipped_blocks(request_id, request.num_computed_tokens): the optimistic count.
+        free_by_processed=Choice(False, f"{_KVM}:265-267"),
+    ),
+    SchedulerPolicy(
+        "v1-0.20.1",
+        "0.20.1",
+        "0.20.1",
+        lookahead_at_admission=Choice(False, f"{_SCHED}:728-730"),
+        pad_admissions=Choice(False, f"{_SCHED}:677-693"),
+        # remove_skipped_blocks(request_id, total_computed_tokens), :364-367: computed plus hits.
+        free_by_processed=Choice(False, f"{_KVM}:380-382"),
+    ),
+    SchedulerPolicy(
+        "v1-0.30.0",
+        "0.30.0",
+        "0.30.0",
+        # Lookahead withheld only during an async KV-connector load (none here).
+        lookahead_at_admission=Choice(True, f"{_SCHED}:1134-1137"),
+        pad_admissions=Choice(True, f"{_SCHED}:1042-1064"),
+        # total_computed_tokens - request.num_in_flight_tokens.
+        free_by_processed=Choice(True, f"{_KVM}:540-544"),
+    ),
+    SchedulerPolicy(
+        "v1-0.33.0",
+        "0.33.0",
+        "0.33.0",
+        lookahead_at_admission=Choice(True, f"{_SCHED}:1403-1406"),
+        pad_admissions=Choice(True, f"{_SCHED}:1308-1330"),
+        free_by_processed=Choice(True, f"{_KVM}:564-568"),
+    ),
+)
+"""The declared policies, by release.  No two entries cover one release."""
+
+REFERENCE_OWN = attrs.evolve(DECLARED[-1], id="reference-scheduler")
+"""The policy the reference scheduler runs alone (and beside its own broken variants): the
+newest declared release's."""
+
+
+def parse_release(text: str) -> tuple[int, ...] | None:
+    """``X.Y.Z`` of a release string; None for anything else (a dev build, a local version),
+    which no entry covers."""
+    parts = text.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def declared_for(release: str) -> SchedulerPolicy | None:
+    """The policy declared for a vLLM release, or None."""
+    version = parse_release(release)
+    if version is None:
+        return None
+    found = [p for p in DECLARED if p.covers(version)]
+    return found[0] if found else None
+
+
+def declared_spans() -> str:
+    return ", ".join(p.span() for p in DECLARED)
+
+
+__all__ = [
+    "DECLARED",
+    "REFERENCE_OWN",
+    "Choice",
+    "Comparison",
+    "Omission",
+    "SchedulerPolicy",
+    "declared_for",
+    "declared_spans",
+    "parse_release",
+]
