@@ -19,6 +19,8 @@ a range would need the code of every release between its ends read as well.
 
 from __future__ import annotations
 
+import itertools
+import re
 from enum import StrEnum
 
 import attrs
@@ -143,6 +145,39 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
 )
 """The declared policies, by release.  No two entries cover one release."""
 
+class PolicyTableError(ValueError):
+    """A table of declared policies that cites no source for a choice, has a range that ends
+    before it starts, or covers a release twice."""
+
+
+_SOURCE = re.compile(r"^vllm/[\w/]+\.py:\d+(-\d+)?$")
+
+
+def validate(table: tuple[SchedulerPolicy, ...]) -> tuple[SchedulerPolicy, ...]:
+    """``table`` if every entry cites ``vllm/<file>.py:<lines>`` for every choice and says why
+    it leaves a comparison out, its releases run forward, and no two entries cover one release
+    (or share an ID); else ``PolicyTableError``."""
+    ids = [p.id for p in table]
+    if len(set(ids)) != len(ids):
+        raise PolicyTableError(f"an ID declared twice: {ids}")
+    for p in table:
+        first, last = p.releases
+        if not (len(first) == len(last) == 3 and first <= last):
+            raise PolicyTableError(f"{p.id}: releases {p.first} to {p.last}")
+        for name, choice in p.choices().items():
+            if not _SOURCE.match(choice.source):
+                raise PolicyTableError(f"{p.id}: {name} cites {choice.source!r}, not vllm/<file>.py:<lines>")
+        if any(not o.why for o in p.not_compared):
+            raise PolicyTableError(f"{p.id}: a comparison left out with no reason")
+    spans = sorted((p.releases, p.id) for p in table)
+    for ((_, last), a), ((first, _), b) in itertools.pairwise(spans):
+        if first <= last:
+            raise PolicyTableError(f"{a} and {b} both cover {'.'.join(map(str, first))}")
+    return table
+
+
+validate(DECLARED)
+
 REFERENCE_OWN = attrs.evolve(DECLARED[-1], id="reference-scheduler")
 """The policy the reference scheduler runs alone (and beside its own broken variants): the
 newest declared release's."""
@@ -176,8 +211,10 @@ __all__ = [
     "Choice",
     "Comparison",
     "Omission",
+    "PolicyTableError",
     "SchedulerPolicy",
     "declared_for",
     "declared_spans",
     "parse_release",
+    "validate",
 ]

@@ -321,7 +321,11 @@ class SchedulerLockstep:
             self.allowed.append((m, why))
             note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
             self._end(f"allowed {why.id}")
-        elif self._compares(mode) and self.policy.compares(comparison):
+        elif self._compares(mode) and not self.policy.compares(comparison):
+            # The policy does not declare this: no verdict, and the two no longer plan from the
+            # same state, so what follows would not be declared either.
+            self._end(f"{comparison.value} not declared")
+        elif self._compares(mode):
             self.difference = PolicyDifference(
                 self.release, comparison, seq, group, got, want, self.policy.id, mode.value
             )

@@ -7,14 +7,21 @@ as a policy difference and never as an invariant violation; the declared policie
 
 from __future__ import annotations
 
-import itertools
-import re
-
+import attrs
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
-from kvspec.reference.policies import DECLARED, REFERENCE_OWN, Comparison, declared_for
+from kvspec.reference.policies import (
+    DECLARED,
+    REFERENCE_OWN,
+    Choice,
+    Comparison,
+    Omission,
+    PolicyTableError,
+    declared_for,
+    validate,
+)
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
@@ -22,7 +29,6 @@ from kvspec.testing.differential import Mode
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 
 EXAMPLES = 100
-SOURCE = re.compile(r"^vllm/[\w/]+\.py:\d+(-\d+)?$")
 
 
 def _settings(n: int = EXAMPLES):
@@ -62,20 +68,47 @@ def test_invariants_accept_what_the_differential_rejects(name):
 
 def test_declared_policies_cite_their_source_and_do_not_overlap():
     """Every choice names a vLLM file:line; every entry a range of releases, first <= last;
-    no release is covered twice; every omission says why."""
-    ids = [p.id for p in DECLARED]
-    assert len(set(ids)) == len(ids) and REFERENCE_OWN.id not in ids, ids
-    spans = sorted(p.releases for p in DECLARED)
-    for first, last in spans:
-        assert len(first) == len(last) == 3 and first <= last, (first, last)
-    for (_, last), (first, _) in itertools.pairwise(spans):
-        assert last < first, spans
+    no release is covered twice; every omission says why.  The table is validated when it is
+    loaded, and each defect of a table is refused."""
+    assert validate(DECLARED) == DECLARED
+    assert REFERENCE_OWN.id not in {p.id for p in DECLARED}
     for p in DECLARED:
-        for name, choice in p.choices().items():
-            assert isinstance(choice.value, bool), (p.id, name)
-            assert SOURCE.match(choice.source), (p.id, name, choice.source)
-        assert all(o.why and isinstance(o.comparison, Comparison) for o in p.not_compared), p
+        assert all(isinstance(c.value, bool) for c in p.choices().values()), p
         assert declared_for(p.first) == p and declared_for(p.last) == p
+    one = DECLARED[0]
+    broken = {
+        "overlap": (one, attrs.evolve(one, id="again")),
+        "twice": (one, attrs.evolve(DECLARED[1], id=one.id)),
+        "backwards": (attrs.evolve(one, first="0.13.0", last="0.12.0"),),
+        "no source": (attrs.evolve(one, pad_admissions=Choice(False, "scheduler.py")),),
+        "no reason": (attrs.evolve(one, not_compared=(Omission(Comparison.SHARED_SLOTS, ""),)),),
+    }
+    for name, table in broken.items():
+        with pytest.raises(PolicyTableError):
+            validate(table)
+            pytest.fail(name)
+
+
+def test_the_differential_compares_only_what_the_policy_declares(monkeypatch):
+    """``over-reserve`` holds a block more than the reference: under a policy that leaves the
+    held blocks and the table layout out, no verdict, the examples where they differ end their
+    comparison and say why, and the summary names what was not compared."""
+    import kvspec.testing.scheduler_machine as machine
+    from kvspec.cli.shapes import not_compared_lines
+
+    variant, comparison = DIFFERENTIAL_ONLY["over-reserve"]
+    assert comparison == Comparison.HELD_BLOCKS
+    left_out = tuple(Omission(c, "not read") for c in (Comparison.HELD_BLOCKS, Comparison.TABLE_LAYOUT))
+    narrow = attrs.evolve(REFERENCE_OWN, not_compared=left_out)
+    monkeypatch.setattr(machine, "policy_beside", lambda target: narrow)
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(variant, differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(30),
+    )
+    assert counts.ended[f"{Comparison.HELD_BLOCKS.value} not declared"] > 0, counts
+    lines = not_compared_lines(counts)
+    assert f"not compared: {Comparison.HELD_BLOCKS.value} (not read)" in lines, lines
 
 
 def test_a_release_without_a_declared_policy_gets_no_differential(monkeypatch):
