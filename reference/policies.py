@@ -76,6 +76,10 @@ class SchedulerPolicy:
     # processed token count, the steps in flight excluded (False: of the optimistic computed
     # count, the steps in flight included).
     free_by_processed: Choice
+    # The ``scheduler_reserve_full_isl`` admission gate caps a local group's share of the whole
+    # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two);
+    # False: plus one batch's.
+    admission_cap_all_batches: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -94,6 +98,7 @@ class SchedulerPolicy:
             "lookahead_at_admission": self.lookahead_at_admission,
             "pad_admissions": self.pad_admissions,
             "free_by_processed": self.free_by_processed,
+            "admission_cap_all_batches": self.admission_cap_all_batches,
         }
 
     def span(self) -> str:
@@ -114,6 +119,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         pad_admissions=Choice(False, f"{_SCHED}:515-529"),
         # remove_skipped_blocks(request_id, request.num_computed_tokens): the optimistic count.
         free_by_processed=Choice(False, f"{_KVM}:265-267"),
+        # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
+        # refuses full_sequence_must_fit shapes on this release), so the cap never applies.
+        admission_cap_all_batches=Choice(False, "vllm/config/scheduler.py:28-50"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -123,6 +131,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         pad_admissions=Choice(False, f"{_SCHED}:677-693"),
         # remove_skipped_blocks(request_id, total_computed_tokens), :364-367: computed plus hits.
         free_by_processed=Choice(False, f"{_KVM}:380-382"),
+        # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
+        # likewise, :388-392), passed in by single_type_kv_cache_manager.py:1159-1164.
+        admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -133,6 +144,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         pad_admissions=Choice(True, f"{_SCHED}:1042-1064"),
         # total_computed_tokens - request.num_in_flight_tokens.
         free_by_processed=Choice(True, f"{_KVM}:540-544"),
+        # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
+        # kv_cache_interface.py:835-842 adds to the window.
+        admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:602-610"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -141,6 +155,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         lookahead_at_admission=Choice(True, f"{_SCHED}:1403-1406"),
         pad_admissions=Choice(True, f"{_SCHED}:1308-1330"),
         free_by_processed=Choice(True, f"{_KVM}:564-568"),
+        # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
+        admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release."""

@@ -67,7 +67,8 @@ class ReferenceScheduler:
         its pool itself, runs any number of requests and reserves as 0.33.0 does.  ``policy``:
         the scheduling choices of the release it stands for (reference/policies.py: lookahead
         slots at admission, uniform-decode padding, the count out-of-window blocks are dropped
-        by); alone, its own (the newest declared release's)."""
+        by, the batches in flight the admission cap counts); alone, its own (the newest declared
+        release's)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -89,6 +90,7 @@ class ReferenceScheduler:
         self.lookahead_at_admission = policy.lookahead_at_admission.value
         self.pad_admissions = policy.pad_admissions.value
         self.free_by_processed = policy.free_by_processed.value
+        self.admission_cap_all_batches = policy.admission_cap_all_batches.value
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -258,7 +260,8 @@ class ReferenceScheduler:
 
     def _admission_blocks(self, tokens: int, group: GroupSpec) -> int:
         blocks = blocks_for_tokens(tokens, group.block_size)
-        in_flight = (2 if self.shape.async_scheduling else 1) * self.shape.max_num_batched_tokens
+        batches = 2 if self.shape.async_scheduling and self.admission_cap_all_batches else 1
+        in_flight = batches * self.shape.max_num_batched_tokens
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
         if group.state_blocks is not None:
