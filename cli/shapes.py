@@ -159,8 +159,9 @@ def print_shapes(o: ShapesOutcome) -> None:
         + {
             "holds": "[green]every invariant holds per group and over the shared pool[/]",
             "violated": "[bold red]VIOLATED[/]",
-            "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from its "
-            "release's declared policy[/]",
+            "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from "
+            + (escape(o.difference.whose()) if o.difference is not None else "its release")
+            + "'s declared policy[/]",
             "error": "[bold red]the scheduler crashed[/]",
             "no-examples": "[yellow]nothing ran[/]",
         }[o.status]
