@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvspec.reference.policies import REFERENCE_OWN, Comparison, SchedulerPolicy, declared_for
 from kvspec.reference.scheduler import ReferenceScheduler
@@ -121,6 +122,12 @@ def shapes(draw) -> Shape:
 
 
 TargetFactory = Callable[[Shape], SchedulerTarget]
+
+
+def _note(message: str) -> None:
+    """A note on the example, where there is one (a lockstep also runs a fixed trace)."""
+    if currently_in_test_context():
+        note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
@@ -231,7 +238,7 @@ class SchedulerLockstep:
     def _end(self, why: str) -> None:
         self.ended = why
         self._pairs.clear()
-        note(f"differential: comparison ends here ({why})")
+        _note(f"differential: comparison ends here ({why})")
 
     # ------------------------------------------------ the SchedulerTarget surface
 
@@ -319,7 +326,7 @@ class SchedulerLockstep:
         why = explained(m, self.known)
         if why is not None:
             self.allowed.append((m, why))
-            note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
+            _note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
             self._end(f"allowed {why.id}")
         elif self._compares(mode) and not self.policy.compares(comparison):
             # The policy does not declare this: no verdict, and the two no longer plan from the
