@@ -159,7 +159,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
     ),
 )
-"""The declared policies, by release.  No two entries cover one release."""
+"""The declared policies, by release.  No two entries cover one release (``validate``, run
+when this module loads)."""
+
 
 class PolicyTableError(ValueError):
     """A table of declared policies that cites no source for a choice, has a range that ends
