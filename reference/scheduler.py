@@ -236,7 +236,9 @@ class ReferenceScheduler:
             return None
         fresh = req.computed == 0
         lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
-        self._grow(req, req.computed + n + lookahead)
+        # Slots beyond max_model_len are never reserved, lookahead included (vLLM caps the tokens
+        # needing a slot there: kv_cache_manager.py:272-275 in 0.12.0, :551-553 in 0.33.0).
+        self._grow(req, min(req.computed + n + lookahead, self.shape.max_model_len))
         start = req.computed
         req.computed += n
         req.in_flight += n

@@ -23,6 +23,7 @@ from kvspec.reference.policies import (
     validate,
 )
 from kvspec.reference.scheduler import ReferenceScheduler
+from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
 from kvspec.testing.differential import Mode
@@ -164,3 +165,24 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     j = shapes_json(found)
     assert j["violations"] == [] and j["policy_difference"]["compared"] == comparison.value, j
     assert j["status"] == "differs", j
+
+
+def test_lookahead_slots_stop_at_max_model_len():
+    """A decode step near max_model_len reserves no slot past it, lookahead included, as vLLM
+    caps the tokens needing a slot: in a pool of exactly ``max_model_len`` positions, a
+    10-token prompt's step of one token and three drafts, with three EAGLE lookahead slots,
+    runs without preempting (vLLM 0.12.0 --seed 3 planned it; the reference once preempted)."""
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=False,
+        num_spec_tokens=3, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2, eagle=True,
+    )
+    ref = ReferenceScheduler(shape, policy=declared_for("0.12.0"))
+    assert ref.num_blocks == 8 and ref.num_lookahead_tokens == 3
+    ref.add(0, [0] * 10, 2)
+    first = ref.schedule()
+    assert [(s.start, s.num_tokens) for s in first.scheduled] == [(0, 10)]
+    ref.update(first, {0: [0]}, {0: [0, 0, 0]})
+    second = ref.schedule()
+    assert [(s.start, s.num_tokens) for s in second.scheduled] == [(10, 4)] and not second.preempted, second
+    assert len(ref.reqs[0].tables[0]) == 8
