@@ -206,7 +206,9 @@ class ReferenceScheduler:
             drafts: tuple[int, ...] = (-1,) * k
         else:
             drafts = tuple(req.drafts[:k])
-        n = min(1 + len(drafts), budget)
+        # No input position at or past max_model_len - 1: the drafts are cut to fit (vLLM
+        # 0.12.0 scheduler.py:264-268; 0.33.0 scheduler.py:851-857, one sampled token a step).
+        n = min(1 + len(drafts), budget, self.shape.max_model_len - 1 - req.computed)
         return n, drafts[: n - 1]
 
     def _done_in_flight(self, req: _Req) -> bool:

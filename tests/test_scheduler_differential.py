@@ -186,3 +186,22 @@ def test_lookahead_slots_stop_at_max_model_len():
     second = ref.schedule()
     assert [(s.start, s.num_tokens) for s in second.scheduled] == [(10, 4)] and not second.preempted, second
     assert len(ref.reqs[0].tables[0]) == 8
+
+
+def test_drafts_are_cut_at_max_model_len():
+    """A decode step's drafts stop before max_model_len - 1, as vLLM cuts them: an 8-token
+    prompt whose three drafts are accepted reaches position 12 of 16, where one token and two
+    drafts fit (vLLM 0.12.0 --seed 3 planned (12, 3, 2); the reference once planned (12, 4, 3))."""
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=False,
+        num_spec_tokens=3, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=3, eagle=True,
+    )
+    ref = ReferenceScheduler(shape, policy=declared_for("0.12.0"))
+    ref.add(0, [0] * 8, 8)
+    plans = []
+    for sampled in ([0], [0] * 4, [0]):
+        plan = ref.schedule()
+        plans.append([(s.start, s.num_tokens, s.drafts) for s in plan.scheduled])
+        ref.update(plan, {0: sampled}, {0: [0, 0, 0]})
+    assert plans == [[(0, 8, 0)], [(8, 4, 3)], [(12, 3, 2)]], plans
