@@ -332,6 +332,7 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
     for r in data["results"]:
         seeds = len(r["rows"])
         invs = sorted({i for row in r["rows"] for i in row.get("invariants", [])})
+        invs += sorted({f"differs ({row['differs']})" for row in r["rows"] if "differs" in row})
         exs = [row["examples_to_discovery"] for row in r["rows"] if "examples_to_discovery" in row]
         lens = [row["shrunk_trace_len"] for row in r["rows"] if "shrunk_trace_len" in row]
         other = sorted({row["outcome"] for row in r["rows"] if row["outcome"] != "found"})

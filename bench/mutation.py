@@ -261,6 +261,8 @@ def _shapes(focus: list[str] | None, examples: int, steps: int) -> dict[str, Any
     if o.violations:
         out["invariants"] = sorted({v.invariant for v in o.violations})
         out["error"] = str(o.violations[0])[:300]
+    elif o.difference is not None:
+        out["differs"] = str(o.difference)[:300]
     elif o.error:
         out["error"] = o.error[:300]
     return out
@@ -323,6 +325,9 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
             if shapes["status"] == "violated":
                 out.update(status="killed", kind="violation", invariants=shapes["invariants"],
                            error=f"scheduler shapes: {shapes['error']}")
+            elif shapes["status"] == "differs":
+                out.update(status="killed", kind="policy difference: scheduler shapes",
+                           error=shapes.get("differs", ""))
             elif shapes["status"] == "error":
                 out.update(status="killed", kind="crash: scheduler shapes",
                            error=shapes.get("error", ""))

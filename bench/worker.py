@@ -328,6 +328,7 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
     row of ``python -m bench ttc``."""
     from hypothesis.errors import Unsatisfiable
     from kvspec.testing import SpecViolation
+    from kvspec.testing.scheduler_machine import PolicyDifference
 
     rows = []
     for seed in p["seeds"]:
@@ -352,6 +353,14 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
             row["invariants"] = sorted({v.invariant for v in err.violations})
             row["shrunk_trace_len"] = len(err.trace)
             row["message"] = str(err.violations[0])[:240]
+            row["config"] = mark.get("config", "")
+            row["trace"] = [s.describe()[:160] for s in err.trace][:12]
+        except PolicyDifference as err:  # the scheduler differential's verdict (no invariant)
+            row["outcome"] = "found"
+            row["invariants"] = []
+            row["differs"] = f"{err.policy}: {err.comparison.value}"
+            row["shrunk_trace_len"] = len(err.trace)
+            row["message"] = str(err)[:240]
             row["config"] = mark.get("config", "")
             row["trace"] = [s.describe()[:160] for s in err.trace][:12]
         except Unsatisfiable:

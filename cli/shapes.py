@@ -21,6 +21,7 @@ from hypothesis import settings as Settings
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test
+from kvspec.reference.policies import Comparison, declared_spans
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
@@ -28,7 +29,7 @@ from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
 from kvspec.testing.known import Fingerprint, KnownFinding, which_known
 from kvspec.testing.scheduler_driver import ShapeCounts
-from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
+from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 from rich.markup import escape
 
 from .common import out
@@ -41,7 +42,7 @@ EXAMPLES_SHARE = 1  # as many examples as the block-manager search
 
 @attrs.define
 class ShapesOutcome:
-    status: str  # holds | violated | error | no-examples
+    status: str  # holds | violated | differs | error | no-examples
     counts: ShapeCounts
     examples: int = 0
     operations: int = 0
@@ -54,6 +55,8 @@ class ShapesOutcome:
     # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
     differential: DiffCounts = attrs.Factory(DiffCounts)
     known: KnownFinding | None = None  # the known finding (testing/known_findings.toml) it is
+    # status "differs": the target differs from its release's declared scheduling policy.
+    difference: PolicyDifference | None = None
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
@@ -130,6 +133,11 @@ def run_shapes(
         outcome.violations = list(found.violations)
         outcome.trace = list(found.trace)
         outcome.shape = last.get("shape")
+    except PolicyDifference as found:
+        outcome.status = "differs"
+        outcome.difference = found
+        outcome.trace = list(found.trace)
+        outcome.shape = last.get("shape")
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -151,6 +159,9 @@ def print_shapes(o: ShapesOutcome) -> None:
         + {
             "holds": "[green]every invariant holds per group and over the shared pool[/]",
             "violated": "[bold red]VIOLATED[/]",
+            "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from "
+            + (escape(o.difference.whose()) if o.difference is not None else "its release")
+            + "'s declared policy[/]",
             "error": "[bold red]the scheduler crashed[/]",
             "no-examples": "[yellow]nothing ran[/]",
         }[o.status]
@@ -169,11 +180,13 @@ def print_shapes(o: ShapesOutcome) -> None:
         out.print(f"  {escape(o.error)}")
     if o.known is not None:
         out.print(f"  known finding {o.known.id} (FINDINGS.md): {escape(o.known.title)}")
-    if o.status in ("violated", "error"):
+    if o.status in ("violated", "differs", "error"):
         if o.shape is not None:
             out.print(f"shape: {escape(o.shape.describe())}")
         for v in o.violations:
             out.print(f"  {escape(str(v))}")
+        if o.difference is not None:
+            out.print(f"  {escape(str(o.difference))}")
         out.print("trace (what the worker did -> what the scheduler planned):")
         for i, s in enumerate(o.trace, 1):
             out.print(f"  {i}. {escape(s.describe())}", soft_wrap=True)
@@ -182,21 +195,42 @@ def print_shapes(o: ShapesOutcome) -> None:
 def differential_line(d: DiffCounts) -> str:
     """What the scheduler differential compared, the divergences it allowed by ID, and why
     comparisons ended before their example did (a run that compared nothing says so)."""
+    if d.undeclared is not None and not d.examples:
+        return (
+            f"differential not run: no declared scheduler policy for vLLM {d.undeclared} "
+            f"(declared: {declared_spans()}; reference/policies.py)"
+        )
     if not d.steps:
         return "differential vs the reference scheduler: [yellow]no step compared[/]"
     allowed = ", ".join(f"{k} {n}" for k, n in sorted(d.allowed.items())) or "none"
     ended = sum(d.ended.values())
     why = ", ".join(f"{k} {n}" for k, n in sorted(d.ended.items()))
+    policy = "" if d.policy is None else f", policy {d.policy.id}"
     return (
-        f"differential vs the reference scheduler ({DIFFERENTIAL_MODE.value}): {d.examples} "
+        f"differential vs the reference scheduler ({DIFFERENTIAL_MODE.value}{policy}): {d.examples} "
         f"examples, {d.steps} steps and {d.states} states compared; divergences allowed: "
         f"{allowed}; compared to the end in {d.examples - ended} examples"
         + (f", ended early in {ended} ({why})" if ended else "")
     )
 
 
+def not_compared_lines(d: DiffCounts) -> list[str]:
+    """What the differential did not compare, and why: comparisons the policy leaves out,
+    examples run without the differential."""
+    lines = []
+    if d.policy is not None:
+        lines += [f"not compared: {o.comparison.value} ({o.why})" for o in d.policy.not_compared]
+        compared = {c for c in Comparison if d.policy.compares(c)}
+        if compared and len(compared) < len(Comparison):
+            lines.append(f"compared: {', '.join(c.value for c in Comparison if c in compared)}")
+    lines += [f"not run in {n} examples: {why}" for why, n in sorted(d.not_run.items())]
+    return lines
+
+
 def print_differential(o: ShapesOutcome) -> None:
     out.print(f"  {differential_line(o.differential)}")
+    for line in not_compared_lines(o.differential):
+        out.print(f"    {escape(line)}")
 
 
 def print_cache_counts(o: ShapesOutcome) -> None:
@@ -253,7 +287,11 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
             "states_compared": o.differential.states,
             "divergences_allowed": dict(sorted(o.differential.allowed.items())),
             "ended_early": dict(sorted(o.differential.ended.items())),
+            "policy": None if o.differential.policy is None else o.differential.policy.id,
+            "undeclared": o.differential.undeclared,
+            "not_compared": not_compared_lines(o.differential),
         },
+        "policy_difference": None if o.difference is None else difference_json(o.difference),
         "per_shape": {
             t: [o.counts.examples.get(t, 0), o.counts.operations.get(t, 0)] for t in SHAPE_TAGS
         },
@@ -262,6 +300,20 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "shape": attrs.asdict(o.shape) if o.shape is not None else None,
         "error": o.error,
         "known": o.known.id if o.known is not None else None,
+    }
+
+
+def difference_json(d: PolicyDifference) -> dict[str, Any]:
+    return {
+        "release": d.release,
+        "policy": d.policy,
+        "compared": d.comparison.value,
+        "mode": d.mode,
+        "seq": d.seq,
+        "group": d.group,
+        "target": repr(d.target),
+        "reference": repr(d.reference),
+        "message": str(d),
     }
 
 
@@ -319,4 +371,4 @@ def shapes_exit(code: int, o: ShapesOutcome | None) -> int:
         return code
     from .common import EXIT_FOUND
 
-    return max(code, EXIT_FOUND) if o.status in ("violated", "error") else code
+    return max(code, EXIT_FOUND) if o.status in ("violated", "differs", "error") else code

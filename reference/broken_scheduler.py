@@ -15,6 +15,7 @@ import attrs
 from kvspec.spec.groups import GroupSpec, Scheduled, Shape
 from kvspec.spec.window import first_needed_position
 
+from .policies import Comparison
 from .scheduler import ReferenceScheduler, _Req
 
 
@@ -218,10 +219,11 @@ class OverReserve(ReferenceScheduler):
         return super()._slots_for(req, end, group) + (group == self.group_specs[0])
 
 
-DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], str]] = {
-    SerialAdmission.name: (SerialAdmission, "differential/outcomes"),
-    OverReserve.name: (OverReserve, "differential/counts"),
+DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
+    SerialAdmission.name: (SerialAdmission, Comparison.SCHEDULED),
+    OverReserve.name: (OverReserve, Comparison.HELD_BLOCKS),
 }
-"""Broken schedulers no invariant catches and the differential does, with the ID it reports."""
+"""Broken schedulers no invariant catches and the differential does (as a difference from the
+reference's own policy), with what it compares when it finds them."""
 
 __all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "BrokenScheduler"]

@@ -22,6 +22,8 @@ from kvspec.spec.groups import GroupSpec, GroupState, HybridState, Plan, Schedul
 from kvspec.spec.state import Device, PoolView, TableView
 from kvspec.spec.window import blocks_for_tokens
 
+from .policies import REFERENCE_OWN, SchedulerPolicy
+
 
 @attrs.define
 class _Req:
@@ -56,22 +58,17 @@ class ReferenceScheduler:
         num_blocks: int | None = None,
         max_num_seqs: int | None = None,
         num_lookahead_tokens: int | None = None,
-        lookahead_at_admission: bool = True,
-        pad_admissions: bool = True,
-        free_by_processed: bool = True,
+        policy: SchedulerPolicy = REFERENCE_OWN,
     ) -> None:
         """``num_blocks``, ``max_num_seqs`` (running requests at most) and
         ``num_lookahead_tokens`` are those of a target the reference runs beside (the
         differential): its pool is sized by its own startup check, and whether its EAGLE
         reserves lookahead slots is its release's configuration.  Alone, the reference sizes
-        its pool itself, runs any number of requests and reserves as 0.33.0 does.
-        ``lookahead_at_admission`` False: a request's first step reserves no lookahead slots
-        (0.12.0 scheduler.py:556-557; 0.33.0 reserves them, scheduler.py:1403-1406).
-        ``pad_admissions`` False: no uniform-decode padding (``_padded``; absent in 0.12.0).
-        ``free_by_processed`` False: a local group drops out-of-window blocks by the optimistic
-        computed count, steps in flight included (0.12.0 kv_cache_manager.py:264-266; 0.33.0
-        frees by the processed count, kv_cache_manager.py:561-568, because the steps in flight
-        still read those blocks and rejected drafts roll the count back)."""
+        its pool itself, runs any number of requests and reserves as 0.33.0 does.  ``policy``:
+        the scheduling choices of the release it stands for (reference/policies.py: lookahead
+        slots at admission, uniform-decode padding, the count out-of-window blocks are dropped
+        by, the batches in flight the admission cap counts); alone, its own (the newest declared
+        release's)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -89,9 +86,11 @@ class ReferenceScheduler:
             if num_lookahead_tokens is None
             else num_lookahead_tokens
         )
-        self.lookahead_at_admission = lookahead_at_admission
-        self.pad_admissions = pad_admissions
-        self.free_by_processed = free_by_processed
+        self.policy = policy
+        self.lookahead_at_admission = policy.lookahead_at_admission.value
+        self.pad_admissions = policy.pad_admissions.value
+        self.free_by_processed = policy.free_by_processed.value
+        self.admission_cap_all_batches = policy.admission_cap_all_batches.value
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -207,7 +206,9 @@ class ReferenceScheduler:
             drafts: tuple[int, ...] = (-1,) * k
         else:
             drafts = tuple(req.drafts[:k])
-        n = min(1 + len(drafts), budget)
+        # No input position at or past max_model_len - 1: the drafts are cut to fit (vLLM
+        # 0.12.0 scheduler.py:264-268; 0.33.0 scheduler.py:851-857, one sampled token a step).
+        n = min(1 + len(drafts), budget, self.shape.max_model_len - 1 - req.computed)
         return n, drafts[: n - 1]
 
     def _done_in_flight(self, req: _Req) -> bool:
@@ -237,7 +238,9 @@ class ReferenceScheduler:
             return None
         fresh = req.computed == 0
         lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
-        self._grow(req, req.computed + n + lookahead)
+        # Slots beyond max_model_len are never reserved, lookahead included (vLLM caps the tokens
+        # needing a slot there: kv_cache_manager.py:272-275 in 0.12.0, :551-553 in 0.33.0).
+        self._grow(req, min(req.computed + n + lookahead, self.shape.max_model_len))
         start = req.computed
         req.computed += n
         req.in_flight += n
@@ -261,7 +264,8 @@ class ReferenceScheduler:
 
     def _admission_blocks(self, tokens: int, group: GroupSpec) -> int:
         blocks = blocks_for_tokens(tokens, group.block_size)
-        in_flight = (2 if self.shape.async_scheduling else 1) * self.shape.max_num_batched_tokens
+        batches = 2 if self.shape.async_scheduling and self.admission_cap_all_batches else 1
+        in_flight = batches * self.shape.max_num_batched_tokens
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
         if group.state_blocks is not None:

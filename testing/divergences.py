@@ -120,24 +120,13 @@ def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence 
     return None
 
 
-def release_before(name: str, version: tuple[int, ...]) -> bool:
-    """Whether a scheduler target's name (``vllm-v1-scheduler-X.Y.Z``) is of a release before
-    ``version``."""
-    tail = name.rsplit("-", 1)[-1]
-    try:
-        found = tuple(int(p) for p in tail.split(".")[:3])
-    except ValueError:
-        return False
-    return name.startswith("vllm-") and found < version
-
-
 SCHEDULER_KNOWN: tuple[Divergence, ...] = ()
 """Differences between vLLM's V1 scheduler and the reference scheduler the spec allows
 (testing/scheduler_machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
 names what was compared (``scheduled``, ``preempted``, ``scheduled (start, tokens, drafts)``,
 ``held blocks in group G``, ``(table length, dropped slots) in group G``).  Where a release's
-scheduling policy differs from 0.33.0's, the reference scheduler follows that release
-(``reference_beside``: lookahead slots at admission, uniform-decode padding, the count
-out-of-window blocks are freed by), so the comparison goes on; the invariants judge each
-release's safety on their own.  A difference the spec allows and the reference does not follow
-would be stated here, and would end the example's comparison: none is needed on 0.33.0."""
+scheduling policy differs from another's, the reference scheduler follows the policy declared
+for the target's release (reference/policies.py), so the comparison goes on; the invariants
+judge each release's safety on their own.  A difference the spec allows and no declared policy
+follows would be stated here, and would end the example's comparison: none is needed on the
+declared releases."""

@@ -21,6 +21,12 @@ counts    also, each scheduled request starts at the same position and computes 
 renaming  also, every group's tables have the same length, drop the same slots (sliding
           windows) and share the same slots, up to renaming block ids.  The default.
 
+The reference follows the scheduling policy declared for the target's release
+(reference/policies.py ``declared_for``), and only the comparisons that policy declares are
+made.  A release with no declared policy gets no differential (``DiffCounts.undeclared`` says
+so).  A difference is not an invariant violation: it is raised as ``PolicyDifference`` (the
+target differs from its release's declared policy), after the invariants, which come first.
+
 A difference a known divergence (``divergences.SCHEDULER_KNOWN``) explains is allowed and
 counted; from there the two schedulers no longer plan from the same state, so the comparison
 ends for the example.  With prefix caching on, the comparison also ends at the first step where
@@ -40,15 +46,17 @@ from typing import Any
 import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvspec.reference.policies import REFERENCE_OWN, Comparison, SchedulerPolicy, declared_for
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import HybridState, Plan, Shape
 from kvspec.spec.invariants import Violation
 
 from .differential import Mode
-from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
-from .driver import SpecViolation
+from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
+from .driver import SpecViolation, TraceStep
 from .generator_rules import block_relative, spare_blocks
 from .generator_rules import token as rule_token
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
@@ -111,8 +119,48 @@ def shapes(draw) -> Shape:
 
 
 TargetFactory = Callable[[Shape], SchedulerTarget]
+
+
+def _note(message: str) -> None:
+    """A note on the example, where there is one (a lockstep also runs a fixed trace)."""
+    if currently_in_test_context():
+        note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
+
+
+@attrs.define(eq=False)
+class PolicyDifference(Exception):
+    """The target scheduled (or laid its tables out) differently from the reference scheduler
+    following the policy declared for the target's release: a verdict of its own, not an
+    invariant violation (every invariant may hold on both)."""
+
+    release: str  # the target's release ("0.30.0"), or the scheduler's name beside the reference
+    comparison: Comparison  # what was compared
+    seq: int | None  # the request, where the comparison is per request
+    group: str | None  # the KV-cache group, where it is per group
+    target: object  # what the target gave
+    reference: object  # what the reference scheduler gave
+    policy: str  # the declared policy's ID (reference/policies.py)
+    mode: str  # the differential's mode that makes the comparison
+    trace: list[TraceStep] = attrs.Factory(list)
+
+    def whose(self) -> str:
+        """The scheduler whose declared policy the target differs from."""
+        return f"vLLM {self.release}" if self.policy != REFERENCE_OWN.id else "the reference scheduler"
+
+    def what(self) -> str:
+        where = ("" if self.group is None else f" in group {self.group}") + (
+            "" if self.seq is None else f" of seq {self.seq}"
+        )
+        return f"{self.comparison.value}{where}"
+
+    def __str__(self) -> str:
+        name = f"vLLM {self.release}" if self.policy != REFERENCE_OWN.id else self.release
+        return (
+            f"differs from {self.whose()}'s declared policy ({self.policy}): {self.what()}: "
+            f"{name} gave {self.target}, the reference scheduler under that policy {self.reference}"
+        )
 
 
 @attrs.define
@@ -124,9 +172,13 @@ class DiffCounts:
     states: int = 0  # observed states compared (after every rule)
     allowed: Counter = attrs.Factory(Counter)  # allowed divergences by ID
     ended: Counter = attrs.Factory(Counter)  # why comparisons ended before the example did
+    not_run: Counter = attrs.Factory(Counter)  # examples run without the differential, by why
+    policy: SchedulerPolicy | None = None  # the declared policy the reference followed
+    undeclared: str | None = None  # the target's release, when no policy is declared for it
 
     def add(self, lockstep: SchedulerLockstep) -> None:
         self.examples += 1
+        self.policy = lockstep.policy
         self.steps += lockstep.steps
         self.states += lockstep.states
         for _, why in lockstep.allowed:
@@ -154,13 +206,17 @@ class SchedulerLockstep:
         reference: SchedulerTarget,
         mode: Mode = Mode.RENAMING,
         known: tuple[Divergence, ...] = SCHEDULER_KNOWN,
+        policy: SchedulerPolicy = REFERENCE_OWN,
+        release: str | None = None,
     ) -> None:
         self.target, self.reference, self.mode, self.known = target, reference, mode, known
+        self.policy = policy
+        self.release = release if release is not None else target.name
         self.caching = target.config.prefix_caching
         self.ended: str | None = None  # why the comparison ended, if it did
         self.steps = 0
         self.states = 0
-        self.mismatches: list[Violation] = []
+        self.difference: PolicyDifference | None = None
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
         self._running: set[int] = set()  # requests the target runs (scheduled since admission)
@@ -179,7 +235,7 @@ class SchedulerLockstep:
     def _end(self, why: str) -> None:
         self.ended = why
         self._pairs.clear()
-        note(f"differential: comparison ends here ({why})")
+        _note(f"differential: comparison ends here ({why})")
 
     # ------------------------------------------------ the SchedulerTarget surface
 
@@ -243,7 +299,16 @@ class SchedulerLockstep:
 
     # ------------------------------------------------ comparing
 
-    def _differ(self, mode: Mode, op: str, seq: int | None, got: object, want: object) -> None:
+    def _differ(
+        self,
+        mode: Mode,
+        comparison: Comparison,
+        seq: int | None,
+        got: object,
+        want: object,
+        group: str | None = None,
+    ) -> None:
+        op = comparison.value + ("" if group is None else f" in group {group}")
         m = Mismatch(
             mode.value,
             op,
@@ -258,27 +323,27 @@ class SchedulerLockstep:
         why = explained(m, self.known)
         if why is not None:
             self.allowed.append((m, why))
-            note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
+            _note(f"allowed divergence {why.id}: {op} seq {seq}: target {got}, reference {want}")
             self._end(f"allowed {why.id}")
+        elif self._compares(mode) and not self.policy.compares(comparison):
+            # The policy does not declare this: no verdict, and the two no longer plan from the
+            # same state, so what follows would not be declared either.
+            self._end(f"{comparison.value} not declared")
         elif self._compares(mode):
-            self.mismatches.append(
-                Violation(
-                    f"differential/{mode.value}",
-                    f"{op}" + ("" if seq is None else f" of seq {seq}")
-                    + f": {self.target.name} gave {got}, the reference scheduler {want}",
-                )
+            self.difference = PolicyDifference(
+                self.release, comparison, seq, group, got, want, self.policy.id, mode.value
             )
-            self._end(f"differential/{mode.value}")
+            self._end("policy difference")
 
     def _compare_plans(self, plan: Plan, ref: Plan) -> None:
         self.steps += 1
         got = [s.seq_id for s in plan.scheduled]
         want = [s.seq_id for s in ref.scheduled]
         if sorted(got) != sorted(want):
-            self._differ(Mode.OUTCOMES, "scheduled", None, sorted(got), sorted(want))
+            self._differ(Mode.OUTCOMES, Comparison.SCHEDULED, None, sorted(got), sorted(want))
             return
         if list(plan.preempted) != list(ref.preempted):
-            self._differ(Mode.OUTCOMES, "preempted", None, list(plan.preempted), list(ref.preempted))
+            self._differ(Mode.OUTCOMES, Comparison.PREEMPTED, None, list(plan.preempted), list(ref.preempted))
             return
         theirs = {s.seq_id: s for s in ref.scheduled}
         for s in plan.scheduled:
@@ -286,16 +351,15 @@ class SchedulerLockstep:
             mine = (s.start, s.num_tokens, s.drafts)
             other = (r.start, r.num_tokens, r.drafts)
             if mine != other:
-                self._differ(Mode.COUNTS, "scheduled (start, tokens, drafts)", s.seq_id, mine, other)
+                self._differ(Mode.COUNTS, Comparison.STEP_COUNTS, s.seq_id, mine, other)
                 return
 
-    def compare_states(self) -> list[Violation]:
-        """Compare the two observed states (after a rule); the mismatches so far."""
+    def compare_states(self) -> PolicyDifference | None:
+        """Compare the two observed states (after a rule); the difference found so far."""
         if self.comparing:
             self.states += 1
             self._compare_tables(self.target.observe(), self.reference.observe())
-        found, self.mismatches = self.mismatches, []
-        return found
+        return self.difference
 
     def _compare_tables(self, t: HybridState, r: HybridState) -> None:
         if not self._compares(Mode.COUNTS):
@@ -308,26 +372,28 @@ class SchedulerLockstep:
                 held_t = sum(b is not None for b in ts)
                 held_r = sum(b is not None for b in rs)
                 if held_t != held_r:
-                    self._differ(Mode.COUNTS, f"held blocks in group {name}", seq, held_t, held_r)
+                    self._differ(Mode.COUNTS, Comparison.HELD_BLOCKS, seq, held_t, held_r, name)
                     return
                 dropped_t = [i for i, b in enumerate(ts) if b is None]
                 dropped_r = [i for i, b in enumerate(rs) if b is None]
                 if held_t and (len(ts), dropped_t) != (len(rs), dropped_r):
                     self._differ(
                         Mode.RENAMING,
-                        f"(table length, dropped slots) in group {name}",
+                        Comparison.TABLE_LAYOUT,
                         seq,
                         (len(ts), dropped_t),
                         (len(rs), dropped_r),
+                        name,
                     )
                     return
             if _sharing(tg.tables) != _sharing(rg.tables):
                 self._differ(
                     Mode.RENAMING,
-                    f"shared slots in group {name}",
+                    Comparison.SHARED_SLOTS,
                     None,
                     _sharing(tg.tables),
                     _sharing(rg.tables),
+                    name,
                 )
                 return
 
@@ -342,19 +408,30 @@ def _sharing(tables: Mapping) -> list[list[tuple[int, int]]]:
     return sorted(h for h in holders.values() if len(h) > 1)
 
 
-def reference_beside(target: SchedulerTarget, shape: Shape) -> ReferenceScheduler:
+def release_of(target: SchedulerTarget) -> str:
+    """The vLLM release a scheduler target runs (``vllm_version``), else its name."""
+    return getattr(target, "vllm_version", None) or target.name
+
+
+def policy_beside(target: SchedulerTarget) -> SchedulerPolicy | None:
+    """The policy the reference scheduler follows beside ``target``: the reference's own beside
+    a reference scheduler (or a variant of one), the one declared for a vLLM target's release,
+    None where nothing is declared (no differential)."""
+    if isinstance(target, ReferenceScheduler):
+        return REFERENCE_OWN
+    release = getattr(target, "vllm_version", None)
+    return declared_for(release) if release else None
+
+
+def reference_beside(target: SchedulerTarget, shape: Shape, policy: SchedulerPolicy) -> ReferenceScheduler:
     """The reference scheduler on the target's pool, running-request cap and lookahead slots,
-    with the scheduling policies of the target's release where they differ from 0.33.0's
-    (reference/scheduler.py ``ReferenceScheduler``: read from each release's scheduler.py)."""
-    before_033 = release_before(target.name, (0, 33))
+    following ``policy``."""
     return ReferenceScheduler(
         shape,
         num_blocks=target.num_blocks,
         max_num_seqs=_running_cap(target),
         num_lookahead_tokens=target.num_lookahead_tokens,
-        lookahead_at_admission=not before_033,
-        pad_admissions=not before_033,
-        free_by_processed=not before_033,
+        policy=policy,
     )
 
 
@@ -401,9 +478,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         # prefill chunks at Mamba blocks' ends as "align" mode does (vllm/v1/core/sched/
         # scheduler.py ``_mamba_block_aligned_split``), so it is no oracle there.
         vllm_mamba = shape.mamba and not isinstance(target, ReferenceScheduler)
-        if self.differential is not None and not vllm_mamba:
-            reference = reference_beside(target, shape)
-            self.lockstep = SchedulerLockstep(target, reference, self.differential, self.known)
+        policy = policy_beside(target) if self.differential is not None else None
+        if self.differential is not None and policy is None:
+            self.diff_counts.undeclared = release_of(target)
+        elif vllm_mamba:
+            self.diff_counts.not_run["Mamba shape (no block-aligned prefill split in the reference)"] += 1
+        elif policy is not None:
+            reference = reference_beside(target, shape, policy)
+            self.lockstep = SchedulerLockstep(
+                target, reference, self.differential, self.known, policy, release_of(target)
+            )
             target = self.lockstep
         self.driver = SchedulerDriver(target, async_depth=depth, log=note)
 
@@ -446,10 +530,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._raise(self._checks())
 
     def _checks(self) -> list[Violation]:
-        """Every invariant on the state now, and the differential's mismatches so far."""
+        """Every invariant on the state now; with none violated (among those watched), the
+        differential's difference, if it found one, is raised (``PolicyDifference``).  With
+        ``focus``, only the invariants focused on are judged: the differential is not."""
         found = self.d.check()
-        if self.lockstep is not None:
-            found += self.lockstep.compare_states()
+        if self.lockstep is None:
+            return found
+        difference = self.lockstep.compare_states()
+        watched = found if self.focus is None else [v for v in found if v.invariant in self.focus]
+        if difference is not None and not watched and self.focus is None:
+            self.failed = True
+            difference.trace = list(self.d.trace)
+            raise difference
         return found
 
     def _raise(self, found):

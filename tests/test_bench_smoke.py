@@ -61,7 +61,8 @@ def test_ttc_runs_the_scheduler_machine_and_merges_runs(tmp_path):
     assert [r["run"] for r in data["results"]] == [0, 0, 1] and len(data["runs"]) == 2
     assert by_case["scheduler:no-draft-rollback"]["found"] == 1
     assert by_case["scheduler:no-draft-rollback"]["rows"][0]["invariants"] == ["kv-readback"]
-    assert by_case["scheduler:serial-admission"]["rows"][0]["invariants"] == ["differential/outcomes"]
+    assert by_case["scheduler:serial-admission"]["rows"][0]["invariants"] == []
+    assert by_case["scheduler:serial-admission"]["rows"][0]["differs"] == "reference-scheduler: scheduled"
     md = (tmp_path / "B.md").read_text()
     assert "Run 1: Command: `python -m bench ttc" in md and "Run 2: Command:" in md
 

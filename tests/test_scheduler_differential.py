@@ -1,18 +1,33 @@
 """The scheduler differential (testing/scheduler_machine.py ``SchedulerLockstep``): the
-reference scheduler agrees with itself in the strictest mode in every production shape, and
-a broken scheduler that every invariant accepts (reference/broken_scheduler.py
-``DIFFERENTIAL_ONLY``) passes the invariants and fails the differential with a shrunk trace."""
+reference scheduler agrees with itself in the strictest mode in every production shape; a
+broken scheduler that every invariant accepts (reference/broken_scheduler.py
+``DIFFERENTIAL_ONLY``) passes the invariants and fails the differential, with a shrunk trace,
+as a policy difference and never as an invariant violation; the declared policies
+(reference/policies.py) are consistent, and a release without one gets no differential."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
+from kvspec.reference.policies import (
+    DECLARED,
+    REFERENCE_OWN,
+    Choice,
+    Comparison,
+    Omission,
+    PolicyTableError,
+    declared_for,
+    validate,
+)
 from kvspec.reference.scheduler import ReferenceScheduler
+from kvspec.spec.groups import Shape
+from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
 from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
+from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 
 EXAMPLES = 100
 
@@ -29,24 +44,110 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
     )
     assert counts.examples >= EXAMPLES and counts.steps >= 10 * EXAMPLES, counts
     assert not counts.allowed and not counts.ended, counts
+    assert counts.policy == REFERENCE_OWN and counts.undeclared is None, counts
 
 
 @pytest.mark.parametrize("name", sorted(DIFFERENTIAL_ONLY))
 def test_invariants_accept_what_the_differential_rejects(name):
-    variant, caught_as = DIFFERENTIAL_ONLY[name]
+    """Caught only as a difference from the reference's policy: a ``PolicyDifference`` (not a
+    ``SpecViolation``, not an invariant ID), in what the variant breaks, with a short trace."""
+    variant, comparison = DIFFERENTIAL_ONLY[name]
     run_state_machine_as_test(lambda: SchedulerMachine(variant), settings=_settings())
-    with pytest.raises(SpecViolation) as caught:
+    with pytest.raises(PolicyDifference) as caught:
         run_state_machine_as_test(
             lambda: SchedulerMachine(variant, differential=Mode.RENAMING), settings=_settings()
         )
-    assert {v.invariant for v in caught.value.violations} == {caught_as}, caught.value
-    assert len(caught.value.trace) <= 6, caught.value
+    found = caught.value
+    assert not isinstance(found, SpecViolation | AssertionError), found
+    assert found.comparison == comparison and found.policy == REFERENCE_OWN.id, found
+    assert found.release == variant.name, found
+    assert 0 < len(found.trace) <= 6, found
+    text = str(found)
+    assert text.startswith("differs from the reference scheduler's declared policy"), text
+    assert "violat" not in text.lower() and not any(i in text for i in INVARIANTS), text
+
+
+def test_declared_policies_cite_their_source_and_do_not_overlap():
+    """Every choice names a vLLM file:line; every entry a range of releases, first <= last;
+    no release is covered twice; every omission says why.  The table is validated when it is
+    loaded, and each defect of a table is refused."""
+    assert validate(DECLARED) == DECLARED
+    assert REFERENCE_OWN.id not in {p.id for p in DECLARED}
+    for p in DECLARED:
+        assert all(isinstance(c.value, bool) for c in p.choices().values()), p
+        assert declared_for(p.first) == p and declared_for(p.last) == p
+    one = DECLARED[0]
+    broken = {
+        "overlap": (one, attrs.evolve(one, id="again")),
+        "twice": (one, attrs.evolve(DECLARED[1], id=one.id)),
+        "backwards": (attrs.evolve(one, first="0.13.0", last="0.12.0"),),
+        "no source": (attrs.evolve(one, pad_admissions=Choice(False, "scheduler.py")),),
+        "no reason": (attrs.evolve(one, not_compared=(Omission(Comparison.SHARED_SLOTS, ""),)),),
+    }
+    for name, table in broken.items():
+        with pytest.raises(PolicyTableError):
+            validate(table)
+            pytest.fail(name)
+
+
+def test_the_differential_compares_only_what_the_policy_declares(monkeypatch):
+    """``over-reserve`` holds a block more than the reference (and so may schedule less in
+    a small pool): under a policy that compares only shared slots, no verdict; the examples
+    where an undeclared comparison differs end their comparison and say which, and the summary
+    names what was not compared."""
+    import kvspec.testing.scheduler_machine as machine
+    from kvspec.cli.shapes import not_compared_lines
+
+    variant, comparison = DIFFERENTIAL_ONLY["over-reserve"]
+    assert comparison == Comparison.HELD_BLOCKS
+    left_out = tuple(Omission(c, "not read") for c in Comparison if c != Comparison.SHARED_SLOTS)
+    narrow = attrs.evolve(REFERENCE_OWN, not_compared=left_out)
+    monkeypatch.setattr(machine, "policy_beside", lambda target: narrow)
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(variant, differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(30),
+    )
+    assert counts.ended[f"{Comparison.HELD_BLOCKS.value} not declared"] > 0, counts
+    assert all(why.endswith("not declared") for why in counts.ended if why != "prefix hit"), counts
+    lines = not_compared_lines(counts)
+    assert f"not compared: {Comparison.HELD_BLOCKS.value} (not read)" in lines, lines
+
+
+def test_a_release_without_a_declared_policy_gets_no_differential(monkeypatch):
+    """A target of an undeclared release runs without the reference beside it: even a
+    scheduler that differs from every policy (``serial-admission``) gets no verdict, and the
+    counts say the differential did not run and for which release."""
+    import kvspec.testing.scheduler_machine as machine
+
+    variant, _ = DIFFERENTIAL_ONLY["serial-admission"]
+
+    class Undeclared(variant):
+        vllm_version = "0.0.1"
+
+    assert declared_for("0.0.1") is None
+    # Not the reference to the machine: it is looked up as the vLLM release it names.
+    monkeypatch.setattr(machine, "ReferenceScheduler", type("NotTheReference", (), {}))
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(Undeclared, differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(30),
+    )
+    assert counts.undeclared == "0.0.1" and counts.examples == 0 and counts.steps == 0, counts
+
+    from kvspec.cli.shapes import differential_line
+
+    line = differential_line(counts)
+    assert line.startswith("differential not run: no declared scheduler policy for vLLM 0.0.1"), line
+    assert "declared: 0.12.0" in line, line
 
 
 def test_check_summary_counts_comparisons_and_reports_the_differential():
     """``kvspec check``'s shapes run compares every example with the reference scheduler and
-    says how much it compared; a scheduler only the differential catches fails it."""
-    from kvspec.cli.shapes import differential_line, run_shapes
+    says how much it compared; a scheduler only the differential catches ends it as a policy
+    difference (its own status, exit code and JSON field; no invariant violated)."""
+    from kvspec.cli.common import EXIT_FOUND
+    from kvspec.cli.shapes import differential_line, run_shapes, shapes_exit, shapes_json
 
     held = run_shapes(ReferenceScheduler, profile="ci", examples=20, steps=None, seed=None, focus=None)
     assert held.status == "holds", held
@@ -55,8 +156,52 @@ def test_check_summary_counts_comparisons_and_reports_the_differential():
     assert f"{d.steps} steps and {d.states} states compared" in differential_line(d)
     assert "divergences allowed: none" in differential_line(d)
 
-    variant, caught_as = DIFFERENTIAL_ONLY["serial-admission"]
+    variant, comparison = DIFFERENTIAL_ONLY["serial-admission"]
     found = run_shapes(variant, profile="ci", examples=EXAMPLES, steps=None, seed=None, focus=None)
-    assert found.status == "violated", found
-    assert {v.invariant for v in found.violations} == {caught_as}, found.violations
+    assert found.status == "differs" and not found.violations, found
+    assert found.difference is not None and found.difference.comparison == comparison
+    assert found.trace and found.trace == found.difference.trace
+    assert shapes_exit(0, found) == EXIT_FOUND
+    j = shapes_json(found)
+    assert j["violations"] == [] and j["policy_difference"]["compared"] == comparison.value, j
+    assert j["status"] == "differs", j
 
+
+def test_lookahead_slots_stop_at_max_model_len():
+    """A decode step near max_model_len reserves no slot past it, lookahead included, as vLLM
+    caps the tokens needing a slot: in a pool of exactly ``max_model_len`` positions, a
+    10-token prompt's step of one token and three drafts, with three EAGLE lookahead slots,
+    runs without preempting (vLLM 0.12.0 --seed 3 planned it; the reference once preempted)."""
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=False,
+        num_spec_tokens=3, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2, eagle=True,
+    )
+    ref = ReferenceScheduler(shape, policy=declared_for("0.12.0"))
+    assert ref.num_blocks == 8 and ref.num_lookahead_tokens == 3
+    ref.add(0, [0] * 10, 2)
+    first = ref.schedule()
+    assert [(s.start, s.num_tokens) for s in first.scheduled] == [(0, 10)]
+    ref.update(first, {0: [0]}, {0: [0, 0, 0]})
+    second = ref.schedule()
+    assert [(s.start, s.num_tokens) for s in second.scheduled] == [(10, 4)] and not second.preempted, second
+    assert len(ref.reqs[0].tables[0]) == 8
+
+
+def test_drafts_are_cut_at_max_model_len():
+    """A decode step's drafts stop before max_model_len - 1, as vLLM cuts them: an 8-token
+    prompt whose three drafts are accepted reaches position 12 of 16, where one token and two
+    drafts fit (vLLM 0.12.0 --seed 3 planned (12, 3, 2); the reference once planned (12, 4, 3))."""
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=False,
+        num_spec_tokens=3, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=3, eagle=True,
+    )
+    ref = ReferenceScheduler(shape, policy=declared_for("0.12.0"))
+    ref.add(0, [0] * 8, 8)
+    plans = []
+    for sampled in ([0], [0] * 4, [0]):
+        plan = ref.schedule()
+        plans.append([(s.start, s.num_tokens, s.drafts) for s in plan.scheduled])
+        ref.update(plan, {0: sampled}, {0: [0, 0, 0]})
+    assert plans == [[(0, 8, 0)], [(8, 4, 3)], [(12, 3, 2)]], plans

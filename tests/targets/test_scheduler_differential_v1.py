@@ -1,7 +1,8 @@
 """vLLM's own V1 scheduler beside the reference scheduler (testing/scheduler_machine.py
 ``SchedulerLockstep``), compared in the strictest mode after every step: the same requests
 scheduled and preempted, the same start and token counts, the same blocks per (request, group)
-up to renaming.  A broken scheduler no invariant sees (``DIFFERENTIAL_ONLY``) beside vLLM fails."""
+up to renaming, under the policy declared for 0.33.0 (reference/policies.py).  A broken
+scheduler no invariant sees (``DIFFERENTIAL_ONLY``) beside vLLM fails as a policy difference."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
-from kvspec.testing import SpecViolation
+from kvspec.reference.policies import declared_for
 from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine, shapes
+from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
 
 from .conftest import requires_vllm
 
@@ -41,17 +42,20 @@ def test_vllm_scheduler_agrees_with_the_reference_scheduler(adapter):
     )
     assert counts.steps >= 5 * EXAMPLES and counts.states >= 10 * EXAMPLES, counts
     assert not counts.allowed, counts
+    assert counts.policy == declared_for("0.33.0"), counts
 
 
 def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, monkeypatch):
     """The reference replaced by ``serial-admission``: vLLM batches what it serialises."""
     import kvspec.testing.scheduler_machine as machine
 
-    variant, caught_as = DIFFERENTIAL_ONLY["serial-admission"]
+    variant, comparison = DIFFERENTIAL_ONLY["serial-admission"]
     monkeypatch.setattr(machine, "ReferenceScheduler", variant)
     plain = shapes().filter(lambda s: not s.prefix_caching)
-    with pytest.raises(SpecViolation) as caught:
+    with pytest.raises(PolicyDifference) as caught:
         run_state_machine_as_test(
             lambda: SchedulerMachine(adapter, plain, differential=Mode.RENAMING), settings=_settings()
         )
-    assert {v.invariant for v in caught.value.violations} == {caught_as}, caught.value
+    found = caught.value
+    assert found.comparison == comparison and found.release == "0.33.0", found
+    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found

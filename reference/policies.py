@@ -1,0 +1,238 @@
+"""The reference scheduler's scheduling policies, declared per vLLM release.
+
+The spec allows several schedulers: every invariant in spec/ holds whether a waiting request's
+first step reserves EAGLE lookahead slots or not, whether a one-token admission is padded to a
+uniform decode or not, whether a sliding window's blocks are dropped by the optimistic or the
+processed token count (when the steps in flight do not read them).  Which choice a vLLM
+release makes is a fact about that release, not a rule of the spec, so the table lives here,
+beside the reference scheduler that it configures (reference/scheduler.py
+``ReferenceScheduler``), and spec/ stays release-agnostic.  The scheduler differential
+(testing/scheduler_machine.py ``SchedulerLockstep``) runs the reference with the policy
+declared for the release under test, compares only what that policy declares, and runs no
+comparison at all for a release without one.
+
+Every choice names the vLLM file and lines (in that release) that make it.  An entry covers the
+releases from ``first`` to ``last``; each entry here covers one release, because only the
+releases whose code was read and whose runs were checked against the reference are declared:
+a range would need the code of every release between its ends read as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from enum import StrEnum
+
+import attrs
+
+
+class Comparison(StrEnum):
+    """What the differential compares after a step (testing/scheduler_machine.py), in the
+    order of the modes that add them (testing/differential.py ``Mode``)."""
+
+    SCHEDULED = "scheduled"  # outcomes: which requests a step schedules
+    PREEMPTED = "preempted"  # outcomes: which it preempts, in order
+    STEP_COUNTS = "scheduled (start, tokens, drafts)"  # counts: per scheduled request
+    HELD_BLOCKS = "held blocks"  # counts: per (request, KV-cache group)
+    TABLE_LAYOUT = "(table length, dropped slots)"  # renaming: per (request, group)
+    SHARED_SLOTS = "shared slots"  # renaming: per group, up to renaming block ids
+
+
+@attrs.frozen
+class Choice:
+    """One scheduling choice of a release and the vLLM code that makes it."""
+
+    value: bool
+    source: str  # "vllm/<file>:<lines>", in the entry's releases
+
+
+@attrs.frozen
+class Omission:
+    """A comparison an entry does not make, and why."""
+
+    comparison: Comparison
+    why: str
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
+@attrs.frozen
+class SchedulerPolicy:
+    """The policies of the vLLM releases ``first`` to ``last`` (inclusive) that the reference
+    scheduler follows, and what the differential compares on them."""
+
+    id: str
+    first: str  # a release, "X.Y.Z"
+    last: str
+    # A waiting request's first step reserves the EAGLE lookahead slots as every later step
+    # does (False: it reserves none).
+    lookahead_at_admission: Choice
+    # A request admitted with one token to compute beside decoding requests is padded with
+    # ``num_spec_tokens`` placeholder drafts, so the batch decodes uniformly.
+    pad_admissions: Choice
+    # A local (sliding-window, chunked) group drops the blocks before the window of the
+    # processed token count, the steps in flight excluded (False: of the optimistic computed
+    # count, the steps in flight included).
+    free_by_processed: Choice
+    # The ``scheduler_reserve_full_isl`` admission gate caps a local group's share of the whole
+    # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two);
+    # False: plus one batch's.
+    admission_cap_all_batches: Choice
+    not_compared: tuple[Omission, ...] = ()
+
+    @property
+    def releases(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return _version(self.first), _version(self.last)
+
+    def covers(self, release: tuple[int, ...]) -> bool:
+        first, last = self.releases
+        return first <= release <= last
+
+    def compares(self, comparison: Comparison) -> bool:
+        return all(o.comparison != comparison for o in self.not_compared)
+
+    def choices(self) -> dict[str, Choice]:
+        return {
+            "lookahead_at_admission": self.lookahead_at_admission,
+            "pad_admissions": self.pad_admissions,
+            "free_by_processed": self.free_by_processed,
+            "admission_cap_all_batches": self.admission_cap_all_batches,
+        }
+
+    def span(self) -> str:
+        return self.first if self.first == self.last else f"{self.first}-{self.last}"
+
+
+_SCHED = "vllm/v1/core/sched/scheduler.py"
+_KVM = "vllm/v1/core/kv_cache_manager.py"
+
+DECLARED: tuple[SchedulerPolicy, ...] = (
+    SchedulerPolicy(
+        "v1-0.12.0",
+        "0.12.0",
+        "0.12.0",
+        # effective_lookahead_tokens is 0 while num_computed_tokens is 0.
+        lookahead_at_admission=Choice(False, f"{_SCHED}:556-558"),
+        # A waiting request's token count is its uncomputed tokens capped by the budget; no padding.
+        pad_admissions=Choice(False, f"{_SCHED}:515-529"),
+        # remove_skipped_blocks(request_id, request.num_computed_tokens): the optimistic count.
+        free_by_processed=Choice(False, f"{_KVM}:265-267"),
+        # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
+        # refuses full_sequence_must_fit shapes on this release), so the cap never applies.
+        admission_cap_all_batches=Choice(False, "vllm/config/scheduler.py:28-50"),
+    ),
+    SchedulerPolicy(
+        "v1-0.20.1",
+        "0.20.1",
+        "0.20.1",
+        lookahead_at_admission=Choice(False, f"{_SCHED}:728-730"),
+        pad_admissions=Choice(False, f"{_SCHED}:677-693"),
+        # remove_skipped_blocks(request_id, total_computed_tokens), :364-367: computed plus hits.
+        free_by_processed=Choice(False, f"{_KVM}:380-382"),
+        # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
+        # likewise, :388-392), passed in by single_type_kv_cache_manager.py:1159-1164.
+        admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
+    ),
+    SchedulerPolicy(
+        "v1-0.30.0",
+        "0.30.0",
+        "0.30.0",
+        # Lookahead withheld only during an async KV-connector load (none here).
+        lookahead_at_admission=Choice(True, f"{_SCHED}:1134-1137"),
+        pad_admissions=Choice(True, f"{_SCHED}:1042-1064"),
+        # total_computed_tokens - request.num_in_flight_tokens.
+        free_by_processed=Choice(True, f"{_KVM}:540-544"),
+        # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
+        # kv_cache_interface.py:835-842 adds to the window.
+        admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:602-610"),
+    ),
+    SchedulerPolicy(
+        "v1-0.33.0",
+        "0.33.0",
+        "0.33.0",
+        lookahead_at_admission=Choice(True, f"{_SCHED}:1403-1406"),
+        pad_admissions=Choice(True, f"{_SCHED}:1308-1330"),
+        free_by_processed=Choice(True, f"{_KVM}:564-568"),
+        # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
+        admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
+    ),
+)
+"""The declared policies, by release.  No two entries cover one release (``validate``, run
+when this module loads)."""
+
+
+class PolicyTableError(ValueError):
+    """A table of declared policies that cites no source for a choice, has a range that ends
+    before it starts, or covers a release twice."""
+
+
+_SOURCE = re.compile(r"^vllm/[\w/]+\.py:\d+(-\d+)?$")
+
+
+def validate(table: tuple[SchedulerPolicy, ...]) -> tuple[SchedulerPolicy, ...]:
+    """``table`` if every entry cites ``vllm/<file>.py:<lines>`` for every choice and says why
+    it leaves a comparison out, its releases run forward, and no two entries cover one release
+    (or share an ID); else ``PolicyTableError``."""
+    ids = [p.id for p in table]
+    if len(set(ids)) != len(ids):
+        raise PolicyTableError(f"an ID declared twice: {ids}")
+    for p in table:
+        first, last = p.releases
+        if not (len(first) == len(last) == 3 and first <= last):
+            raise PolicyTableError(f"{p.id}: releases {p.first} to {p.last}")
+        for name, choice in p.choices().items():
+            if not _SOURCE.match(choice.source):
+                raise PolicyTableError(f"{p.id}: {name} cites {choice.source!r}, not vllm/<file>.py:<lines>")
+        if any(not o.why for o in p.not_compared):
+            raise PolicyTableError(f"{p.id}: a comparison left out with no reason")
+    spans = sorted((p.releases, p.id) for p in table)
+    for ((_, last), a), ((first, _), b) in itertools.pairwise(spans):
+        if first <= last:
+            raise PolicyTableError(f"{a} and {b} both cover {'.'.join(map(str, first))}")
+    return table
+
+
+validate(DECLARED)
+
+REFERENCE_OWN = attrs.evolve(DECLARED[-1], id="reference-scheduler")
+"""The policy the reference scheduler runs alone (and beside its own broken variants): the
+newest declared release's."""
+
+
+def parse_release(text: str) -> tuple[int, ...] | None:
+    """``X.Y.Z`` of a release string; None for anything else (a dev build, a local version),
+    which no entry covers."""
+    parts = text.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def declared_for(release: str) -> SchedulerPolicy | None:
+    """The policy declared for a vLLM release, or None."""
+    version = parse_release(release)
+    if version is None:
+        return None
+    found = [p for p in DECLARED if p.covers(version)]
+    return found[0] if found else None
+
+
+def declared_spans() -> str:
+    return ", ".join(p.span() for p in DECLARED)
+
+
+__all__ = [
+    "DECLARED",
+    "REFERENCE_OWN",
+    "Choice",
+    "Comparison",
+    "Omission",
+    "PolicyTableError",
+    "SchedulerPolicy",
+    "declared_for",
+    "declared_spans",
+    "parse_release",
+    "validate",
+]
