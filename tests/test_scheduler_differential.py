@@ -27,7 +27,7 @@ from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
 from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
 
 EXAMPLES = 100
 
@@ -50,9 +50,13 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
 @pytest.mark.parametrize("name", sorted(DIFFERENTIAL_ONLY))
 def test_invariants_accept_what_the_differential_rejects(name):
     """Caught only as a difference from the reference's policy: a ``PolicyDifference`` (not a
-    ``SpecViolation``, not an invariant ID), in what the variant breaks, with a short trace."""
+    ``SpecViolation``, not an invariant ID), in what the variant breaks, with a short trace.
+    The invariants accept it wherever the pool has a block to spare; at vLLM's startup minimum
+    ``progress`` also catches ``over-reserve`` (a request that needs the whole pool never fits
+    beside the extra block it reserves), so the invariants-only run leaves that edge out."""
     variant, comparison = DIFFERENTIAL_ONLY[name]
-    run_state_machine_as_test(lambda: SchedulerMachine(variant), settings=_settings())
+    spare = shapes().filter(lambda shape: shape.extra_blocks > 0)
+    run_state_machine_as_test(lambda: SchedulerMachine(variant, shape_strategy=spare), settings=_settings())
     with pytest.raises(PolicyDifference) as caught:
         run_state_machine_as_test(
             lambda: SchedulerMachine(variant, differential=Mode.RENAMING), settings=_settings()
