@@ -122,8 +122,9 @@ def plan_step_writes(
             continue
         refcount = pool.refcounts.get(block, 0) if pool is not None else 0
         claimed = _claimed(cached.get(block), off, block_size)
-        others = _other_holders(state, seq.seq_id, table.device, block)
-        if cell in memory and not _sole_rewrite_past_key(memory[cell], kv, refcount, claimed, others):
+        if cell in memory and not _sole_rewrite_past_key(
+            memory[cell], kv, refcount, claimed, state, seq.seq_id, cell
+        ):
             was_pos, was_token = memory[cell]
             faults.append(
                 WriteFault(
@@ -165,7 +166,9 @@ def _other_holders(state: KVState, seq_id: int, device: Device, block: int) -> i
     )
 
 
-def _sole_rewrite_past_key(was: KV, kv: KV, refcount: int, claimed: KV | None, others: int) -> bool:
+def _sole_rewrite_past_key(
+    was: KV, kv: KV, refcount: int, claimed: KV | None, state: KVState, seq_id: int, cell: Cell
+) -> bool:
     """Whether rewriting a slot changes nothing any reader can see: the same position, in a
     block only the writer holds, past every key the block is cached under.  Legacy
     BlockSpaceManagerV1 with prefix caching shares a partly filled block by its partial key
@@ -175,7 +178,13 @@ def _sole_rewrite_past_key(was: KV, kv: KV, refcount: int, claimed: KV | None, o
     a table mapping that position to the block could read the old value, and only the writer's
     does; no key covers the slot.  A write at another position (F3's cyclic reuse) or into a
     block others hold (by refcount or by their tables) is still a fault."""
-    return was[0] == kv[0] and refcount == 1 and others == 0 and claimed is None
+    # The other tables are walked last, and only for a rewrite that passes the cheap tests.
+    return (
+        was[0] == kv[0]
+        and refcount == 1
+        and claimed is None
+        and _other_holders(state, seq_id, cell[0], cell[1]) == 0
+    )
 
 
 def _claimed(key, off: int, block_size: int) -> KV | None:
