@@ -3,7 +3,7 @@ hands out blocks that no sequence computed.
 
 BlockSpaceManagerV2's ``mark_blocks_as_computed`` marks every block ``allocate`` touched, the
 whole prompt, once the first chunk is scheduled (prefix_caching_block.py:515-520; the scheduler
-calls it for every scheduled group at the end of ``schedule()``, scheduler.py:1338-1344).  A
+calls it for every scheduled group at the end of ``schedule()``, scheduler.py:1341-1343).  A
 request aborted after its first chunk frees those blocks into the evictor still marked computed,
 so a later request with the same prefix is scheduled with them as its cached prefix, and the
 model runner skips computing exactly those positions (model_runner.py:505-550): it attends to
