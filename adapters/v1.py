@@ -355,6 +355,10 @@ class VLLMV1Adapter:
             watermark_when_idle=False,
             full_sequence_must_fit=self.full_sequence_must_fit,
             hit_drops_last_block=use_eagle,
+            window_hits_from_the_end=hasattr(
+                importlib.import_module("vllm.v1.core.single_type_kv_cache_manager"),
+                "SlidingWindowManager",
+            ),
             window_retains_reachable_only=hasattr(
                 importlib.import_module("vllm.v1.core.single_type_kv_cache_manager"),
                 "SlidingWindowManager",
@@ -370,6 +374,7 @@ class VLLMV1Adapter:
                 ("full_sequence_must_fit", "v1/core/kv_cache_manager.py:530-548 (0.33.0)"),
                 ("hit_drops_last_block", "KVCacheManager(use_eagle=True)"),
                 ("window_retains_reachable_only", "single_type_kv_cache_manager.py:1067-1145"),
+                ("window_hits_from_the_end", "single_type_kv_cache_manager.py:509-580, 152-161 (0.20.1)"),
             ),
         )
 

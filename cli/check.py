@@ -279,7 +279,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     for n, found in enumerate(search.found, 1):
         out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
         if found.known is not None:
-            out.print(f"known finding {found.known.id} (FINDINGS.md): {escape(found.known.title)}")
+            out.print(f"{escape(found.known.cite())}: {escape(found.known.title)}")
         where = base / f"{n:02d}-{found.fingerprint.slug()}"
         report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
                        annotate=found_json(found))

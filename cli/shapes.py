@@ -179,7 +179,7 @@ def print_shapes(o: ShapesOutcome) -> None:
     if o.error:
         out.print(f"  {escape(o.error)}")
     if o.known is not None:
-        out.print(f"  known finding {o.known.id} (FINDINGS.md): {escape(o.known.title)}")
+        out.print(f"  {escape(o.known.cite())}: {escape(o.known.title)}")
     if o.status in ("violated", "differs", "error"):
         if o.shape is not None:
             out.print(f"shape: {escape(o.shape.describe())}")

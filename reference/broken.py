@@ -8,6 +8,7 @@ must report for it.
 from __future__ import annotations
 
 import attrs
+from kvspec.spec.admission import AdmissionPolicy
 from kvspec.spec.config import Config
 from kvspec.spec.errors import NotAdmitted
 from kvspec.spec.interface import Admission, BlockCopy
@@ -358,6 +359,18 @@ class Hoard(ReferenceManager):
         return super().admit(seq_id, tokens, num_new_tokens, extra)
 
 
+class WindowHitHoard(Hoard):
+    """Hoards like ``hoard`` while declaring the ``window_hits_from_the_end`` freedom of vLLM's
+    V1 sliding-window lookup: that freedom explains a refusal only when the window hit's own
+    revived blocks do not fit, so this target is still caught."""
+
+    name = "window-hit-hoard"
+    admission_policy = AdmissionPolicy(
+        window_hits_from_the_end=True,
+        sources=(("window_hits_from_the_end", "claimed by a broken variant"),),
+    )
+
+
 class Livelock(ReferenceManager):
     """Charges a re-admitted sequence for the blocks it held before its preemption, so none of
     its steps ever fits: the scheduler preempts it and re-admits it forever."""
@@ -431,5 +444,8 @@ BROKEN: dict[str, BrokenVariant] = {
         NeverCaches, frozenset({"hit-completeness"}), {"prefix_caching": True}
     ),
     Hoard.name: BrokenVariant(Hoard, frozenset({"admission-completeness"}), {"prefix_caching": True}),
+    WindowHitHoard.name: BrokenVariant(
+        WindowHitHoard, frozenset({"admission-completeness"}), {"prefix_caching": True, "window": True}
+    ),
     Livelock.name: BrokenVariant(Livelock, frozenset({"progress", "reserve-completeness"})),
 }

@@ -97,6 +97,14 @@ class AdmissionPolicy:
                              before each alignment boundary, none at all when that is 0 (V1
                              0.33.0 ``SlidingWindowManager.reachable_block_mask``,
                              single_type_kv_cache_manager.py:1067-1145, 956-966).
+    window_hits_from_the_end a sliding-window lookup takes the last run of ``ceil((W-1)/B)``
+                             cached blocks, searching from the prompt's end, even when blocks
+                             before that run are gone (they become the null block): V1
+                             ``SlidingWindowManager.find_longest_cache_hit`` (0.20.1
+                             single_type_kv_cache_manager.py:509-580).  Reviving that hit's
+                             in-window evictable blocks spends free capacity (``_get_num_evictable_blocks``
+                             over the non-skipped hit blocks, :152-161), so the admission may
+                             need more than the hit from the prompt's start would.
     """
 
     watermark_blocks: int = 0
@@ -109,6 +117,7 @@ class AdmissionPolicy:
     hit_drops_last_block: bool = False
     hits_with_window: bool = True
     window_retains_reachable_only: bool = False
+    window_hits_from_the_end: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -221,6 +230,28 @@ def publication_required(window: int | None, block_size: int, policy: AdmissionP
     if window is None or not policy.window_retains_reachable_only:
         return True
     return blocks_for_tokens(window - 1, block_size) > 0
+
+
+def window_hit_blocks(cached: Sequence[bool], window: int, block_size: int, drop_last: bool) -> tuple[int, int]:
+    """The hit a ``window_hits_from_the_end`` lookup returns, given which full blocks of the
+    prompt (``tokens[:-1]``) have their key cached on a computed block: ``(end, first)``, the
+    hit covers blocks ``0 .. end-1`` of which ``first .. end-1`` are real blocks (those before
+    are the null block).  The search runs from the end for ``ceil((W-1)/B)`` contiguous cached
+    blocks (one more, then dropped, when ``drop_last``: EAGLE recomputes the last); without
+    such a run the leading run of cached blocks is the hit."""
+    assert block_size >= 1 and window >= 1
+    wanted = blocks_for_tokens(window - 1, block_size) + int(drop_last)
+    run = 0
+    for i in range(len(cached) - 1, -1, -1):
+        if not cached[i]:
+            run = 0
+            continue
+        run += 1
+        if run >= wanted:
+            end = i + run - int(drop_last)
+            return end, min(i, end)
+    end = max(0, run - int(drop_last))
+    return end, 0
 
 
 def min_hit_blocks(expected: int, window: int | None, policy: AdmissionPolicy) -> int:

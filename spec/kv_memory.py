@@ -87,7 +87,9 @@ def plan_step_writes(
     overwritten in place -- BlockSpaceManagerV1's sliding-window reuse does exactly that),
     and a block that is shared or registered in the prefix cache is never written (a write
     into it must go through copy-on-write first).  Rewriting a slot with the very KV it
-    holds (same position, same token: a recompute) changes nothing and is allowed, and so is
+    holds (same position, same token: a recompute) changes nothing and is allowed, so is
+    rewriting a position past the block's key in a block only the writer holds
+    (``_sole_rewrite_past_key``: legacy V1's partial-key sharing), and so is
     filling an empty slot of a cached block with exactly the KV its key claims (legacy vLLM
     and V1 register a block's key when they allocate it, before the worker computes it),
     shared or not (V1 shares such a block with a request of the same step).
@@ -118,7 +120,11 @@ def plan_step_writes(
         writes.append(Write(cell, kv))
         if memory.get(cell) == kv:
             continue
-        if cell in memory:
+        refcount = pool.refcounts.get(block, 0) if pool is not None else 0
+        claimed = _claimed(cached.get(block), off, block_size)
+        if cell in memory and not _sole_rewrite_past_key(
+            memory[cell], kv, refcount, claimed, state, seq.seq_id, cell
+        ):
             was_pos, was_token = memory[cell]
             faults.append(
                 WriteFault(
@@ -128,8 +134,6 @@ def plan_step_writes(
                     f"block's life",
                 )
             )
-        refcount = pool.refcounts.get(block, 0) if pool is not None else 0
-        claimed = _claimed(cached.get(block), off, block_size)
         # Filling an empty slot of a shared block with exactly what its cache key claims is
         # no change to what any sharer reads: V1's scheduler hands a block it cached at
         # allocation to a second request of the same step, which reads it after the step's
@@ -153,6 +157,34 @@ def plan_step_writes(
                 )
             )
     return writes, faults
+
+
+def _other_holders(state: KVState, seq_id: int, device: Device, block: int) -> int:
+    """Block tables other than ``seq_id``'s that map a position to ``block``."""
+    return sum(
+        1 for sid, t in state.tables.items() if sid != seq_id and t.device == device and block in t.slots
+    )
+
+
+def _sole_rewrite_past_key(
+    was: KV, kv: KV, refcount: int, claimed: KV | None, state: KVState, seq_id: int, cell: Cell
+) -> bool:
+    """Whether rewriting a slot changes nothing any reader can see: the same position, in a
+    block only the writer holds, past every key the block is cached under.  Legacy
+    BlockSpaceManagerV1 with prefix caching shares a partly filled block by its partial key
+    (0.6.3 block_manager_v1.py:332-335), whose later slots may already hold the first
+    holder's own tokens; when that holder appends it copies the block on write and leaves
+    (:490-500), and the remaining holder then writes its own tokens into those slots.  Only
+    a table mapping that position to the block could read the old value, and only the writer's
+    does; no key covers the slot.  A write at another position (F3's cyclic reuse) or into a
+    block others hold (by refcount or by their tables) is still a fault."""
+    # The other tables are walked last, and only for a rewrite that passes the cheap tests.
+    return (
+        was[0] == kv[0]
+        and refcount == 1
+        and claimed is None
+        and _other_holders(state, seq_id, cell[0], cell[1]) == 0
+    )
 
 
 def _claimed(key, off: int, block_size: int) -> KV | None:

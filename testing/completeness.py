@@ -26,6 +26,7 @@ from kvspec.spec.admission import (
     publication_required,
     step_need,
     step_touched,
+    window_hit_blocks,
 )
 from kvspec.spec.invariants import (
     Violation,
@@ -35,6 +36,7 @@ from kvspec.spec.invariants import (
 )
 from kvspec.spec.prefix_hash import PrefixKey, block_keys
 from kvspec.spec.state import KVState, PoolView, Status
+from kvspec.spec.window import first_needed_block
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -73,6 +75,19 @@ def cached_prefix(pool: PoolView, tokens: Sequence[int], extra, block_size: int)
     return hits, revived
 
 
+def window_hit(
+    pool: PoolView, tokens: Sequence[int], extra, block_size: int, window: int, drop_last: bool
+) -> tuple[int, int]:
+    """The hit a ``window_hits_from_the_end`` target takes (``spec.admission.window_hit_blocks``)
+    and how many of its in-window blocks come from the evictable set."""
+    keyed = findable(pool)
+    evictable = set(pool.evictable)
+    keys = block_keys(tuple(tokens[: len(tokens) - 1]), block_size, extra)
+    end, first = window_hit_blocks([bool(keyed.get(k)) for k in keys], window, block_size, drop_last)
+    kept = max(first, first_needed_block(end * block_size, window, block_size))
+    return end, sum(bool(keyed.get(k, set()) & evictable) for k in keys[kept:end])
+
+
 class CompletenessObserver:
     """Judges one driver's admissions, reservations and lookups against its target's policy."""
 
@@ -106,6 +121,11 @@ class CompletenessObserver:
         lookahead = self.driver.lookahead
         expected, revived = self._lookup(before, tokens, extra)
         least = min_hit_blocks(expected, W, policy)
+        if W is not None and config.prefix_caching and policy.window_hits_from_the_end:
+            end, in_window = window_hit(before.gpu, tokens, extra, B, W, policy.hit_drops_last_block)
+            if end > least:
+                # The target's lookup returns this longer hit, not the one from the start.
+                least, revived = end, in_window
         need = admission_need(len(tokens), k, least * B, lookahead, W, B, policy)
         held = max(
             blocks_held_alone(len(tokens), k, h * B, lookahead, W, B, policy)

@@ -31,6 +31,7 @@ from kvspec.targets.registry import release_key
 from .driver import Driver, SpecViolation, TraceStep
 
 SHIPPED = Path(__file__).with_name("known_findings.toml")
+UPSTREAM_DOCS = Path(__file__).resolve().parents[1] / "docs" / "upstream"  # <id>.md: ready-to-file write-ups
 CRASH = "crash"  # the invariant field of a target's exception
 
 # Driver methods whose frames name the operation a crash happened in ("_swap" reads it from
@@ -208,6 +209,13 @@ class KnownFinding:
             go_on=bool(entry.get("go_on", False)),
             after=_strings(entry, "after"),
         )
+
+    def cite(self) -> str:
+        """How a report names this finding: its FINDINGS.md id, and its upstream write-up when
+        docs/upstream/<id>.md exists."""
+        doc = UPSTREAM_DOCS / f"{self.id}.md"
+        where = f"FINDINGS.md; write-up: {doc}" if doc.is_file() else "FINDINGS.md"
+        return f"known finding {self.id} ({where})"
 
     def concerns(self, impl: str, version: str | None) -> bool:
         """Whether this finding can occur on that implementation and release."""
