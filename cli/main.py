@@ -26,6 +26,7 @@ from rich.table import Table
 
 import kvspec
 
+from .budget import TIME_BUDGET_HELP
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .failures import add_limit_args
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="hypothesis profile (default: ci when $CI is set, else $KVSPEC_PROFILE or dev)",
     )
     e.add_argument("--examples", type=int, metavar="N", help="examples (machine runs) to try")
+    e.add_argument("--time-budget", type=float, metavar="SECONDS", help=TIME_BUDGET_HELP)
     e.add_argument("--steps", type=int, metavar="N", help="operations per example, at most")
     e.add_argument(
         "--seed", type=int, metavar="S", help="seed (the run is repeatable; default: the profile's)"
