@@ -88,7 +88,7 @@ def test_a_search_spends_its_budget_over_rounds_and_reports_each():
     )
     assert search.rounds and len(budget.parts) == len(search.rounds)
     report = budget.to_json()
-    assert [p["part"] for p in report["parts"]][0].startswith("round 1")
+    assert report["parts"][0]["part"].startswith("round 1")
     for p, o in zip(report["parts"], search.rounds, strict=True):
         assert p["examples_started"] >= max(1, o.tally.examples)
         assert p["allotted_seconds"] >= 0
