@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from .disk import provision_lock
 from .lean import lean_requirements, left_out_reason
 from .lock import (
     KNOWN_PLACEHOLDERS,
@@ -469,39 +470,41 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
     t.venv.parent.mkdir(parents=True, exist_ok=True)
     kept = lock_path(version).read_text() if lock_path(version).is_file() else None
     started = time.monotonic()
-    try:
-        _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
-        lock, dropped = resolve(t, cutoff, progress)
-        left_out: tuple[str, ...] | None = None
-        if full:
-            _sync(t, lock, progress)
-        else:
-            lean, left_out = lean_resolution(version, lock)
-            progress(f"lean: leaving out {len(left_out)} distributions (kvspec provision --full {version} keeps them)")
-            _sync(t, lean, progress)
-        install_kvspec(t, progress)
-        write_stand_ins(t, progress)
-        if left_out is not None:
-            try:
-                check_imports(t, progress, driven_modules(t))
-            except TargetError as error:
-                progress(f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
-                         "installing the full resolution")
-                _sync(t, lock, progress)  # removes kvspec and the stand-ins: not in the resolution
-                (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
-                install_kvspec(t, progress)
-                write_stand_ins(t, progress)
-                left_out = None
-        check_imports(t, progress)
-        record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped, left_out=left_out)
-        write_record(t.venv, record)
-    except BaseException:
-        shutil.rmtree(t.venv, ignore_errors=True)
-        lock = lock_path(version)
-        if lock.is_file() and lock.read_text() != kept:  # a resolution this failed run made goes too
-            lock.unlink()
-        progress(f"vLLM {version}: failed; removed {t.venv}")
-        raise
+    # Shared: several venvs may be made at once; `kvspec targets --prune` refuses while one is.
+    with provision_lock(exclusive=False):
+        try:
+            _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
+            lock, dropped = resolve(t, cutoff, progress)
+            left_out: tuple[str, ...] | None = None
+            if full:
+                _sync(t, lock, progress)
+            else:
+                lean, left_out = lean_resolution(version, lock)
+                progress(f"lean: leaving out {len(left_out)} distributions (--full keeps them)")
+                _sync(t, lean, progress)
+            install_kvspec(t, progress)
+            write_stand_ins(t, progress)
+            if left_out is not None:
+                try:
+                    check_imports(t, progress, driven_modules(t))
+                except TargetError as error:
+                    progress(f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
+                             "installing the full resolution")
+                    _sync(t, lock, progress)  # removes kvspec and the stand-ins: not in the resolution
+                    (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
+                    install_kvspec(t, progress)
+                    write_stand_ins(t, progress)
+                    left_out = None
+            check_imports(t, progress)
+            record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped, left_out=left_out)
+            write_record(t.venv, record)
+        except BaseException:
+            shutil.rmtree(t.venv, ignore_errors=True)
+            lock = lock_path(version)
+            if lock.is_file() and lock.read_text() != kept:  # a resolution this failed run made goes too
+                lock.unlink()
+            progress(f"vLLM {version}: failed; removed {t.venv}")
+            raise
     report(record, t.venv, progress)
     progress(f"vLLM {version}: ready at {t.venv} ({time.monotonic() - started:.0f} s)")
     return t
