@@ -6,15 +6,19 @@ imports only vLLM's block managers and its V1 scheduler, on the CPU.  A lean ven
 dated, hashed resolution minus the distributions in ``LEFT_OUT``; ``kvspec provision --full``
 installs all of it.
 
-How the list was made (BENCHMARKS.md, "Lean targets", has the commands and figures): every
-process of ``kvspec check --vllm X --examples 20`` (each shipped ``--impl``) and of the in-target
-suite ``tests/targets`` ran in the full venvs of 0.33.0 and 0.6.3 with a ``sitecustomize``
-that wrote, at exit, every module in ``sys.modules`` and every shared object in
-``/proc/self/maps``; each file was mapped to its distribution by the distributions' RECORDs.
-A name is listed only when no file of it was imported or mapped on any traced release that
-installs it.  Distributions that were loaded stay even when vLLM tolerates their absence
-(triton: vLLM imports it when present; ray and mistral-common: 0.6.3 imports them), because
-leaving them out changes which code vLLM runs.  Loaded CUDA libraries (libcublas, libcudnn,
+How the list was made (``python -m bench.lean_trace``; BENCHMARKS.md, "Lean targets", has the
+commands and figures): every process of ``kvspec check --vllm 0.33.0 --examples 20``, of the
+in-target suite ``tests/targets`` on 0.33.0, and of ``kvspec check --vllm 0.6.3 --impl
+legacy-v2`` / ``legacy-v1`` ran in the full venvs with a ``sitecustomize`` that wrote, at exit,
+the file of every module in ``sys.modules`` and every shared object in ``/proc/self/maps``;
+each file was mapped to its distribution by the distributions' RECORDs.  A name is listed only
+when no file of it was loaded on any traced release that installs it.  Then the same checks
+(same seeds: the same verdicts and counts) and ``tests/targets`` ran in the lean venvs.
+
+Distributions that were loaded stay even when vLLM tolerates their absence
+(triton: vLLM imports it when present; ray and mistral-common: 0.6.3 imports them;
+fastsafetensors: 0.33.0's weight_utils.py imports it under tests/targets), because leaving
+them out changes which code vLLM runs.  Loaded CUDA libraries (libcublas, libcudnn,
 ... which libtorch_cuda.so links) stay too.
 
 The list is applied by name to any release: a name a release does not install is ignored.  A
@@ -76,7 +80,6 @@ LEFT_OUT: dict[str, str] = {
             (
                 "pynvvideocodec",
                 "instanttensor",
-                "fastsafetensors",
                 "hf-xet",
                 "pycountry",
                 "anthropic",
