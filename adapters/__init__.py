@@ -1,0 +1,20 @@
+"""The adapters: vLLM's block managers and V1 scheduler behind the spec's interfaces (the only
+code that imports vllm).
+
+vLLM keeps on-disk caches under ``VLLM_CACHE_ROOT`` (default ``~/.cache/vllm``) whose file names
+do not carry the release: the model registry's inspection of a model class
+(``modelinfos/<module>-<class>.json``, checked against the model file's hash, 0.33.0
+vllm/model_executor/models/registry.py:1012-1085) is recomputed in a subprocess on every miss,
+about a minute of a scheduler run.  Two releases sharing one file evict each other on every
+alternation, so each target venv gets a cache root of its own unless the user chose one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+VLLM_CACHE_ENV = "VLLM_CACHE_ROOT"
+
+os.environ.setdefault(VLLM_CACHE_ENV, str(Path(sys.prefix) / "vllm-cache"))

@@ -101,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--limit", type=float, default=300.0, help="wall-clock seconds per case")
     x.add_argument("--cases", nargs="*", help="e.g. spec:window-cover op:reference machine:...")
 
+    v = sub.add_parser("verdicts", parents=[common],
+                       help="the default `kvspec check --vllm X --seed S` over releases and seeds: "
+                       "exit code, time and every verdict line")
+    v.add_argument("--releases", nargs="+", required=True)
+    v.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    v.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+
     r = sub.add_parser("render", parents=[common],
                        help="rewrite BENCHMARKS.md sections from saved bench/results/*.json")
     r.add_argument("names", nargs="*",
@@ -140,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         from .crosshair import cmd_crosshair
 
         cmd_crosshair(args)
+    elif args.command == "verdicts":
+        from .verdicts import cmd_verdicts
+
+        cmd_verdicts(args)
     elif args.command == "mutate":
         from .mutation import cmd_mutate
 

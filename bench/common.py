@@ -27,35 +27,20 @@ BENCHMARKS_MD = REPO / "BENCHMARKS.md"
 
 # ---------------------------------------------------------------- which kvspec
 
-PACKAGE_DIRS = {"kvspec": "kvspec", "kvspec.spec": "spec", "kvspec.reference": "reference",
-                "kvspec.adapters": "adapters", "kvspec.targets": "targets",
-                "kvspec.testing": "testing", "kvspec.proofs": "proofs", "kvspec.cli": "cli"}
-
-
-class _CheckoutFinder:
-    """Import kvspec's packages from this checkout (pyproject's package-dir mapping).
-
-    A target venv's editable install may point at another checkout (a CI clone reinstalls
-    it); the benchmark measures the code it is shipped with.
-    """
-
-    @staticmethod
-    def find_spec(fullname, path=None, target=None):
-        import importlib.util
-
-        folder = PACKAGE_DIRS.get(fullname)
-        if folder is None:
-            return None
-        init = REPO / folder / "__init__.py"
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[str(REPO / folder)]
-        )
-
-
 def pin_kvspec_to_checkout() -> None:
-    if any(name in sys.modules for name in PACKAGE_DIRS):
+    """Import kvspec from this checkout, whichever checkout the interpreter's venv has installed
+    (targets/checkout_finder.py, loaded by path: kvspec itself may not be importable yet); the
+    benchmark measures the code it is shipped with, and its worker processes inherit the pin."""
+    import importlib.util
+
+    if "kvspec" in sys.modules:
         return  # too late to redirect; kvspec is whatever was imported
-    sys.meta_path.insert(0, _CheckoutFinder())
+    spec = importlib.util.spec_from_file_location("_kvspec_checkout", REPO / "targets" / "checkout_finder.py")
+    assert spec is not None and spec.loader is not None
+    finder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finder)
+    os.environ[finder.ENV] = str(REPO)
+    finder.install()
 
 
 # ---------------------------------------------------------------- targets

@@ -14,8 +14,7 @@ invariants look at one operation: a refusal's before/after and an accepted step'
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Literal
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 
@@ -28,108 +27,19 @@ from .admission import (
     must_admit,
     reserve_refusal_allowed,
 )
-from .config import Config
 from .kv_memory import UNMAPPED, WriteFault, block_contents, readback_faults
 from .prefix_hash import is_well_formed
+from .registry import (
+    INVARIANTS,
+    Violation,
+    invariant,
+    live_tables,
+    needs_prefix_caching,
+    needs_window,
+    pools,
+)
 from .state import Device, KVState, PoolView, Status, World
 from .window import blocks_for_tokens, window_cover
-
-
-@attrs.frozen
-class Violation:
-    invariant: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.invariant}] {self.message}"
-
-
-Applies = Callable[[Config], "str | None"]
-"""When an invariant applies: None when it does, else the reason it says nothing."""
-
-
-def always(_config: Config) -> str | None:
-    """under every configuration"""
-    return None
-
-
-def needs_window(config: Config) -> str | None:
-    """only with a sliding window"""
-    return None if config.sliding_window is not None else "full attention (no sliding window)"
-
-
-def needs_prefix_caching(config: Config) -> str | None:
-    """only with prefix caching on"""
-    return None if config.prefix_caching else "prefix caching off"
-
-
-@attrs.frozen
-class Invariant:
-    id: str
-    title: str
-    statement: str
-    concerns: str
-    kind: Literal["state", "transition"]
-    check: Callable[..., list[Violation]]
-    applies: Applies = always
-
-    def inapplicable(self, config: Config) -> str | None:
-        """Why this invariant says nothing under ``config`` (None: it applies)."""
-        return self.applies(config)
-
-    def applies_to(self, config: Config) -> bool:
-        return self.applies(config) is None
-
-    def applies_when(self) -> str:
-        """When it applies, in words: the ``applies`` function's docstring, else its name."""
-        doc = (self.applies.__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else f"as {getattr(self.applies, '__qualname__', 'applies')} says"
-
-
-INVARIANTS: dict[str, Invariant] = {}
-
-
-def invariant(
-    id: str,
-    title: str,
-    concerns: str,
-    kind: Literal["state", "transition"] = "state",
-    *,
-    applies: Applies = always,
-):
-    """Register a check under its stable ID; its docstring is the statement.  ``applies``
-    gives the reason the invariant says nothing under a configuration (None: it applies)."""
-
-    def register(fn: Callable[..., Iterator[str]]) -> Callable[..., list[Violation]]:
-        def check(*args, **kwargs) -> list[Violation]:
-            return [Violation(id, msg) for msg in fn(*args, **kwargs)]
-
-        check.__name__ = fn.__name__
-        check.__doc__ = fn.__doc__
-        check.__wrapped__ = fn  # type: ignore[attr-defined]
-        statement = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-        INVARIANTS[id] = Invariant(id, title, statement, concerns, kind, check, applies)
-        return check
-
-    return register
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _live_tables(world: World, device: Device):
-    wanted = Status.RUNNING if device is Device.GPU else Status.SWAPPED
-    for seq_id, table in world.state.tables.items():
-        seq = world.seqs.get(seq_id)
-        if seq is not None and seq.status is wanted and table.device is device:
-            yield table
-
-
-def _pools(state: KVState) -> Iterator[tuple[Device, PoolView]]:
-    yield Device.GPU, state.gpu
-    if state.cpu is not None:
-        yield Device.CPU, state.cpu
-
 
 # ---------------------------------------------------------------- state invariants
 
@@ -145,9 +55,9 @@ def refcount_exact(world: World) -> Iterator[str]:
 
     Too high leaks the block forever; too low frees it while a sequence still reads it.
     """
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         holders: Counter[int] = Counter()
-        for table in _live_tables(world, device):
+        for table in live_tables(world, device):
             holders.update(table.held())
         for block in sorted(set(holders) | set(pool.refcounts)):
             want = holders.get(block, 0)
@@ -173,7 +83,7 @@ def conservation(world: World) -> Iterator[str]:
     allocation may overwrite it while a lookup still hands it out (unreferenced cached
     blocks are evictable, not free).
     """
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         ids = set(pool.ids)
         name = device.value
         for block, n in Counter(pool.free).items():
@@ -215,7 +125,7 @@ def no_leak(world: World) -> Iterator[str]:
     live = [s for s in world.seqs.values() if s.status is not Status.WAITING]
     if live:
         return
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         in_use = sorted(pool.in_use())
         if in_use:
             yield (
@@ -241,7 +151,7 @@ def window_bound(world: World) -> Iterator[str]:
     if window is None:  # not applicable (needs_window); a direct call says nothing
         return
     block_size = world.config.block_size
-    for table in _live_tables(world, Device.GPU):
+    for table in live_tables(world, Device.GPU):
         seq = world.seqs[table.seq_id]
         start, end = seq.step
         scheduled = max(1, end - start)
@@ -284,7 +194,7 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     ``_remove_cached_block_hashes``) with their ``BlockRemoved`` events (``event-consistency``).
     """
     block_size = world.config.block_size
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         pool_blocks = set(pool.ids)
         for key, block in pool.cached:
             if block not in pool_blocks:
@@ -320,7 +230,7 @@ def kv_readback(world: World) -> Iterator[str]:
     """Reading a live sequence through its block table yields exactly its own token at every
     position its next token attends (every position, or the window).
     """
-    for table in _live_tables(world, Device.GPU):
+    for table in live_tables(world, Device.GPU):
         seq = world.seqs[table.seq_id]
         yield from readback_faults(
             table, seq, world.config.block_size, world.config.sliding_window, world.memory
@@ -613,6 +523,6 @@ def check_world(world: World) -> list[Violation]:
     return out
 
 
-# The prefix cache as tenants and routers see it (isolation, events) has its own module; it
-# registers its invariants here, so that importing this module registers every invariant.
+# The prefix cache as tenants and routers see it (isolation, events) has its own module, which
+# registers its invariants in the same registry: importing this module registers every invariant.
 from . import tenancy  # noqa: E402, F401

@@ -29,8 +29,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from .events import replay
-from .invariants import _live_tables, _pools, invariant, needs_prefix_caching
 from .prefix_hash import PrefixKey
+from .registry import invariant, live_tables, needs_prefix_caching, pools
 from .state import World
 
 
@@ -57,12 +57,12 @@ def prefix_cache_isolation(world: World) -> Iterator[str]:
     shareable).  Checked on the blocks sequences hold, which is where crossed KV is read.
     """
     B = world.config.block_size
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         keys_of: dict[int, list[PrefixKey]] = defaultdict(list)
         for key, block in pool.cached:
             keys_of[block].append(key)
         domains: dict[int, dict[tuple[object, ...], list[int]]] = defaultdict(dict)
-        for table in _live_tables(world, device):
+        for table in live_tables(world, device):
             seq = world.seqs[table.seq_id]
             for i, block in enumerate(table.slots):
                 if block is None:
@@ -104,7 +104,7 @@ def event_consistency(world: World) -> Iterator[str]:
     tail entries included.  An implementation that emits no events (``PoolView.events`` None)
     says nothing.
     """
-    for device, pool in _pools(world.state):
+    for device, pool in pools(world.state):
         if pool.events is None:
             continue
         live, faults = replay(pool.events)

@@ -137,3 +137,23 @@ def test_reach_scenarios_pass_the_reference_and_catch_a_broken_variant():
     assert scenarios(factory("reference"), Config) == []
     found = scenarios(factory("broken:release-cached-as-free"), Config)
     assert found and "[conservation]" in found[0]
+
+
+def test_verdict_lines_keep_what_a_run_found_and_drop_the_rest(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from bench.verdicts import verdict_lines
+
+    out = "\n".join(
+        [
+            "kvspec 0.1.0: checking v1 on vLLM 0.30.0",
+            "│ window-bound             │ VIOLATED │ 3 │ 40 │ Sliding-window sequences hold only their │",
+            "│ conservation             │ holds    │ 3 │ 40 │ Blocks are conserved │",
+            "──── violation 1 of 2: kv-readback in step (known finding V1-S2a) ────",
+            "every applicable invariant holds over 100 examples",
+        ]
+    )
+    assert verdict_lines(out) == [
+        "window-bound  VIOLATED  3  40  Sliding-window sequences hold only their",
+        "violation 1 of 2: kv-readback in step (known finding V1-S2a)",
+        "every applicable invariant holds over 100 examples",
+    ]

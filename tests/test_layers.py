@@ -42,3 +42,66 @@ def test_imports_flow_one_way(package):
                 )
                 if LAYER[dep] == LAYER[package] and dep != package:
                     pytest.fail(f"{path}: sibling layers must not import each other ({dep})")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of the tree but those under ``if TYPE_CHECKING:`` (never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in (child, *_runtime_nodes(child)))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    """Which modules of one layer import which others of it (relative and absolute imports,
+    at any depth in the file: an import inside a function still makes a run-time cycle)."""
+    folder = ROOT / package
+    names = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        deps: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module:
+                    deps.add(node.module.split(".")[0])
+                elif node.level == 1:
+                    deps.update(a.name for a in node.names)
+                elif node.module and node.module.startswith(f"kvspec.{package}."):
+                    deps.add(node.module.split(".")[2])
+        graph[path.stem] = {d for d in deps if d in names and d != path.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", sorted(LAYER))
+def test_no_import_cycle_inside_a_layer(package):
+    found = _cycle(_module_graph(package))
+    assert found is None, f"{package}/ modules import each other: {' -> '.join(found)}"
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _cycle({"invariants": {"tenancy"}, "tenancy": {"invariants"}}) == ["invariants", "tenancy", "invariants"]
+    assert _cycle({"invariants": {"registry", "tenancy"}, "tenancy": {"registry"}, "registry": set()}) is None

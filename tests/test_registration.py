@@ -73,3 +73,18 @@ def test_the_command_line_explains_checks_and_reports_it(toy, tmp_path, capsys):
     assert code == 1 and TOY in out and "VIOLATED" in out
     reports = list(tmp_path.rglob("report.json"))  # one per distinct violation
     assert reports and all(TOY in json.dumps(json.loads(p.read_text())) for p in reports)
+
+
+def test_a_second_registration_under_one_id_is_an_error():
+    from kvspec.spec.registry import DuplicateInvariant
+
+    taken = next(iter(INVARIANTS))
+    before = INVARIANTS[taken]
+    with pytest.raises(DuplicateInvariant, match=taken):
+
+        @invariant(taken, "again", "none: a registration test of kvspec itself")
+        def again(world: World) -> Iterator[str]:
+            """A second check under a taken ID."""
+            yield from ()
+
+    assert INVARIANTS[taken] is before

@@ -289,6 +289,20 @@ def test_a_kept_resolution_is_reused_and_a_stale_one_made_again(tmp_path, monkey
     assert len(compiled) == 2  # another cut-off: made again
 
 
+def test_a_venv_is_byte_compiled_once(tmp_path):
+    # Target processes run with PYTHONDONTWRITEBYTECODE in many CI images: without .pyc files
+    # on disk every one of them compiles vLLM, torch and transformers from source again.
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "probe.py").write_text("VALUE = 1\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    t = Target("0.33.0", "v1", ("v1",), path=tmp_path)
+    assert prov.compile_bytecode(t, lambda _msg: None)
+    assert list((site / "__pycache__").glob("probe.*.pyc"))
+    assert not prov.compile_bytecode(t, lambda _msg: None)
+
+
 # ------------------------------------------------------------------------------ lean venvs
 
 _LOCK = (
@@ -323,7 +337,7 @@ def _fake_provisioning(tmp_path, monkeypatch, *, lean_imports: bool) -> list[Pat
         if cmd[1:3] == ["pip", "compile"]:
             Path(cmd[cmd.index("-o") + 1]).write_text(_LOCK)
         if cmd[1:3] == ["pip", "sync"]:
-            synced.append(Path(cmd[5]))
+            synced.append(Path(cmd[-3]))  # the file before --cache-dir DIR
 
     def fake_imports(t, progress, modules=None):
         if modules is not None and not lean_imports:

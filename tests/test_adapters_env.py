@@ -1,0 +1,24 @@
+"""Each target venv keeps vLLM's on-disk caches apart from every other release's
+(adapters/__init__.py): a shared model-info cache is evicted on every alternation of releases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _cache_root(env: dict[str, str]) -> str:
+    code = "import os, kvspec.adapters; print(os.environ['VLLM_CACHE_ROOT'])"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_a_venv_gets_a_vllm_cache_root_of_its_own():
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
+    assert Path(_cache_root(env).strip()) == Path(sys.prefix) / "vllm-cache"
+
+
+def test_a_cache_root_the_user_chose_is_kept(tmp_path):
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
+    assert _cache_root(env).strip() == str(tmp_path)
