@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvspec.testing.driver import TraceStep
 from kvspec.testing.guard import Guard, GuardTripped
 from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.machine import RunStats
+from kvspec.testing.reach import Measurement
 from kvspec.testing.report import (
     ReportError,
     build_report,
@@ -38,6 +39,7 @@ from rich.table import Table
 
 import kvspec
 
+from . import reach
 from .budget import UNBOUNDED_EXAMPLES, TimeBudget
 from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
 from .failures import (
@@ -91,9 +93,13 @@ def check_invariant_ids(ids: Sequence[str] | None) -> tuple[str, ...] | None:
 
 
 def resolve(
-    args: argparse.Namespace, argv: list[str], impl: str | None
+    args: argparse.Namespace,
+    argv: list[str],
+    impl: str | None,
+    on_target: Callable[[VllmHere], None] | None = None,
 ) -> int | tuple[VllmHere | None, str]:
-    """Either run elsewhere (an exit code) or say what runs here: (the vLLM, the impl)."""
+    """Either run elsewhere (an exit code) or say what runs here: (the vLLM, the impl).
+    ``on_target`` is called with the vLLM that runs here before anything imports it."""
     if not needs_vllm(impl):
         assert impl is not None
         if args.vllm or args.vllm_source:
@@ -151,6 +157,8 @@ def resolve(
         return reexec(t.python, [*argv, *extra], pythonpath=root)
     else:
         here = here_local()
+    if on_target is not None:
+        on_target(here)
     chosen = choose_impl(here, impl)
     probe(here, chosen)
     if not getattr(args, "verbose", False):
@@ -200,7 +208,24 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
                 f"--{name.replace('_', '-')} must be >= 1, got {value}",
                 "a run that runs nothing proves nothing",
             )
-    resolved = resolve(args, argv, args.impl)
+    measured: list[Measurement] = []
+    on_target = None
+    if getattr(args, "coverage", False):
+        if not needs_vllm(args.impl):
+            raise UsageError(
+                f"--coverage measures vLLM's block-management code; --impl {args.impl} has none",
+                "drop --coverage, or check a vLLM target (--vllm X, --vllm-source PATH)",
+            )
+
+        def on_target(here: VllmHere) -> None:
+            measured.append(reach.start(here, Path(tempfile.mkdtemp(prefix="kvspec-reach-"))))
+
+    try:
+        resolved = resolve(args, argv, args.impl, on_target)
+    except BaseException:
+        for m in measured:
+            m.discard()
+        raise
     if isinstance(resolved, int):
         return resolved
     here, impl = resolved
@@ -240,15 +265,22 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     if budget is not None:
         for line in budget.lines():
             out.print(line, markup=False, soft_wrap=True)
+    base = output_dir(args, impl)
+    coverage = None
+    if measured and here is not None:
+        coverage = reach.report(measured[0], here, impl, base, args).to_json()
     if not search.found:
         if search.fired and search.last.status == "holds":
             out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
             print_known(search)
+            write_coverage_summary(base, search, [], overrides, coverage)
             return EXIT_FOUND  # a known bug of this target is still a violation
-        code = report_outcome(args, argv, search.last, here, impl, overrides)
+        code = report_outcome(args, argv, search.last, here, impl, overrides, out_dir=base)
         print_known(search)
+        single = base / "report.json"
+        entries = [{"report": str(single), "fingerprint": None, "known_finding": None}] if single.exists() else []
+        write_coverage_summary(base, search, entries, overrides, coverage)
         return shapes_exit(code, shaped) if guard.tripped is None else max(code, EXIT_FOUND)
-    base = output_dir(args, impl)
     entries = []
     for n, found in enumerate(search.found, 1):
         out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
@@ -268,9 +300,26 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     out.rule()
     print_found(search)
     print_known(search)
-    path = write_report(base / "summary.json", summary_json(search, entries, overrides))
+    summary = summary_json(search, entries, overrides)
+    if coverage is not None:
+        summary["coverage"] = coverage
+    path = write_report(base / "summary.json", summary)
     out.print(f"summary: {path}", markup=False, soft_wrap=True)
     return EXIT_FOUND
+
+
+def write_coverage_summary(
+    base: Path,
+    search: Any,
+    entries: list[dict[str, Any]],
+    overrides: dict[str, Any],
+    coverage: dict[str, Any] | None,
+) -> None:
+    """A run that found nothing new writes ``summary.json`` only to carry its coverage."""
+    if coverage is None:
+        return
+    path = write_report(base / "summary.json", {**summary_json(search, entries, overrides), "coverage": coverage})
+    out.print(f"summary: {path}", markup=False, soft_wrap=True)
 
 
 def _guarded_shapes(

@@ -181,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", metavar="VERSION|PATH", help="the release or checkout HEAD is compared with")
     o = p.add_argument_group("output")
     o.add_argument(
+        "--coverage",
+        action="store_true",
+        help="measure which lines, branches and functions of vLLM's block-management code the run "
+        "executed (coverage.py in the target process): a per-file table, the functions never "
+        "entered, an HTML map and coverage.json in the report folder, the totals in summary.json; "
+        "in PR mode, whether the lines HEAD changed ran",
+    )
+    # PR mode hands HEAD's run the BASE's vllm package folder to diff against.
+    o.add_argument("--coverage-against", metavar="DIR", help=argparse.SUPPRESS)
+    o.add_argument(
         "--out",
         metavar="DIR",
         help="where the report and reproducer go (default ./kvspec-reports/<impl>-<time>)",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from kvspec.targets.registry import TargetError, parse
+from kvspec.targets.registry import TargetError, parse, target
 from rich.markup import escape
 from rich.table import Table
 
@@ -127,6 +127,27 @@ def searched(side: str, proc: subprocess.CompletedProcess[str], folder: Path) ->
     )
 
 
+def base_package(spec: str, flags: list[str]) -> Path:
+    """The ``vllm`` package folder of BASE: the release's installed one, or the checkout's."""
+    if flags[0] == "--vllm-source":
+        return Path(flags[1]) / "vllm"
+    t = target(spec)
+    found = sorted(t.venv.glob("lib/python*/site-packages/vllm"))
+    if not found:
+        raise UsageError(f"--coverage: vLLM {spec} is not provisioned, so HEAD's changes cannot be found",
+                         f"kvspec provision {spec}")
+    return found[0]
+
+
+def changed_lines_run(head_out: Path) -> dict[str, Any] | None:
+    """From HEAD's summary.json: per file, the executable lines HEAD changed and those that ran."""
+    summary = head_out / "summary.json"
+    if not summary.is_file():
+        return None
+    files = (json.loads(summary.read_text()).get("coverage") or {}).get("files", [])
+    return {f["name"]: {"changed": f["changed"], "executed": f["changed_executed"]} for f in files if f["changed"]}
+
+
 def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     """``kvspec check <HEAD target> --baseline BASE [flags]``."""
     if not (args.vllm or args.vllm_source):
@@ -144,8 +165,11 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     if args.venv:
         extra += ["--venv", args.venv]
     root.mkdir(parents=True, exist_ok=True)
+    against = []
+    if args.coverage:  # HEAD's run says which of the lines it changes against BASE ran
+        against = ["--coverage-against", str(base_package(args.baseline, base_flags))]
     out.rule(f"HEAD: {' '.join(head_flags)}")
-    searched("HEAD", _kvspec([*common, *head_flags, *extra, "--out", str(head_out)]), head_out)
+    searched("HEAD", _kvspec([*common, *head_flags, *extra, *against, "--out", str(head_out)]), head_out)
     out.rule(f"BASE: {' '.join(base_flags)}")
     # A checkout BASE runs like HEAD: in the same venv, as the same release.
     base_extra = extra if base_flags[0] == "--vllm-source" else []
@@ -184,6 +208,7 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         "base": base_flags,
         "rows": [{"verdict": k, "violation": f.describe(), "replayed": r, "report": str(f.report)} for k, f, r in rows],
         "regressions": regressions,
+        "changed_lines": changed_lines_run(head_out) if args.coverage else None,
     }
     (root / "pr.json").write_text(json.dumps(summary, indent=1))
     out.print(f"pr summary: {root / 'pr.json'}", markup=False, soft_wrap=True)

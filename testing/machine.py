@@ -36,8 +36,9 @@ from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
 
 from .driver import Driver, SpecViolation
+from .generator_rules import token as rule_token
 from .progress import drain
-from .strategies import ALPHABET, admission_bytes, configs, extra_from, prompt_from
+from .strategies import admission_bytes, configs, extra_from, prompt_from
 
 ImplementationFactory = Callable[[Config], Implementation]
 CONTINUE = "continue"
@@ -216,14 +217,16 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _admit(self, raw: bytes) -> int | None:
         B = self.d.config.block_size
-        prompt = prompt_from(raw, self.prompts, B, B * self.max_prompt_blocks)
+        # The pool's capacity in tokens: a prompt of that length fills it exactly (pool-edges).
+        capacity = B * self.d.config.num_blocks
+        prompt = prompt_from(raw, self.prompts, B, B * self.max_prompt_blocks, capacity=capacity)
         self.prompts.append(prompt)
         seq_id = self.next_id
         self.next_id += 1
         chunk, token = raw[2:4]
         k = self._chunk(chunk, len(prompt))
         extra = extra_from(raw, len(prompt), B, self.d.extra_kinds())
-        return seq_id if self.d.admit(seq_id, prompt, k, token % ALPHABET, extra) else None
+        return seq_id if self.d.admit(seq_id, prompt, k, rule_token(token), extra) else None
 
     def _pick(self, status: Status, code: int) -> int:
         candidates = sorted(self.d.with_status(status))
@@ -238,7 +241,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         model = self.d.seqs[seq]
         remaining = len(model.tokens) - model.num_computed
         k = 1 if remaining == 1 else self._chunk(chunk, remaining)
-        self.d.step(seq, k, token % ALPHABET)
+        self.d.step(seq, k, rule_token(token))
 
     @_has_status(Status.RUNNING)
     @rule(raw=three_bytes)
@@ -313,7 +316,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pick, chunk, token = raw
         seq = self._pick(Status.WAITING, pick)
         k = self._chunk(chunk, len(self.d.seqs[seq].tokens))
-        self.d.readmit(seq, k, token % ALPHABET)
+        self.d.readmit(seq, k, rule_token(token))
 
     @precondition(
         lambda self: (

@@ -49,15 +49,19 @@ from kvspec.spec.invariants import Violation
 from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
 from .driver import SpecViolation
+from .generator_rules import block_relative, spare_blocks
+from .generator_rules import token as rule_token
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
-from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
+from .strategies import admission_bytes, extra_from, prompt_from
 
 
 @st.composite
 def shapes(draw) -> Shape:
-    """Production shapes, most of them hybrid.  Windows and attention chunks are drawn by
-    their relation to the second group's block size, as in strategies.windows.  A third of the
+    """Production shapes, most of them hybrid, following the generator rules
+    (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
+    the second group's block size (``block_relative``), the pool's spare blocks by
+    ``spare_blocks``.  A third of the
     hybrid shapes pair full attention with chunked-local layers (Llama-4); vLLM's chunked-local
     groups take the scheduler's block size (0.33.0 single_type_kv_cache_manager.py:1338-1341,
     ``ChunkedLocalAttentionManager.find_longest_cache_hit``), so those draw no other."""
@@ -67,23 +71,16 @@ def shapes(draw) -> Shape:
     window = chunk = None
     if hybrid and draw(st.integers(0, 2)) == 0:
         swa_B = B
-        chunk = draw(st.one_of(st.integers(1, 4).map(lambda m: m * B), st.integers(1, 4 * B + 3)))
+        chunk = draw(block_relative(B))
     elif hybrid:
-        window = draw(
-            st.one_of(
-                st.just(swa_B),
-                st.integers(1, 4).map(lambda m: m * swa_B),
-                st.integers(1, 4).map(lambda m: m * swa_B + 1),
-                st.integers(1, 4 * swa_B + 3),
-            )
-        )
+        window = draw(block_relative(swa_B))
     max_model_len = B * draw(st.sampled_from([8, 12, 16]))
     budget = draw(st.one_of(st.just(max_model_len), st.integers(B, max_model_len - 1)))
     shape = Shape(
         block_size=B,
         swa_block_size=swa_B,
         sliding_window=window,
-        extra_blocks=draw(st.sampled_from([0, 0, 1, 2, 4, 8])),
+        extra_blocks=draw(spare_blocks()),
         prefix_caching=draw(st.booleans()),
         num_spec_tokens=draw(st.sampled_from([0, 0, 1, 2, 3])),
         async_scheduling=draw(st.booleans()),
@@ -422,12 +419,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         B = shape.block_size
         # Room for the sampled tokens and a step's drafts within max_model_len.
         longest = shape.max_model_len - shape.max_tokens - shape.num_spec_tokens - 1
-        prompt = prompt_from(raw, self.prompts, B, longest)
+        prompt = prompt_from(raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens)
         self.prompts.append(prompt)
         max_tokens = 1 + raw[3] % shape.max_tokens
         # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by.
         extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
-        self.d.arrive(self.next_id, [t % ALPHABET for t in prompt], max_tokens, extra)
+        self.d.arrive(self.next_id, [rule_token(t) for t in prompt], max_tokens, extra)
         self.next_id += 1
 
     @precondition(lambda self: self.driver is not None)

@@ -1,4 +1,5 @@
-"""Hypothesis strategies for configurations and prompts.
+"""Hypothesis strategies for configurations and prompts, following the generator rules
+(testing/generator_rules.py).
 
 Windows are drawn by their relation to the block size (W < B, W = B, W mod B in {0, 1},
 anything), because that relation is where window arithmetic breaks.  Prompts are drawn
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature
 
-ALPHABET = 4  # few distinct tokens: shared prefixes and equal blocks happen often
-
+from . import generator_rules as rules
+from .generator_rules import block_relative, identifiers, pool_blocks, prompt_length, repeats_prefix
 
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 8, 16])
 BOTH = st.booleans()
@@ -22,18 +23,9 @@ BOTH = st.booleans()
 
 @st.composite
 def windows(draw, block_size: int, required: bool = False) -> int | None:
-    """A window size, or None (full attention) unless ``required``."""
-    B = block_size
-    options = [
-        *([] if required else [st.none()]),
-        st.just(B),
-        st.integers(1, 4).map(lambda m: m * B),
-        st.integers(1, 4).map(lambda m: m * B + 1),
-        st.integers(1, 4 * B + 3),
-    ]
-    if B > 1:
-        options.append(st.integers(1, B - 1))
-    return draw(st.one_of(options))
+    """A window size (rule ``block-relative``), or None (full attention) unless ``required``."""
+    sizes = block_relative(block_size)
+    return draw(sizes if required else st.one_of(st.none(), sizes))
 
 
 @st.composite
@@ -56,7 +48,7 @@ def configs(
     window = sliding_window or require_window
     return Config(
         block_size=B,
-        num_blocks=draw(st.integers(1, max_blocks)),
+        num_blocks=draw(pool_blocks(max_blocks)),
         num_cpu_blocks=draw(st.integers(min_cpu_blocks, max(8, min_cpu_blocks))) if swap else 0,
         sliding_window=draw(windows(B, required=require_window)) if window else None,
         prefix_caching=draw(prefix_caching),
@@ -75,21 +67,28 @@ admission_bytes = st.binary(min_size=ADMISSION_HEADER, max_size=ADMISSION_HEADER
 
 
 def as_tokens(raw: bytes) -> tuple[int, ...]:
-    return tuple(b % ALPHABET for b in raw)
+    return tuple(rules.token(b) for b in raw)
 
 
 def prompt_from(
-    raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, max_len: int
+    raw: bytes,
+    earlier: Sequence[tuple[int, ...]],
+    block_size: int,
+    max_len: int,
+    *,
+    budget: int | None = None,
+    capacity: int | None = None,
 ) -> tuple[int, ...]:
     """A prompt from an admission's bytes: usually an earlier prompt cut and extended (so that
     prefixes are shared), cut at a block boundary half of the time (that is where cache hits
-    happen).  Its length is drawn apart from its content (the product of two bytes: short
-    prompts are the common case on small pools), so the shrinker can make the prompt fresh
-    and its tokens 0 without losing the length a failure needs."""
+    happen).  Its length is drawn apart from its content (``generator_rules.prompt_length``:
+    mostly the product of two bytes, sometimes an edge: a block boundary, ``max_len``, the
+    token ``budget``, the pool's ``capacity`` in tokens), so the shrinker can make the prompt
+    fresh and its tokens 0 without losing the length a failure needs."""
     source, cut_code, _, _, len_a, len_b = raw[:6]
-    length = 1 + len_a * len_b * max_len // 65536
+    length = prompt_length(len_a, len_b, max_len, block_size, budget=budget, capacity=capacity)
     tail = as_tokens(raw[ADMISSION_HEADER:])
-    if not earlier or source % 4 == 0:
+    if not earlier or not repeats_prefix(source):
         prefix: tuple[int, ...] = ()
     else:
         # Counted back from the newest prompt: the shrinker can drop older admissions
@@ -101,23 +100,24 @@ def prompt_from(
             cut = (cut_code // 2) % (len(base) + 1)
         prefix = base[:cut]
     prompt = (prefix + tail)[:length]
-    return prompt + (0,) * (length - len(prompt))
+    return prompt + (rules.token(0),) * (length - len(prompt))
 
 
-# A few tenants, adapters and images: identical prompts in different domains happen often.
-SALTS = (None, "tenant-a", "tenant-b")
-LORAS = (None, "adapter-1", "adapter-2")
-IMAGES = ("image-x", "image-y")
 EXTRA_KINDS = frozenset({"cache_salt", "lora", "mm"})
 
 
 def extra_from(raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS) -> ExtraKeys:
     """A request's domain from an admission's bytes 6-9 (0 everywhere: the plain domain): a
     cache salt, a LoRA adapter, and up to two multimodal features placed inside the prompt
-    (the second after the first), each only if ``kinds`` allows it."""
+    (the second after the first), each only if ``kinds`` allows it.  A few names only, shared
+    by the kinds (rule ``shared-identifiers``): identical prompts in different domains, and
+    identifiers of different kinds that coincide, happen often."""
     domain, mm_code, pos, size = raw[6:ADMISSION_HEADER]
-    salt = SALTS[domain % len(SALTS)] if "cache_salt" in kinds else None
-    lora = LORAS[(domain // len(SALTS)) % len(LORAS)] if "lora" in kinds else None
+    salts = (None, *identifiers("cache_salt"))
+    loras = (None, *identifiers("lora"))
+    images = identifiers("mm")
+    salt = salts[domain % len(salts)] if "cache_salt" in kinds else None
+    lora = loras[(domain // len(salts)) % len(loras)] if "lora" in kinds else None
     features: list[MMFeature] = []
     if "mm" in kinds and prompt_len:
         count = mm_code % 3
@@ -126,7 +126,7 @@ def extra_from(raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS) 
             if offset >= prompt_len:
                 break
             length = 1 + (size >> (4 * n) & 15) % min(2 * block_size, prompt_len - offset)
-            image = IMAGES[(mm_code // 3 >> n) % len(IMAGES)]
+            image = images[(mm_code // 3 >> n) % len(images)]
             features.append(MMFeature(image, offset, length))
             offset += length + (pos >> 4) % 3
     if not (salt or lora or features):

@@ -32,6 +32,7 @@ from hypothesis import note, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+from .generator_rules import EDGE_CODE, prompt_length, repeats_prefix
 from .machine import KVCacheMachine
 
 # Operations a swarm can switch off (admissions and scheduler iterations always run).
@@ -70,6 +71,8 @@ def length_bytes(length: int, max_len: int) -> tuple[int, int] | None:
     """Two bytes ``(a, b)`` that ``prompt_from`` decodes to ``length`` (``1 + a*b*max_len //
     65536``), or None when no pair does."""
     for a in range(BYTE - 1, 0, -1):
+        if a % EDGE_CODE == EDGE_CODE - 1:
+            continue  # such a first byte snaps the length to an edge (generator_rules.prompt_length)
         b = math.ceil((length - 1) * 65536 / (a * max_len)) if length > 1 else 0
         if b < BYTE and 1 + a * b * max_len // 65536 == length:
             return a, b
@@ -83,8 +86,8 @@ def shape(raw: bytes, swarm: Swarm, earlier: list[tuple[int, ...]], block_size: 
         return raw
     b = bytearray(raw)
     source, cut_code, _, _, len_a, len_b = b[:PROMPT_BYTES]
-    length = 1 + len_a * len_b * max_len // 65536
-    extends = bool(earlier) and source % 4 != 0
+    length = prompt_length(len_a, len_b, max_len, block_size)
+    extends = bool(earlier) and repeats_prefix(source)
     if swarm.repeat and extends and cut_code % 2 == 1:
         base = earlier[-1 - (source // 4) % len(earlier)]
         if 2 * len(base) + 1 < BYTE:

@@ -1,0 +1,182 @@
+"""The rules every strategy follows: the edges a generator must be able to produce, because a
+generator that never produces a value cannot find the bug that needs it.
+
+Each rule is a ``Rule`` with its statement as the docstring of the function that applies it;
+the strategies (testing/strategies.py for the block-manager machine, ``shapes`` and
+``SchedulerMachine.arrive`` in testing/scheduler_machine.py) go through these functions, so a
+rule holds for both machines.  Every rule can be switched off (``Rule.on``) only so that
+tests/test_generator_rules.py can show that its edge then disappears: each test is able to
+fail.
+
+The rules:
+
+``shared-identifiers``  cache salts, LoRA adapter names and media ids come from one small pool
+                        that also holds the names requests get, so identifiers of different
+                        kinds coincide;
+``special-tokens``      token ids include the ids the tokenizer reserves;
+``block-relative``      windows and attention chunks fall below, at and above the block size
+                        and off its multiples;
+``pool-edges``          pools at the startup minimum, and prompts that fill a pool exactly;
+``prompt-edges``        prompt lengths on block boundaries, at the token budget and at the
+                        longest length allowed;
+``shared-prefixes``     prompts repeat earlier prompts' prefixes, in whatever domain (tenant,
+                        adapter, media) the new request draws.
+"""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import strategies as st
+
+
+@attrs.define
+class Rule:
+    """A generator rule; ``on`` is False only in the tests that show the rule is needed."""
+
+    name: str
+    on: bool = True
+
+
+RULES = tuple(
+    Rule(name)
+    for name in (
+        "shared-identifiers", "special-tokens", "block-relative", "pool-edges", "prompt-edges", "shared-prefixes"
+    )
+)
+SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES = RULES
+
+# ------------------------------------------------------------------------------ identifiers
+
+# The names the V1 scheduler adapter gives the first requests (adapters/v1_scheduler.py
+# ``request_id=f"seq{seq_id}"``): a salt, an adapter or an image of the same name is an
+# identifier that coincides with a request id.
+REQUEST_NAMED = ("seq0", "seq1")
+# What each kind drew from when the pools were disjoint (the rule switched off).
+DISJOINT = {
+    "cache_salt": ("tenant-a", "tenant-b"),
+    "lora": ("adapter-1", "adapter-2"),
+    "mm": ("image-x", "image-y"),
+}
+
+
+def identifiers(kind: str) -> tuple[str, ...]:
+    """Rule ``shared-identifiers``: every kind of identifier (``cache_salt``, ``lora``, ``mm``)
+    draws from the same two names, which are also the names of the first two requests.  Two
+    names keep the domains few (identical prompts in one domain stay common) while a salt can
+    equal an adapter's name, an image's id or a request's id: a cache key that drops the kind
+    of an identifier (a salt ``x`` and an adapter ``x`` hashed alike) is then reachable."""
+    return REQUEST_NAMED if SHARED_IDENTIFIERS.on else DISJOINT[kind]
+
+
+# ------------------------------------------------------------------------------ tokens
+
+ALPHABET = 4  # few distinct tokens: shared prefixes and equal blocks happen often
+# The ids the offline tokenizer reserves (adapters/v1_scheduler.py ``_tiny_tokenizer``: unk,
+# bos, eos are TINY_VOCAB's first three words), the ids tokenizers commonly reserve.
+SPECIAL_TOKENS_IDS = (0, 1, 2)
+
+
+def token(byte: int) -> int:
+    """Rule ``special-tokens``: a token id from a byte, over ``ALPHABET`` ids that include the
+    reserved ones (``SPECIAL_TOKENS_IDS``): a prompt may hold an unk, bos or eos id anywhere,
+    as prompts from users and from chat templates do."""
+    offset = 0 if SPECIAL_TOKENS.on else len(SPECIAL_TOKENS_IDS)
+    return offset + byte % ALPHABET
+
+
+# ------------------------------------------------------------------------------ windows, chunks
+
+
+def block_relative(block_size: int) -> st.SearchStrategy[int]:
+    """Rule ``block-relative``: a window or attention-chunk size drawn by its relation to the
+    block size B, where window arithmetic breaks: B itself, multiples of B, one past a
+    multiple, below B, and anything up to 4B + 3 (mostly not a multiple)."""
+    B = block_size
+    multiples = st.integers(1, 4).map(lambda m: m * B)
+    if not BLOCK_RELATIVE.on:
+        return multiples
+    options = [
+        st.just(B),
+        multiples,
+        st.integers(1, 4).map(lambda m: m * B + 1),
+        st.integers(1, 4 * B + 3),
+    ]
+    if B > 1:
+        options.append(st.integers(1, B - 1))
+    return st.one_of(options)
+
+
+# ------------------------------------------------------------------------------ pools
+
+SPARE_BLOCKS = (0, 0, 1, 2, 4, 8)  # blocks a scheduler's pool has beyond its startup minimum
+
+
+def spare_blocks() -> st.SearchStrategy[int]:
+    """Rule ``pool-edges`` (scheduler shapes): the pool has 0 blocks beyond the startup minimum
+    (vLLM's: one request of ``max_model_len`` fits) a third of the time, a few more otherwise."""
+    if POOL_EDGES.on:
+        return st.sampled_from(SPARE_BLOCKS)
+    return st.sampled_from([n for n in SPARE_BLOCKS if n > 0])
+
+
+def pool_blocks(max_blocks: int) -> st.SearchStrategy[int]:
+    """Rule ``pool-edges`` (block-manager configurations): from one block (the smallest pool a
+    manager starts with) to ``max_blocks``."""
+    return st.integers(1 if POOL_EDGES.on else 2, max_blocks)
+
+
+# ------------------------------------------------------------------------------ prompt lengths
+
+EDGE_CODE = 16  # one length byte in this many snaps the length to an edge
+
+
+def prompt_length(
+    len_a: int,
+    len_b: int,
+    max_len: int,
+    block_size: int,
+    *,
+    budget: int | None = None,
+    capacity: int | None = None,
+) -> int:
+    """Rules ``prompt-edges`` and ``pool-edges``: a prompt's length from two bytes.  Mostly
+    their product scaled to ``max_len`` (short prompts are the common case on small pools);
+    one draw in ``EDGE_CODE`` lands on an edge instead: a block boundary, ``max_len`` itself
+    (the longest prompt the caller allows), the scheduler's token ``budget``, or the pool's
+    ``capacity`` in tokens (a prompt that fills the pool exactly).  Edges past ``max_len`` are
+    cut to it.  A rule switched off: its edges are never the length."""
+    length = 1 + len_a * len_b * max_len // 65536
+    if len_a % EDGE_CODE == EDGE_CODE - 1:
+        boundary = block_size * (1 + len_b % max(1, max_len // block_size))
+        choices = [boundary, max_len, *(e for e in (budget, capacity) if e)]
+        length = max(1, min(choices[(len_b // 7) % len(choices)], max_len))
+    avoided = set()
+    if not PROMPT_EDGES.on:
+        avoided |= {max_len, budget}
+    if not POOL_EDGES.on:
+        avoided.add(capacity)
+    while length in avoided and length > 1:
+        length -= 1
+    return length
+
+
+def repeats_prefix(source: int) -> bool:
+    """Rule ``shared-prefixes``: three admissions in four extend an earlier prompt (cut at a
+    block boundary half of the time), whatever domain the new request draws, so the same
+    prefix arrives under other tenants, adapters and images."""
+    return SHARED_PREFIXES.on and source % 4 != 0
+
+
+__all__ = [
+    "ALPHABET",
+    "RULES",
+    "SPECIAL_TOKENS_IDS",
+    "Rule",
+    "block_relative",
+    "identifiers",
+    "pool_blocks",
+    "prompt_length",
+    "repeats_prefix",
+    "spare_blocks",
+    "token",
+]

@@ -1,0 +1,149 @@
+"""Each generator rule (testing/generator_rules.py): the strategies produce its edge, and with
+the rule switched off they never do, so each test is able to fail.  Draws are seeded bytes fed
+to the strategies' decoders (as hypothesis' byte strings reach them), or hypothesis ``find``
+over the strategies, derandomized."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import find, settings
+from hypothesis.errors import NoSuchExample
+from kvspec.testing import generator_rules as rules
+from kvspec.testing.scheduler_machine import shapes
+from kvspec.testing.strategies import (
+    ADMISSION_HEADER,
+    EXTRA_KINDS,
+    as_tokens,
+    configs,
+    extra_from,
+    prompt_from,
+    windows,
+)
+
+DRAWS = 4000
+B = 4
+MAX_LEN = 6 * B
+FIND = settings(database=None, derandomize=True, max_examples=2000)
+
+
+def _raw(rng: random.Random, tail: int = 24) -> bytes:
+    return bytes(rng.randrange(256) for _ in range(ADMISSION_HEADER + tail))
+
+
+def _found(strategy, predicate) -> bool:
+    try:
+        find(strategy, predicate, settings=FIND)
+    except NoSuchExample:
+        return False
+    return True
+
+
+@pytest.fixture(params=[True, False], ids=["rule on", "rule off"])
+def switch(request, monkeypatch):
+    """Run the test with the rule it names on, then off: ``switch(rule)`` sets it, returns on."""
+
+    def set_rule(rule: rules.Rule) -> bool:
+        monkeypatch.setattr(rule, "on", request.param)
+        return request.param
+
+    return set_rule
+
+
+def test_every_rule_is_tested_here():
+    tested = {"shared-identifiers", "special-tokens", "block-relative", "pool-edges", "prompt-edges", "shared-prefixes"}
+    assert {r.name for r in rules.RULES} == tested
+
+
+def test_shared_identifiers_coincide_across_kinds(switch):
+    on = switch(rules.SHARED_IDENTIFIERS)
+    rng = random.Random(1)
+    salt_is_adapter = image_is_salt = names_a_request = 0
+    for _ in range(DRAWS):
+        extra = extra_from(_raw(rng), 16, B, EXTRA_KINDS)
+        images = {f.identifier for f in extra.mm}
+        salt_is_adapter += extra.cache_salt is not None and extra.cache_salt == extra.lora
+        image_is_salt += extra.cache_salt in images
+        names_a_request += bool({extra.cache_salt, extra.lora, *images} & set(rules.REQUEST_NAMED))
+    if on:
+        assert salt_is_adapter and image_is_salt and names_a_request
+    else:
+        assert salt_is_adapter == image_is_salt == names_a_request == 0
+
+
+def test_token_ids_include_the_reserved_ones(switch):
+    on = switch(rules.SPECIAL_TOKENS)
+    rng = random.Random(2)
+    seen = set()
+    earlier: list[tuple[int, ...]] = []
+    for _ in range(200):
+        earlier.append(prompt_from(_raw(rng), earlier, B, MAX_LEN))
+        seen |= set(earlier[-1])
+    seen |= set(as_tokens(bytes(range(256))))
+    special = set(rules.SPECIAL_TOKENS_IDS)
+    assert (special <= seen) if on else not (special & seen)
+
+
+@pytest.mark.parametrize("edge", ["below", "at", "above, not a multiple"])
+def test_windows_fall_around_the_block_size(switch, edge):
+    on = switch(rules.BLOCK_RELATIVE)
+    predicate = {
+        "below": lambda w: w < 8,
+        "at": lambda w: w == 8,
+        "above, not a multiple": lambda w: w > 8 and w % 8,
+    }[edge]
+    found = _found(windows(8, required=True), predicate)
+    # Switched off, windows are multiples of B: "at" (1 * B) stays, the others go.
+    assert found if (on or edge == "at") else not found
+
+
+def test_scheduler_windows_and_chunks_are_off_block_multiples(switch):
+    on = switch(rules.BLOCK_RELATIVE)
+    odd_window = _found(shapes(), lambda s: s.sliding_window is not None and s.sliding_window % s.swa_block_size != 0)
+    odd_chunk = _found(
+        shapes(), lambda s: s.attention_chunk_size is not None and s.attention_chunk_size % s.block_size != 0
+    )
+    assert (odd_window and odd_chunk) if on else not (odd_window or odd_chunk)
+
+
+def test_pools_at_the_startup_minimum(switch):
+    on = switch(rules.POOL_EDGES)
+    assert _found(shapes(), lambda s: s.extra_blocks == 0) == on
+    assert _found(configs(), lambda c: c.num_blocks == 1) == on
+
+
+def test_prompts_fill_the_pool_exactly(switch):
+    on = switch(rules.POOL_EDGES)
+    rng = random.Random(3)
+    capacity = 5 * B
+    lengths = [len(prompt_from(_raw(rng), [], B, MAX_LEN, capacity=capacity)) for _ in range(DRAWS)]
+    assert (capacity in lengths) == on
+
+
+def test_prompts_at_the_budget_and_the_longest_length(switch):
+    on = switch(rules.PROMPT_EDGES)
+    rng = random.Random(4)
+    budget = 3 * B + 1
+    lengths = [len(prompt_from(_raw(rng), [], B, MAX_LEN, budget=budget)) for _ in range(DRAWS)]
+    assert (budget in lengths and MAX_LEN in lengths) == on
+    # Block boundaries are among the edges too (and come from the plain lengths as well).
+    assert any(n % B == 0 for n in lengths)
+
+
+def test_prefixes_repeat_across_tenants(switch):
+    """A prompt that repeats four whole blocks of an earlier prompt, in another domain."""
+    on = switch(rules.SHARED_PREFIXES)
+    rng = random.Random(5)
+    shared = 4 * B  # random tails share this many tokens with chance 4**-16: never by accident
+    earlier: list[tuple[tuple[int, ...], object]] = []
+    across = 0
+    for _ in range(DRAWS // 4):
+        raw = _raw(rng, tail=MAX_LEN)
+        prompt = prompt_from(raw, [p for p, _ in earlier], B, MAX_LEN)
+        domain = extra_from(raw, len(prompt), B, EXTRA_KINDS)
+        across += any(
+            len(prompt) >= shared and p[:shared] == prompt[:shared] and d != domain for p, d in earlier
+        )
+        earlier.append((prompt, domain))
+    assert bool(across) == on
