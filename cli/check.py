@@ -40,6 +40,7 @@ from rich.table import Table
 import kvspec
 
 from . import reach
+from .budget import UNBOUNDED_EXAMPLES, TimeBudget
 from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
 from .failures import (
     HEADLINE,
@@ -54,7 +55,7 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
-from .shapes import SCHEDULER_IMPL, ShapesOutcome, run_v1_shapes, shapes_exit
+from .shapes import SCHEDULER_IMPL, ShapesOutcome, run_v1_shapes, shapes_apply, shapes_exit
 from .target import (
     VllmHere,
     check_impl_name,
@@ -200,7 +201,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     check_impl_name(args.impl)
     overrides = parse_overrides(args.config or [])
     focus = check_invariant_ids(args.invariant)
-    for name in ("examples", "steps", "max_violations"):
+    for name in ("examples", "steps", "max_violations", "time_budget"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(
@@ -235,6 +236,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     masked, maskable = masking(impl, overrides)
     profile = args.profile
     err.print(f"kvspec {kvspec.__version__}: checking {describe_target(here, impl)}", markup=False)
+    budget = time_budget(args, impl, here)
     with guard.armed():
         search = run_search(
             factory,
@@ -251,6 +253,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
             max_violations=args.max_violations,
             masked=masked,
             maskable=maskable,
+            budget=budget,
         )
     for note in guard.notes:
         err.print(f"note: {note}", markup=False)
@@ -258,7 +261,10 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     print_table(summary)
     # vLLM's own V1 scheduler in production shapes (cli/shapes.py): hybrid groups, async,
     # spec decode, token budget, startup-minimum pools.
-    shaped = _guarded_shapes(args, impl, here, focus, guard)
+    shaped = _guarded_shapes(args, impl, here, focus, guard, budget)
+    if budget is not None:
+        for line in budget.lines():
+            out.print(line, markup=False, soft_wrap=True)
     base = output_dir(args, impl)
     coverage = None
     if measured and here is not None:
@@ -322,6 +328,7 @@ def _guarded_shapes(
     here: VllmHere | None,
     focus: tuple[str, ...] | None,
     guard: Guard,
+    budget: TimeBudget | None = None,
 ) -> ShapesOutcome | None:
     """The scheduler-shapes run under the run's limits; a hang or runaway there is reported."""
     if guard.tripped is not None:
@@ -329,10 +336,17 @@ def _guarded_shapes(
     try:
         with guard.armed():
             known = known_for(args, SCHEDULER_IMPL, here)
-            return run_v1_shapes(args, impl, here, focus, guard=guard, known=known)
+            part = budget.rest("scheduler shapes") if budget is not None and shapes_apply(args, impl, here) else None
+            return run_v1_shapes(args, impl, here, focus, guard=guard, known=known, part=part)
     except GuardTripped as trip:
         out.print(f"[bold red]scheduler shapes: {escape(trip.message)}[/]", soft_wrap=True)
         return None
+
+
+def time_budget(args: argparse.Namespace, impl: str, here: VllmHere | None) -> TimeBudget | None:
+    """The run's ``--time-budget`` (cli/budget.py), with a share for the shapes when they run."""
+    seconds = getattr(args, "time_budget", None)
+    return None if seconds is None else TimeBudget(seconds, shapes=shapes_apply(args, impl, here))
 
 
 def known_for(args: argparse.Namespace, impl: str, here: VllmHere | None) -> list[KnownFinding]:
@@ -386,7 +400,8 @@ def print_table(o: Outcome) -> None:
     seed = f"seed {o.seed}" if o.seed is not None else "derandomized"
     shrink = f", {o.tally.shrink_runs} shrinking runs" if o.tally.shrink_runs else ""
     out.print(
-        f"{o.tally.examples} of {o.requested} examples, {o.tally.operations} operations, "
+        f"{o.tally.examples} of {o.requested if o.requested < UNBOUNDED_EXAMPLES else 'time-budgeted'} examples, "
+        f"{o.tally.operations} operations, "
         f"<= {o.steps} steps each, profile {o.profile}, {seed}{shrink}, {o.seconds:.1f}s",
         markup=False,
     )

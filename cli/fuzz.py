@@ -40,6 +40,7 @@ from rich.markup import escape
 
 import kvspec
 
+from .budget import BudgetSpent, Part
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, out
 from .failures import HEADLINE, STOPPED_BY_TARGET, add_limit_args, limits_from
 
@@ -120,12 +121,13 @@ def machine_class(search: str):
 
 
 def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, Any] | None = None,
-                  step_past=None, replay_only: bool = False, guard=None):
+                  step_past=None, replay_only: bool = False, guard=None, part: Part | None = None):
     """A zero-argument hypothesis test of the campaign under its database key; ``record``
     receives the last example's driver (after a failure: hypothesis' final replay of the
     shrunk example) and the run's counts.  ``replay_only``: run only what the database holds
     under the key (hypothesis' reuse phase), nothing new.  ``guard`` (testing.guard.Guard,
-    armed by the caller) limits every call into the target."""
+    armed by the caller) limits every call into the target.  ``part`` (cli/budget.py): no
+    example starts after its deadline."""
     from hypothesis import Phase, settings
     from hypothesis.stateful import get_state_machine_test
     from kvspec.testing import profiles  # noqa: F401  (registers the profiles)
@@ -154,6 +156,8 @@ def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, An
             super().teardown()
 
     def make():
+        if part is not None:
+            part.start_example()
         return Recorded(factory, strategy, **kwargs)
 
     profile = settings.get_profile("dev")
@@ -208,19 +212,28 @@ def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, 
     into the target runs under the guard's limits (``limits_json``: ``Limits.to_json``)."""
     import logging
 
+    from hypothesis.reporting import with_reporter
     from kvspec.testing.guard import Guard, GuardTripped, Limits
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     campaign = Campaign.from_json(campaign_json)
     record: dict[str, Any] = {}
     guard = Guard(Limits(**limits_json) if limits_json is not None else Limits())
+    # The campaign's deadline as this process's monotonic clock: no example starts after it.
+    part = Part(f"worker {index}", deadline - time.time(), time.monotonic() + deadline - time.time())
     try:
         with guard.armed():
             test = campaign_test(campaign, max_examples=EXAMPLES_PER_RUN, record=record,
-                                 step_past=_known_policy(campaign), guard=guard)
+                                 step_past=_known_policy(campaign), guard=guard, part=part)
             runs = 0
-            while time.time() < deadline and not stop.is_set():
-                test()
+            # One run at least, however late the worker started: its first example always
+            # runs (a worker that ran nothing claims nothing); the part's deadline cuts the rest.
+            while (runs == 0 or time.time() < deadline) and not stop.is_set():
+                try:
+                    with with_reporter(lambda _text: None):  # hypothesis' "@seed" note on the stop
+                        test()
+                except BudgetSpent:
+                    break
                 runs += 1
                 results.put({"worker": index, "kind": "progress", "runs": runs,
                              "examples": record["examples"], "operations": record["operations"]})
@@ -243,8 +256,9 @@ def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, 
             "trace": [s.to_json() for s in driver.trace] if driver is not None else [],
             "examples": record.get("examples", 0), "operations": record.get("operations", 0)})
         return
+    part.close()
     results.put({"worker": index, "kind": "done", "examples": record["examples"],
-                 "operations": record["operations"]})
+                 "operations": record["operations"], "seconds": round(part.seconds, 2)})
 
 
 # ------------------------------------------------------------------------------ the command
@@ -261,6 +275,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--database", metavar="URL",
                    help="directory, redis://host:port/n or github:owner/repo (default <out>/db)")
     p.add_argument("--minutes", type=float, default=10.0, help="time limit of the campaign")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="time limit of the campaign in seconds (instead of --minutes); each worker "
+                   "starts no example after it, and the summary says what each worker got")
     p.add_argument("--steps", type=int, default=40, help="operations per example, at most")
     p.add_argument("--search", choices=("default", "swarm"), default="default",
                    help="the machine: KVCacheMachine or SwarmMachine (testing/swarm.py)")
@@ -278,8 +295,10 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     from .check import check_invariant_ids, describe_target, resolve, target_json
     from .run import parse_overrides
 
-    if args.workers < 1 or args.minutes <= 0:
-        raise UsageError("--workers must be >= 1 and --minutes > 0", "a campaign that runs nothing proves nothing")
+    seconds_given = args.time_budget if args.time_budget is not None else 60 * args.minutes
+    if args.workers < 1 or seconds_given <= 0:
+        raise UsageError("--workers must be >= 1 and --minutes (--time-budget) > 0",
+                         "a campaign that runs nothing proves nothing")
     overrides = parse_overrides(args.config or [])
     focus = check_invariant_ids(args.invariant)
     limits = limits_from(args)
@@ -297,12 +316,12 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     (folder / "campaign.json").write_text(json.dumps(campaign.to_json(), indent=1) + "\n")
     _write_pytest(folder, campaign)
     err.print(f"kvspec {kvspec.__version__}: fuzzing {describe_target(here, impl)} with "
-              f"{args.workers} worker(s) for {args.minutes:g} min; database {database}; "
+              f"{args.workers} worker(s) for {seconds_given:g} s; database {database}; "
               f"key {campaign.key().decode()}", markup=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     stop = ctx.Event()
-    deadline = time.time() + 60 * args.minutes
+    deadline = time.time() + seconds_given
     procs = [ctx.Process(target=worker, args=(campaign.to_json(), i, deadline, results, stop,
                                               limits.to_json()), daemon=True)
              for i in range(args.workers)]
@@ -332,11 +351,17 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     examples = sum(m.get("examples", 0) for m in progress.values())
     operations = sum(m.get("operations", 0) for m in progress.values())
     seconds = time.time() - start
+    per_worker = {i: {"examples": m.get("examples", 0), "operations": m.get("operations", 0),
+                      "seconds": m.get("seconds")} for i, m in sorted(progress.items())}
     summary = {**campaign.to_json(), "key": campaign.key().decode(), "workers": args.workers,
                "seconds": round(seconds, 1), "examples": examples, "operations": operations,
+               "time_budget": seconds_given, "per_worker": per_worker,
                "outcome": "failure" if failure else "no failure"}
     out.print(f"{examples} examples, {operations} operations in {seconds:.0f} s over "
               f"{args.workers} worker(s)", markup=False)
+    for i, got in per_worker.items():
+        took = f"{got['seconds']:.1f} s" if got["seconds"] is not None else "still running at the end"
+        out.print(f"  worker {i}: {got['examples']} examples, {got['operations']} operations, {took}", markup=False)
     if failure is None:
         if not examples:
             out.print("[red]no example ran[/]: nothing is claimed")

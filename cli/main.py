@@ -27,6 +27,7 @@ from rich.table import Table
 
 import kvspec
 
+from .budget import TIME_BUDGET_HELP
 from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .failures import add_limit_args
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="hypothesis profile (default: ci when $CI is set, else $KVSPEC_PROFILE or dev)",
     )
     e.add_argument("--examples", type=int, metavar="N", help="examples (machine runs) to try")
+    e.add_argument("--time-budget", type=float, metavar="SECONDS", help=TIME_BUDGET_HELP)
     e.add_argument("--steps", type=int, metavar="N", help="operations per example, at most")
     e.add_argument(
         "--seed", type=int, metavar="S", help="seed (the run is repeatable; default: the profile's)"
@@ -256,10 +258,24 @@ def build_parser() -> argparse.ArgumentParser:
     _compare_args(p)
     add_limit_args(p)
 
-    sub.add_parser("targets", help="list pinned, known and provisioned vLLM releases")
+    p = sub.add_parser("targets", help="list pinned, known and provisioned vLLM releases, and their disk")
+    p.add_argument(
+        "--prune",
+        nargs="*",
+        metavar="VERSION",
+        help="remove the uv cache's entries no provisioned venv uses, after removing the venvs "
+        "of the releases named (a dry run without --yes)",
+    )
+    p.add_argument("--yes", action="store_true", help="with --prune: remove (default: say what would go)")
 
     p = sub.add_parser("provision", help="create or reuse the venv of vLLM releases")
     p.add_argument("versions", nargs="+", metavar="VERSION")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="install the release's whole dated resolution (default: lean, without the GPU "
+        "kernels and tools kvspec never loads; targets/lean.py)",
+    )
 
     p = sub.add_parser("test-targets", help="run tests/targets inside each provisioned target")
     p.add_argument(
@@ -310,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prove":
             return cmd_prove(args)
         if args.command == "targets":
+            if args.prune is not None:
+                return cmd_prune(args)
             return cmd_targets()
         if args.command == "provision":
             return cmd_provision(args)
@@ -408,6 +426,7 @@ def cmd_targets() -> int:
     out.print(table)
     for t in provisioned.values():
         print_installed(t)
+    print_disk(list(provisioned.values()))
     lo, hi = (".".join(map(str, v)) for v in LEGACY_RANGE)
     out.print(
         f"known: legacy block managers {lo} .. {hi}; the V1 KVCacheManager from "
@@ -446,7 +465,11 @@ def print_installed(t: Target) -> None:
     from kvspec.targets.provision import newer_than_release, unexpected_for_release
 
     how = f"uv, dependencies as of {record.cutoff}" if record.method.startswith("uv") else record.method
+    how += ", lean" if record.lean else ", full"
     out.print(f"vLLM {t.version} ({how}): {record.summary()}", markup=False)
+    if record.lean:
+        names = ", ".join(entry.split(":", 1)[0] for entry in record.left_out)
+        out.print(f"  left out (targets/lean.py): {names or 'nothing this release installs'}", markup=False)
     out.print(f"  installed versions and hashes: {record_path(t.venv)}", markup=False)
     if record.lockfile:
         out.print(f"  dated resolution with hashes: {record.lockfile}", markup=False)
@@ -461,9 +484,62 @@ def print_installed(t: Target) -> None:
         out.print(f"  {len(newer)} installed versions differ from the dated resolution", markup=False)
 
 
+def print_disk(provisioned: list[Target]) -> None:
+    """What each provisioned venv and the uv cache cost on disk (targets/disk.py)."""
+    from kvspec.targets.disk import cache_disk, gib, venv_disk
+
+    for t in provisioned:
+        d = venv_disk(t.venv)
+        out.print(
+            f"disk, vLLM {t.version}: {gib(d.own)} its own, {gib(d.shared)} shared with the uv cache "
+            f"(hard links), of which {gib(d.alone)} no other venv uses "
+            f"(freed by kvspec targets --prune {t.version} --yes)",
+            markup=False,
+        )
+    c = cache_disk()
+    unused = [e for e in c.entries if not e.used]
+    out.print(
+        f"disk, uv cache {c.path}: {gib(c.total)}; {len(unused)} of {len(c.entries)} unpacked wheels "
+        f"no venv uses, {gib(c.unused)} (kvspec targets --prune --yes removes them)",
+        markup=False,
+    )
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from kvspec.targets.disk import gib, prune
+
+    provisioned = {t.version: t for t in provisioned_targets()}
+    missing = [v for v in args.prune if v not in provisioned]
+    if missing:
+        raise UsageError(
+            f"--prune {' '.join(missing)}: not a provisioned release", "kvspec targets lists them"
+        )
+    try:
+        pruned = prune(tuple(provisioned[v].venv for v in args.prune), apply=args.yes)
+    except TargetError as error:
+        raise UsageError(str(error), "wait for the provisioning run to end") from None
+    verb = "removed" if args.yes else "would remove"
+    for venv in pruned.venvs:
+        out.print(f"{verb} {venv}", markup=False)
+    out.print(
+        f"{verb} {len(pruned.entries)} uv cache entries no venv uses ({gib(pruned.bytes)}) and "
+        f"{len(pruned.pointers)} cache pointers naming them",
+        markup=False,
+    )
+    if pruned.kept_recent:
+        out.print(
+            f"kept {len(pruned.kept_recent)} unused entries changed in the last hour (a provisioning "
+            "run may be about to link them)",
+            markup=False,
+        )
+    if not args.yes:
+        out.print("nothing removed: add --yes", markup=False)
+    return EXIT_OK
+
+
 def cmd_provision(args: argparse.Namespace) -> int:
     for version in args.versions:
-        t = ensure_provisioned(version, recheck=True)
+        t = ensure_provisioned(version, recheck=True, full=args.full)
         out.print(f"vLLM {version}: ready at {t.venv}", markup=False)
     return EXIT_OK
 

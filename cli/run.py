@@ -39,6 +39,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from .budget import BudgetSpent, Part
 from .common import UsageError, err
 from .failures import fill_failure
 from .target import Factory
@@ -235,9 +236,11 @@ def run_machine(
     label: str,
     features: Features | None = None,
     step_past: StepPast | None = None,
+    part: Part | None = None,
 ) -> Outcome:
     """One hypothesis search; ``step_past`` may discard failing examples (cli/search.py runs
-    rounds of these to report every distinct violation)."""
+    rounds of these to report every distinct violation); ``part``: its share of a time budget
+    (cli/budget.py), after whose deadline no new example starts."""
     features = features if features is not None else Features()
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else base.max_examples
@@ -286,6 +289,8 @@ def run_machine(
 
     class ProgressMachine(KVCacheMachine):
         def __init__(self) -> None:
+            if part is not None:
+                part.start_example()
             super().__init__(
                 rejected_config,
                 strategy,
@@ -345,6 +350,8 @@ def run_machine(
                         tally.inapplicable[inv] = why
             if failed:
                 tally.failing_runs += 1
+                if part is not None:
+                    part.failing = True
             found = (
                 f"[red]{tally.failing_runs} failing run(s), shrinking[/]"
                 if tally.failing_runs
@@ -377,6 +384,8 @@ def run_machine(
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples" if tally.examples == 0 else "incomplete"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    except BudgetSpent:
+        pass  # the time budget's deadline: the examples run are the run
     except KeyboardInterrupt:
         outcome.status = "interrupted"
     except GuardTripped as trip:  # hung, or out of memory: the search stops where it is
@@ -392,9 +401,11 @@ def run_machine(
         outcome.config = tally.last_config
         fill_failure(outcome, error, factory)
     outcome.seconds = time.perf_counter() - start
+    if part is not None:
+        part.close()
     if outcome.status == "holds":
         if tally.examples == 0:
             outcome.status = "no-examples"
-        elif tally.examples < requested:
+        elif tally.examples < requested and not (part is not None and part.excuses(requested)):
             outcome.status = "incomplete"
     return outcome

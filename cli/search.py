@@ -46,6 +46,7 @@ from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
 
+from .budget import TimeBudget, budget_examples
 from .common import out
 from .run import ON, Outcome, config_strategy, run_machine
 from .target import Factory
@@ -58,6 +59,7 @@ MAX_MASKS = 6  # feature masks searched behind the known findings (each: rounds 
 # combination of features and a narrow state (F12: 1 example in 100 with its features on).
 MASK_BUDGET = 3
 _FAILED = ("violated", "error")
+TIME_SPENT = "stopped when the time budget was spent"
 
 Mask = frozenset[str]
 """Configuration features (``kvspec.testing.known.FEATURES``) a round switches off."""
@@ -223,10 +225,13 @@ def run_search(
     masked: MaskedStrategy | None = None,
     maskable: Sequence[str] = tuple(FEATURES),
     max_masks: int = MAX_MASKS,
+    budget: TimeBudget | None = None,
 ) -> Search:
     """Rounds of ``run_machine`` until a round finds nothing new, then the same behind the known
     findings that fired, under feature masks (``masked``: the strategy with a mask's features
-    off; None searches no masks), then each fired known finding once more (module docstring)."""
+    off; None searches no masks), then each fired known finding once more (module docstring).
+    ``budget``: each round gets its share of the time (cli/budget.py) and none starts once the
+    search's time is spent."""
     search = Search([], [], Counter(), known)
     if seed is None and not Settings.get_profile(profile).derandomize:
         # One seed for every round: each replays the same example sequence (and is recorded).
@@ -240,18 +245,20 @@ def run_search(
             assert masked is not None
             strategies[mask] = masked(mask)
         where = f" without {'+'.join(sorted(mask))}" if mask else ""
-        budget = examples if examples is not None else Settings.get_profile(profile).max_examples
+        count = examples if examples is not None else Settings.get_profile(profile).max_examples
+        part = budget.round(f"{tag}{where}", more_to_come=bool(known)) if budget is not None else None
         outcome = run_machine(
             factory,
             strategies[mask],
             profile=profile,
-            examples=budget * MASK_BUDGET if mask else examples,
+            examples=budget_examples(count * MASK_BUDGET if mask else examples, budget),
             steps=steps,
             seed=seed,
             focus=focus,
             label=f"{label} {tag}{where}",
             features=features,
             step_past=sieve,
+            part=part,
         )
         search.rounds.append(outcome)
         search.round_masks.append(mask)
@@ -265,6 +272,8 @@ def run_search(
         while True:
             if len(search.found) >= max_violations:
                 return f"stopped at {max_violations} distinct violations"
+            if budget is not None and search.rounds and budget.search_spent():
+                return TIME_SPENT
             outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}", mask)
             if outcome.status not in _FAILED or sieve.target is None:
                 break
@@ -295,6 +304,9 @@ def run_search(
         for attempt in range(RETRIES_PER_KNOWN):
             if len(search.found) >= max_violations:
                 search.stopped = f"stopped at {max_violations} distinct violations"
+                return search
+            if budget is not None and budget.search_spent():
+                search.stopped = TIME_SPENT
                 return search
             outcome, sieve = one_round(others, f"{ident} ({attempt + 1})", search.fired_under[ident])
             if outcome.status in ("interrupted", "no-examples"):

@@ -32,6 +32,7 @@ from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 from rich.markup import escape
 
+from .budget import BudgetSpent, Part, budget_examples
 from .common import out
 
 # The scheduler machine's share of a profile: each example builds vLLM's scheduler (a few
@@ -77,7 +78,9 @@ def run_shapes(
     steps: int | None,
     seed: int | None,
     focus: tuple[str, ...] | None,
+    part: Part | None = None,
 ) -> ShapesOutcome:
+    """``part``: the shapes' share of a time budget (cli/budget.py)."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
     chosen = Settings(
@@ -104,6 +107,8 @@ def run_shapes(
 
     class Machine(SchedulerMachine):
         def __init__(self) -> None:
+            if part is not None:
+                part.start_example()
             super().__init__(
                 build,
                 counts=outcome.counts,
@@ -113,6 +118,8 @@ def run_shapes(
             )
 
         def teardown(self):
+            if part is not None:
+                part.example_ended(self.shape.tags() if self.shape is not None else ())
             if self.driver is not None:
                 last["trace"] = list(self.d.trace)
                 last["shape"] = self.shape
@@ -141,12 +148,16 @@ def run_shapes(
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    except BudgetSpent:
+        pass  # the time budget's deadline: the examples run are the run
     except Exception as error:  # the target crashed under a valid protocol
         outcome.status = "error"
         outcome.error = f"{type(error).__name__}: {error}"
         outcome.trace = list(last.get("trace", []))
         outcome.shape = last.get("shape")
     outcome.seconds = time.perf_counter() - start
+    if part is not None:
+        part.close()
     if outcome.status == "holds" and outcome.examples == 0:
         outcome.status = "no-examples"
     return outcome
@@ -337,13 +348,14 @@ def run_v1_shapes(
     focus: tuple[str, ...] | None,
     guard: Any = None,
     known: list[KnownFinding] | None = None,
+    part: Part | None = None,
 ) -> ShapesOutcome | None:
     """The scheduler-shapes run of ``kvspec check``: on a V1 target checked as ``v1`` (the
     default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply.
     ``guard`` (``testing.guard.Guard``, armed by the caller) limits every scheduler call;
     ``known``: the known findings that concern the scheduler target (``SCHEDULER_IMPL``), by
     which a violation is labelled."""
-    if here is None or impl != "v1" or getattr(args, "no_shapes", False):
+    if not shapes_apply(args, impl, here):
         return None
     try:
         factory = scheduler_factory()
@@ -355,14 +367,21 @@ def run_v1_shapes(
     o = run_shapes(
         factory,
         profile=args.profile,
-        examples=None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE),
+        examples=budget_examples(None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE), part),
         steps=args.steps,
         seed=args.seed,
         focus=focus,
+        part=part,
     )
     o.known = label_known(o, known or [])
     print_shapes(o)
     return o
+
+
+def shapes_apply(args: Any, impl: str, here: Any) -> bool:
+    """Whether ``kvspec check`` runs the scheduler shapes: a V1 target checked as ``v1``,
+    without ``--no-shapes``."""
+    return here is not None and impl == "v1" and not getattr(args, "no_shapes", False)
 
 
 def shapes_exit(code: int, o: ShapesOutcome | None) -> int:

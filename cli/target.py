@@ -287,10 +287,11 @@ def venv_for_source(version: str, gens: dict[str, bool], choice: str | None) -> 
 # ------------------------------------------------------------------------------ the target
 
 
-def ensure_provisioned(version: str, *, recheck: bool = False) -> Target:
+def ensure_provisioned(version: str, *, recheck: bool = False, full: bool = False) -> Target:
     """The release's venv, provisioned (or reused) with this checkout of kvspec in it.
     ``recheck`` goes through provisioning on reuse too (which records and reports what the
-    venv holds) rather than returning as soon as kvspec imports there."""
+    venv holds) rather than returning as soon as kvspec imports there; ``full``: a new venv
+    gets the whole dated resolution, not the lean one (targets/lean.py)."""
     try:
         t = target(version)
     except TargetError as error:
@@ -303,7 +304,7 @@ def ensure_provisioned(version: str, *, recheck: bool = False) -> Target:
 
     try:
         with err.status(f"provisioning vLLM {version} ...", spinner="dots"):
-            return provision(version, progress=lambda msg: err.print(f"  {msg}", markup=False))
+            return provision(version, progress=lambda msg: err.print(f"  {msg}", markup=False), full=full)
     except TargetError as error:
         raise UsageError(
             f"provisioning vLLM {version} failed: {first_lines(str(error), 8)}",

@@ -5,7 +5,8 @@ Two files per release:
 * ``$KVSPEC_HOME/locks/vllm-X.txt``: the dated resolution (``uv pip compile --generate-hashes
   --exclude-newer``): every pinned version with the hashes of its release files.  It outlives
   the venv, so a re-provisioned venv installs exactly the same set again.
-* ``<venv>/kvspec-lock.json``: what is installed, read from the venv's ``*.dist-info``
+* ``<venv>/kvspec-lock.json``: whether the venv is lean (targets/lean.py) and which pins it
+  left out, and what is installed, read from the venv's ``*.dist-info``
   folders: name, version, installer, and the sha256 of the distribution's RECORD (the list
   of its installed files with each file's own sha256, so one digest pins the installed
   content).  Written after provisioning, and on reuse when it is missing (venvs made by
@@ -105,6 +106,10 @@ class LockRecord:
     dropped: tuple[str, ...]  # requirements left out of the resolution, each with its reason
     lockfile: str | None  # the dated resolution with hashes, when there is one
     packages: tuple[Installed, ...]
+    # A lean venv (targets/lean.py) installs the dated resolution without some distributions;
+    # ``left_out`` names each pin it did not install, with the reason.
+    lean: bool = False
+    left_out: tuple[str, ...] = ()
 
     def version_of(self, name: str) -> str | None:
         want = canonical(name)
@@ -128,6 +133,8 @@ class LockRecord:
             "cutoff": self.cutoff,
             "dropped": list(self.dropped),
             "lockfile": self.lockfile,
+            "lean": self.lean,
+            "left_out": list(self.left_out),
             "flags": [str(f) for f in self.flags()],
             "packages": [attrs.asdict(p) for p in self.packages],
         }
@@ -154,6 +161,8 @@ class LockRecord:
             dropped=tuple(data.get("dropped", ())),
             lockfile=data.get("lockfile"),
             packages=packages,
+            lean=bool(data.get("lean", False)),
+            left_out=tuple(data.get("left_out", ())),
         )
 
 

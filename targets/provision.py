@@ -34,6 +34,8 @@ from typing import Any
 
 import attrs
 
+from .disk import provision_lock
+from .lean import lean_requirements, left_out_reason
 from .lock import (
     KNOWN_PLACEHOLDERS,
     Flag,
@@ -51,6 +53,8 @@ from .lock import (
 from .registry import SHIPPED, Target, TargetError, home, target
 
 NEEDED_GB = {"legacy": 8, "v1": 11}
+# A lean venv (targets/lean.py) leaves out 2-3 GiB of a release (BENCHMARKS.md, "Lean targets").
+NEEDED_GB_LEAN = {"legacy": 6, "v1": 8}
 REPO = Path(__file__).resolve().parent.parent
 PYPI_JSON = "https://pypi.org/pypi/vllm/json"
 # Dependencies published up to a day after the release's last file still count as the
@@ -130,11 +134,16 @@ def lock_path(version: str) -> Path:
     return home() / "locks" / f"vllm-{version}.txt"
 
 
-def check_disk(t: Target) -> None:
+def lean_lock_path(version: str) -> Path:
+    """The dated resolution without ``lean.LEFT_OUT`` (what a lean venv installs)."""
+    return home() / "locks" / f"vllm-{version}.lean.txt"
+
+
+def check_disk(t: Target, *, full: bool = True) -> None:
     root = home()
     root.mkdir(parents=True, exist_ok=True)
     free_gb = shutil.disk_usage(root).free / 2**30
-    need = NEEDED_GB[t.engine]
+    need = (NEEDED_GB if full else NEEDED_GB_LEAN)[t.engine]
     if free_gb < need:
         raise TargetError(
             f"not enough disk for vLLM {t.version}: {free_gb:.1f} GiB free under {root}, "
@@ -263,9 +272,10 @@ def write_stand_ins(t: Target, progress: Progress) -> None:
             progress(f"wrote kvspec's stand-in for {name} (required by {', '.join(users)}): {ph.reason}")
 
 
-def check_imports(t: Target, progress: Progress) -> None:
-    """Import the release's block-manager modules in the venv (not from the checkout's cwd)."""
-    modules = release_modules(t.version)
+def check_imports(t: Target, progress: Progress, modules: tuple[str, ...] | None = None) -> None:
+    """Import ``modules`` (default: the release's block-manager modules) in the venv (not from
+    the checkout's cwd)."""
+    modules = release_modules(t.version) if modules is None else modules
     progress(f"importing {', '.join(modules)} in {t.venv}")
     try:
         proc = subprocess.run(
@@ -298,7 +308,10 @@ def kvspec_closure(venv: Path) -> set[str]:
     return seen
 
 
-def make_record(t: Target, *, method: str, cutoff: str | None, dropped: tuple[str, ...]) -> LockRecord:
+def make_record(
+    t: Target, *, method: str, cutoff: str | None, dropped: tuple[str, ...], left_out: tuple[str, ...] | None = None
+) -> LockRecord:
+    """``left_out``: the pins a lean venv did not install, each with its reason (None: a full venv)."""
     lock = lock_path(t.version)
     return LockRecord(
         vllm=t.version,
@@ -308,6 +321,8 @@ def make_record(t: Target, *, method: str, cutoff: str | None, dropped: tuple[st
         dropped=dropped,
         lockfile=str(lock) if lock.is_file() else None,
         packages=scan(t.venv),
+        lean=left_out is not None,
+        left_out=left_out or (),
     )
 
 
@@ -424,10 +439,49 @@ def resolve(t: Target, cutoff: datetime, progress: Progress) -> tuple[Path, tupl
     return lock, dropped
 
 
-def provision(version: str, progress: Progress = print, *, engine: str | None = None) -> Target:
+def lean_resolution(version: str, lock: Path) -> tuple[Path, tuple[str, ...]]:
+    """Write the lean variant of a dated resolution; it and the pins it leaves out, each with
+    its reason."""
+    text, removed = lean_requirements(lock.read_text())
+    lean = lean_lock_path(version)
+    note = "# lean (targets/lean.py): left out " + (" ".join(removed) or "nothing") + "\n"
+    lean.write_text(note + text)
+    return lean, tuple(f"{pin}: {left_out_reason(pin.split('==', 1)[0])}" for pin in removed)
+
+
+def _sync(t: Target, lock: Path, progress: Progress) -> None:
+    pins = parse_requirements_lock(lock.read_text())
+    progress(f"installing {len(pins)} pinned distributions from {lock}")
+    _run(
+        _uv("pip", "sync", "--compile-bytecode", "--python", str(t.python), str(lock)),
+        progress,
+        f"installing the resolution of vllm=={t.version}",
+        timeout=INSTALL_TIMEOUT_S,
+    )
+
+
+# The V1 scheduler adapter's vLLM modules (adapters/v1_scheduler.py).
+V1_SCHEDULER_MODULES = ("vllm.v1.core.sched.scheduler", "vllm.v1.outputs", "vllm.v1.structured_output")
+
+
+def driven_modules(t: Target) -> tuple[str, ...]:
+    """What a lean venv must import: the block-manager modules, and on V1 the scheduler."""
+    return (*release_modules(t.version), *(V1_SCHEDULER_MODULES if t.engine == "v1" else ()))
+
+
+
+def provision(version: str, progress: Progress = print, *, engine: str | None = None, full: bool = False) -> Target:
+    """Make (or reuse) the venv of a release.  A new venv is lean (targets/lean.py) unless
+    ``full``; a lean venv whose driven modules do not import gets the full resolution."""
     t = target(version, engine)
     if t.is_provisioned():
         progress(f"vLLM {version}: reusing {t.venv}")
+        kept_record = read_record(t.venv)
+        if full and kept_record is not None and kept_record.lean:
+            progress(
+                f"vLLM {version}: the venv is lean; for a full one: kvspec targets --prune {version} --yes, "
+                f"then kvspec provision --full {version}"
+            )
         reinstalled = install_kvspec(t, progress)
         compile_bytecode(t, progress)
         record = ensure_record(t, progress)
@@ -437,37 +491,49 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
         report(record, t.venv, progress)
         return t
     cutoff = cutoff_for(version)
-    check_disk(t)
-    progress(f"vLLM {version}: creating {t.venv} (several minutes, several GB)")
+    check_disk(t, full=full)
+    progress(f"vLLM {version}: creating {t.venv} ({'full' if full else 'lean'}; several minutes, several GB)")
     if t.venv.exists():
         shutil.rmtree(t.venv)  # a half-made venv from an interrupted run
     t.venv.parent.mkdir(parents=True, exist_ok=True)
     kept = lock_path(version).read_text() if lock_path(version).is_file() else None
     started = time.monotonic()
-    try:
-        _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
-        lock, dropped = resolve(t, cutoff, progress)
-        pins = parse_requirements_lock(lock.read_text())
-        progress(f"installing {len(pins)} pinned distributions from {lock}")
-        _run(
-            _uv("pip", "sync", "--compile-bytecode", "--python", str(t.python), str(lock)),
-            progress,
-            f"installing the resolution of vllm=={version}",
-            timeout=INSTALL_TIMEOUT_S,
-        )
-        install_kvspec(t, progress)
-        bytecode_marker(t).write_text("uv pip sync --compile-bytecode\n")
-        write_stand_ins(t, progress)
-        check_imports(t, progress)
-        record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped)
-        write_record(t.venv, record)
-    except BaseException:
-        shutil.rmtree(t.venv, ignore_errors=True)
-        lock = lock_path(version)
-        if lock.is_file() and lock.read_text() != kept:  # a resolution this failed run made goes too
-            lock.unlink()
-        progress(f"vLLM {version}: failed; removed {t.venv}")
-        raise
+    # Shared: several venvs may be made at once; `kvspec targets --prune` refuses while one is.
+    with provision_lock(exclusive=False):
+        try:
+            _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
+            lock, dropped = resolve(t, cutoff, progress)
+            left_out: tuple[str, ...] | None = None
+            if full:
+                _sync(t, lock, progress)
+            else:
+                lean, left_out = lean_resolution(version, lock)
+                progress(f"lean: leaving out {len(left_out)} distributions (--full keeps them)")
+                _sync(t, lean, progress)
+            install_kvspec(t, progress)
+            write_stand_ins(t, progress)
+            if left_out is not None:
+                try:
+                    check_imports(t, progress, driven_modules(t))
+                except TargetError as error:
+                    progress(f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
+                             "installing the full resolution")
+                    _sync(t, lock, progress)  # removes kvspec and the stand-ins: not in the resolution
+                    (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
+                    install_kvspec(t, progress)
+                    write_stand_ins(t, progress)
+                    left_out = None
+            bytecode_marker(t).write_text("uv pip sync --compile-bytecode\n")
+            check_imports(t, progress)
+            record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped, left_out=left_out)
+            write_record(t.venv, record)
+        except BaseException:
+            shutil.rmtree(t.venv, ignore_errors=True)
+            lock = lock_path(version)
+            if lock.is_file() and lock.read_text() != kept:  # a resolution this failed run made goes too
+                lock.unlink()
+            progress(f"vLLM {version}: failed; removed {t.venv}")
+            raise
     report(record, t.venv, progress)
     progress(f"vLLM {version}: ready at {t.venv} ({time.monotonic() - started:.0f} s)")
     return t

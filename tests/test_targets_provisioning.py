@@ -13,10 +13,12 @@ import pytest
 from kvspec.cli.common import UsageError
 from kvspec.cli.target import venv_for_source
 from kvspec.targets import provision as prov
+from kvspec.targets.lean import LEFT_OUT, lean_requirements
 from kvspec.targets.lock import (
     KNOWN_PLACEHOLDERS,
     Installed,
     LockRecord,
+    canonical,
     flag,
     parse_requirements_lock,
     read_dist_info,
@@ -222,7 +224,7 @@ def test_unexpected_and_newer_compare_with_the_dated_resolution(tmp_path, monkey
 def test_a_venv_whose_managers_do_not_import_is_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(prov, "_pypi", lambda: {"releases": {"0.5.4": [{"upload_time": "2024-08-05T23:46:58"}]}})
-    monkeypatch.setattr(prov, "check_disk", lambda t: None)
+    monkeypatch.setattr(prov, "check_disk", lambda t, **kw: None)
     made: list[list[str]] = []
 
     def fake_run(cmd, progress, what, *, timeout, cwd=None):
@@ -299,3 +301,78 @@ def test_a_venv_is_byte_compiled_once(tmp_path):
     assert prov.compile_bytecode(t, lambda _msg: None)
     assert list((site / "__pycache__").glob("probe.*.pyc"))
     assert not prov.compile_bytecode(t, lambda _msg: None)
+
+
+# ------------------------------------------------------------------------------ lean venvs
+
+_LOCK = (
+    "flashinfer-python==0.2.0 \\\n    --hash=sha256:" + "1" * 64 + "\n    # via vllm\n"
+    "# a comment between pins\n"
+    "numpy==1.26.4 \\\n    --hash=sha256:" + "2" * 64 + "\n"
+    "vllm==0.5.4 \\\n    --hash=sha256:" + "0" * 64 + "\n"
+    "xformers==0.0.27 ; platform_machine == 'x86_64' \\\n    --hash=sha256:" + "3" * 64 + "\n"
+)
+
+
+def test_lean_requirements_leave_out_pins_with_their_hashes():
+    text, removed = lean_requirements(_LOCK)
+    assert removed == ("flashinfer-python==0.2.0", "xformers==0.0.27")
+    assert set(parse_requirements_lock(text)) == {"numpy", "vllm"}
+    assert "1" * 64 not in text and "3" * 64 not in text and "# via vllm" not in text
+    assert "# a comment between pins" in text
+    assert lean_requirements(_LOCK, left_out={})[0] == _LOCK
+    assert all(name == canonical(name) for name in LEFT_OUT)
+
+
+def _fake_provisioning(tmp_path, monkeypatch, *, lean_imports: bool) -> list[Path]:
+    """provision() with uv and the imports faked; the requirement files it installed."""
+    monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(prov, "_pypi", lambda: {"releases": {"0.5.4": [{"upload_time": "2024-08-05T23:46:58"}]}})
+    monkeypatch.setattr(prov, "check_disk", lambda t, **kw: None)
+    synced: list[Path] = []
+
+    def fake_run(cmd, progress, what, *, timeout, cwd=None):
+        if cmd[1] == "venv":
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", cmd[-3]], check=True)
+        if cmd[1:3] == ["pip", "compile"]:
+            Path(cmd[cmd.index("-o") + 1]).write_text(_LOCK)
+        if cmd[1:3] == ["pip", "sync"]:
+            synced.append(Path(cmd[-3]))  # the file before --cache-dir DIR
+
+    def fake_imports(t, progress, modules=None):
+        if modules is not None and not lean_imports:
+            raise TargetError("vLLM 0.5.4's block managers do not import: No module named 'xformers'")
+
+    monkeypatch.setattr(prov, "_run", fake_run)
+    monkeypatch.setattr(prov, "install_kvspec", lambda t, progress: None)
+    monkeypatch.setattr(prov, "check_imports", fake_imports)
+    return synced
+
+
+def test_a_new_venv_is_lean_and_its_record_says_what_was_left_out(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True)
+    t = prov.provision("0.5.4", progress=lambda msg: None)
+    assert synced == [prov.lean_lock_path("0.5.4")]
+    assert set(parse_requirements_lock(synced[0].read_text())) == {"numpy", "vllm"}
+    record = read_record(t.venv)
+    assert record is not None and record.lean
+    assert [e.split(":", 1)[0] for e in record.left_out] == ["flashinfer-python==0.2.0", "xformers==0.0.27"]
+    assert all("never imported or mapped" in e for e in record.left_out)
+
+
+def test_full_installs_the_whole_resolution(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True)
+    t = prov.provision("0.5.4", progress=lambda msg: None, full=True)
+    assert synced == [prov.lock_path("0.5.4")]
+    record = read_record(t.venv)
+    assert record is not None and not record.lean and record.left_out == ()
+
+
+def test_a_lean_venv_that_does_not_import_what_kvspec_drives_is_made_full(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=False)
+    said: list[str] = []
+    t = prov.provision("0.5.4", progress=said.append)
+    assert synced == [prov.lean_lock_path("0.5.4"), prov.lock_path("0.5.4")]
+    record = read_record(t.venv)
+    assert record is not None and not record.lean
+    assert any("installing the full resolution" in s for s in said)

@@ -1,0 +1,118 @@
+"""Which distributions of a target venv anything kvspec drives loads (targets/lean.py's evidence).
+
+    python -m bench.lean_trace run --out /tmp/trace -- kvspec check --vllm 0.33.0 --examples 20
+    python -m bench.lean_trace run --out /tmp/trace -- $VENV/bin/python -m pytest tests/targets  # VENV: the release
+    python -m bench.lean_trace report --venv ~/.cache/kvspec/venvs/vllm-0.33.0 /tmp/trace
+
+``run`` puts a ``sitecustomize`` on PYTHONPATH (inherited by the target process a
+``kvspec --vllm`` run re-executes into) that writes, when each Python process exits, every
+file of a module in ``sys.modules`` and every shared object in ``/proc/self/maps``.
+``report`` maps those files to the venv's distributions by their RECORDs and lists the loaded
+and the never-loaded ones with their sizes, and the names of ``lean.LEFT_OUT`` that were
+loaded (which must be none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvspec.targets.lean import LEFT_OUT
+from kvspec.targets.lock import canonical
+
+SITECUSTOMIZE = '''\
+import atexit, os, sys
+_out = os.environ.get("KVSPEC_TRACE_DIR")
+if _out:
+    def _dump():
+        files = {getattr(m, "__file__", None) for m in list(sys.modules.values())} - {None}
+        with open("/proc/self/maps") as maps:
+            files |= {ln.split()[5] for ln in maps if len(ln.split()) >= 6 and ".so" in ln.split()[5]}
+        with open(os.path.join(_out, f"{os.getpid()}.txt"), "w") as f:
+            f.write(f"#exe {sys.executable}\\n" + "".join(f"{p}\\n" for p in sorted(files)))
+    atexit.register(_dump)
+    _exit = os._exit
+    def _traced_exit(code):
+        _dump()
+        _exit(code)
+    os._exit = _traced_exit
+'''
+
+
+def run(out: Path, command: list[str]) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as hook:
+        Path(hook, "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env = dict(os.environ, KVSPEC_TRACE_DIR=str(out))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (hook, env.get("PYTHONPATH", "")) if p)
+        return subprocess.run(command, env=env, check=False).returncode
+
+
+def distributions(venv: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Every installed file -> its distribution, and each distribution's bytes."""
+    site = next(iter(sorted(venv.glob("lib/python*/site-packages"))))
+    owner: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for info in site.glob("*.dist-info"):
+        record = info / "RECORD"
+        if not record.is_file():
+            continue
+        name = canonical(info.name.removesuffix(".dist-info").rsplit("-", 1)[0])
+        for row in csv.reader(record.read_text(errors="replace").splitlines()):
+            if row:
+                path = os.path.normpath(site / row[0])
+                owner[path] = name
+                size[name] = size.get(name, 0) + (os.lstat(path).st_size if os.path.lexists(path) else 0)
+    return owner, size
+
+
+def loaded(venv: Path, traces: list[Path]) -> set[str]:
+    owner, _ = distributions(venv)
+    prefix = f"#exe {venv}"
+    found: set[str] = set()
+    for folder in traces:
+        for trace in folder.glob("*.txt"):
+            lines = trace.read_text().splitlines()
+            if not lines or not lines[0].startswith(prefix):
+                continue  # another interpreter (the core venv that re-executed into the target)
+            found |= {owner[p] for p in map(os.path.normpath, lines[1:]) if p in owner}
+    return found
+
+
+def report(venv: Path, traces: list[Path]) -> int:
+    _, size = distributions(venv)
+    used = loaded(venv, traces)
+    mib = 2**20
+    never = sorted(set(size) - used, key=lambda n: -size[n])
+    print(f"loaded: {len(used)} distributions, {sum(size[n] for n in used) / mib:.0f} MiB")
+    print(f"never loaded: {len(never)} distributions, {sum(size[n] for n in never) / mib:.0f} MiB")
+    for name in never:
+        print(f"  never loaded {size[name] / mib:8.1f} MiB  {name}{'  (left out)' if name in LEFT_OUT else ''}")
+    wrong = sorted(used & set(LEFT_OUT))
+    print(f"left out by targets/lean.py but loaded: {', '.join(wrong) or 'none'}")
+    return 1 if wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.lean_trace", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True, type=Path)
+    r.add_argument("cmd", nargs=argparse.REMAINDER)
+    s = sub.add_parser("report")
+    s.add_argument("--venv", required=True, type=Path)
+    s.add_argument("traces", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    if args.command == "run":
+        return run(args.out, [c for c in args.cmd if c != "--"])
+    return report(args.venv.expanduser().resolve(), args.traces)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
