@@ -275,3 +275,37 @@ def which_known(
     ops: Collection[str] | None = None,
 ) -> KnownFinding | None:
     return next((k for k in known if k.matches(fp, message, config, ops)), None)
+
+
+Labelled = tuple[Fingerprint, KnownFinding | None]
+"""One failure of an example: its fingerprint, and the known finding it is (None: unknown)."""
+
+
+def label_failures(
+    known: Iterable[KnownFinding],
+    error: BaseException,
+    config: Config | None,
+    trace: Sequence[TraceStep] = (),
+) -> list[Labelled]:
+    """Every distinct failure ``error`` carries, each with the known finding it matches.
+
+    A SpecViolation carries every invariant the operation violated: one fingerprint per
+    invariant (in the order checked), each matched on that invariant's own messages, so a known
+    finding met in an operation does not name (and hide) another invariant the same operation
+    broke.  A target's exception is one failure."""
+    known = list(known)
+    if not isinstance(error, SpecViolation):
+        steps = list(trace)
+        fp = fingerprint(error, steps)
+        return [(fp, which_known(known, fp, message_of(error), config, {s.op for s in steps}))]
+    steps = error.trace or list(trace)
+    operation = steps[-1].op if steps else "teardown"
+    ops = {s.op for s in steps}
+    messages: dict[str, list[str]] = {}
+    for violation in error.violations:
+        messages.setdefault(violation.invariant, []).append(str(violation))
+    labelled: list[Labelled] = []
+    for invariant, lines in messages.items():
+        fp = Fingerprint(invariant, operation)
+        labelled.append((fp, which_known(known, fp, "\n".join(lines), config, ops)))
+    return labelled or [(fingerprint(error, steps), None)]

@@ -282,3 +282,64 @@ def test_a_known_finding_not_met_prints_the_budget_that_reaches_it():
     text = captured.get()
     assert "not met in this run: K9; its budget: kvspec check --impl x --examples 600" in text
     assert "not met in this run: K3" not in text
+
+
+def _sieve_case():
+    """A Sieve over two known findings of one ``admit`` (A stepped past by discarding, G by going
+    on), and a way to show it an operation's violations."""
+    from types import SimpleNamespace
+
+    from kvspec.cli.search import Sieve
+    from kvspec.spec.invariants import Violation
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.driver import TraceStep
+
+    a = KnownFinding("A", "a", ("admission-soundness",), ("admit",), message=("answered OK",))
+    g = KnownFinding("G", "g", ("window-bound",), ("admit",), go_on=True)
+    config = Config(block_size=2, num_blocks=4, sliding_window=2)
+    driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
+    sieve = Sieve(frozenset(), [a, g], frozenset({"A", "G"}))
+
+    def show(*violations: tuple[str, str]):
+        error = SpecViolation([Violation(i, m) for i, m in violations], driver.trace)
+        return sieve(error, driver)  # type: ignore[arg-type]
+
+    return sieve, show
+
+
+KNOWN_A = ("admission-soundness", "the admission check answered OK, then the allocation failed")
+KNOWN_G = ("window-bound", "seq 0 holds 3 blocks but ... needs at most 2")
+UNKNOWN = ("refcount-exact", "block 1 has refcount 2 with 1 holder(s)")
+
+
+def test_a_known_finding_met_first_does_not_hide_another_violation_of_the_same_operation():
+    """Every invariant an operation violated is judged on its own: a known one met first
+    (stepped past by discarding, or by going on) and an unknown one beside it end the example on
+    the unknown one, which becomes the round's failure."""
+    from kvspec.testing.machine import CONTINUE
+
+    for first in (KNOWN_A, KNOWN_G):
+        sieve, show = _sieve_case()
+        assert show(first, UNKNOWN) is False
+        assert sieve.target == sieve.last == Fingerprint("refcount-exact", "admit")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_G) == CONTINUE
+    assert show(KNOWN_G, KNOWN_A) is True  # A leaves nothing to go on with: discarded
+    assert show(KNOWN_A, KNOWN_G) is True
+    assert sieve.fired == {"G": 3, "A": 2}  # both counted whichever came first
+    assert sieve.target is None
+
+
+def test_a_known_finding_is_found_again_when_another_known_one_comes_first():
+    """Re-finding A (every other finding stepped past): an operation that shows G first and A
+    beside it is A's failure, not discarded as G."""
+    sieve, show = _sieve_case()
+    sieve.stepped = frozenset({"G"})
+    assert show(KNOWN_G, KNOWN_A) is False
+    assert sieve.target == "A" and sieve.last == Fingerprint("admission-soundness", "admit")
+    # While A shrinks, G alone is gone past as the search went past it; anything else is discarded.
+    from kvspec.testing.machine import CONTINUE
+
+    assert show(KNOWN_G) == CONTINUE
+    assert show(UNKNOWN) is True
+    assert show(UNKNOWN, KNOWN_A) is False
