@@ -139,6 +139,7 @@ _KEYS = {
     "reach",
     "go_on",
     "after",
+    "bisect",
 }
 
 
@@ -169,6 +170,9 @@ class KnownFinding:
     go_on: bool = False  # stepped past by going on with the example (state violations only)
     after: tuple[str, ...] = ()  # driver operations the trace must hold (up to the failing one)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
+    # How ``releases`` was measured: the ``kvspec bisect`` run (the releases replayed, first bad,
+    # first fixed), or why the range is where the finding was seen and not bisected.
+    bisect: str = ""
 
     @classmethod
     def from_toml(cls, entry: Mapping[str, Any]) -> KnownFinding:
@@ -207,6 +211,7 @@ class KnownFinding:
             reach=str(entry.get("reach", "")),
             go_on=bool(entry.get("go_on", False)),
             after=_strings(entry, "after"),
+            bisect=str(entry.get("bisect", "")),
         )
 
     def concerns(self, impl: str, version: str | None) -> bool:
