@@ -140,6 +140,7 @@ _KEYS = {
     "go_on",
     "after",
     "bisect",
+    "alongside",
 }
 
 
@@ -170,6 +171,9 @@ class KnownFinding:
     go_on: bool = False  # stepped past by going on with the example (state violations only)
     after: tuple[str, ...] = ()  # driver operations the trace must hold (up to the failing one)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
+    # Invariants its own operation breaks with it (its consequences there, e.g. a failed
+    # allocation not rolled back): part of this finding only beside one of its own invariants.
+    alongside: tuple[str, ...] = ()
     # How ``releases`` was measured: the ``kvspec bisect`` run (the releases replayed, first bad,
     # first fixed), or why the range is where the finding was seen and not bisected.
     bisect: str = ""
@@ -212,6 +216,7 @@ class KnownFinding:
             go_on=bool(entry.get("go_on", False)),
             after=_strings(entry, "after"),
             bisect=str(entry.get("bisect", "")),
+            alongside=_strings(entry, "alongside"),
         )
 
     def concerns(self, impl: str, version: str | None) -> bool:
@@ -313,4 +318,10 @@ def label_failures(
     for invariant, lines in messages.items():
         fp = Fingerprint(invariant, operation)
         labelled.append((fp, which_known(known, fp, "\n".join(lines), config, ops)))
+    # What a finding met in this operation declares it breaks alongside is that finding.
+    met = [k for _, k in labelled if k is not None]
+    labelled = [
+        (fp, k if k is not None else next((m for m in met if fp.invariant in m.alongside), None))
+        for fp, k in labelled
+    ]
     return labelled or [(fingerprint(error, steps), None)]

@@ -294,7 +294,9 @@ def _sieve_case():
     from kvspec.testing import SpecViolation
     from kvspec.testing.driver import TraceStep
 
-    a = KnownFinding("A", "a", ("admission-soundness",), ("admit",), message=("answered OK",))
+    a = KnownFinding(
+        "A", "a", ("admission-soundness",), ("admit",), message=("answered OK",), alongside=("no-leak",)
+    )
     g = KnownFinding("G", "g", ("window-bound",), ("admit",), go_on=True)
     config = Config(block_size=2, num_blocks=4, sliding_window=2)
     driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
@@ -343,3 +345,17 @@ def test_a_known_finding_is_found_again_when_another_known_one_comes_first():
     assert show(KNOWN_G) == CONTINUE
     assert show(UNKNOWN) is True
     assert show(UNKNOWN, KNOWN_A) is False
+
+
+def test_what_a_finding_breaks_alongside_is_that_finding_only_beside_it():
+    """A known finding's declared consequences in its own operation (A: a failed allocation
+    not rolled back leaks) are stepped past with it; met alone, they are a new failure."""
+    leak = ("no-leak", "no sequence is live, yet gpu blocks [0] are still in use")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_A, leak) is True
+    assert sieve.fired == {"A": 1} and sieve.target is None
+    assert show(leak) is False
+    assert sieve.target == Fingerprint("no-leak", "admit")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_A, leak, UNKNOWN) is False  # what it does not declare still ends the example
+    assert sieve.target == Fingerprint("refcount-exact", "admit")
