@@ -359,3 +359,11 @@ def test_what_a_finding_breaks_alongside_is_that_finding_only_beside_it():
     sieve, show = _sieve_case()
     assert show(KNOWN_A, leak, UNKNOWN) is False  # what it does not declare still ends the example
     assert sieve.target == Fingerprint("refcount-exact", "admit")
+
+
+def test_every_legacy_range_says_how_it_was_measured():
+    """A legacy entry's releases are what `kvspec bisect` measured, or the entry says why they
+    are where the finding was seen (bisect: the run, or the reason it could not be run)."""
+    legacy = {"legacy-v1", "legacy-v2", "legacy-self-attn"}
+    unmeasured = [k.id for k in load_known([SHIPPED]) if k.releases and set(k.impl) & legacy and not k.bisect]
+    assert not unmeasured, f"no bisect note: {unmeasured}"
