@@ -194,3 +194,15 @@ def test_a_module_the_adapter_needs_is_named_in_the_hint(tmp_path):
 
 def test_check_help_states_the_v1_range():
     assert f"{'.'.join(map(str, V1_FROM))} on" in " ".join(DEFAULT_IMPL.split())
+
+
+def test_bisect_replays_the_releases_of_its_range_in_release_order(monkeypatch):
+    """0.6.3 comes before 0.6.3.post1, so "first bad" is the first release that reproduces."""
+    from kvspec.cli import pr
+    from kvspec.targets.registry import Target
+
+    versions = ["0.10.2", "0.6.3.post1", "0.33.0", "0.6.3"]
+    monkeypatch.setattr(pr, "provisioned_targets", lambda: [Target(v, "legacy", ()) for v in versions])
+    assert pr.releases_between("0.6.3..0.10.2") == ["0.6.3", "0.6.3.post1", "0.10.2"]
+    assert pr.releases_between("0.6.3..0.6.3") == ["0.6.3"]
+    assert pr.releases_between("..0.6.3.post1") == ["0.6.3", "0.6.3.post1"]
