@@ -1,6 +1,9 @@
 """Adapter: vLLM's V1-engine ``KVCacheManager`` under the kvspec ``Implementation`` contract.
 
-One class covers every V1 release from 0.8.3 on.  Where the API moved, the adapter reads the
+One class covers every V1 release from 0.9.0 on (the first that ships
+vllm/v1/core/single_type_kv_cache_manager.py, which it imports; targets/registry.py refuses
+earlier ones); its branches still follow the API back to 0.8.3, whose lines are cited below.
+Where the API moved, the adapter reads the
 installed release (``inspect.signature`` of the manager, the request and the config
 dataclasses) and takes one of a few branches; it never re-implements vLLM logic.
 

@@ -134,7 +134,7 @@ def resolve(
         ):
             here = here_for_release(args.vllm)  # this interpreter is that release's
         else:
-            t = ensure_provisioned(args.vllm)
+            t = ensure_provisioned(args.vllm, engine=current_engine(impl) if impl else None)
             return reexec(t.python, argv)
     elif args.vllm_source:
         root = validate_checkout(args.vllm_source)

@@ -52,9 +52,10 @@ crash, hang, memory runaway, nondeterminism or incomplete run; 2 bad input.
 """
 
 
-DEFAULT_IMPL = """\
+DEFAULT_IMPL = f"""\
 Default --impl (the manager the release's engine runs by default, cli/target.py choose_impl):
-  v1                the V1 engine's KVCacheManager, on releases that ship it (0.8.3 on; 0.33.0)
+  v1                the V1 engine's KVCacheManager, on releases kvspec drives it on ({'.'.join(map(str, V1_FROM))} on;
+                    0.33.0); an older V1 engine is refused with the reason before provisioning
   legacy-self-attn  legacy releases with SelfAttnBlockSpaceManager (V2's name from 0.6.3.post1)
   legacy-v2         legacy releases whose EngineArgs.use_v2_block_manager defaults on (0.6.3)
   legacy-v1         older legacy releases (BlockSpaceManagerV1, the default before V2)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from kvspec.targets.registry import Target, TargetError, parse
+from kvspec.targets.registry import Target, TargetError, parse, release_key
 from kvspec.testing.golden import TAG as GOLDEN_TAG
 from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
 from rich.markup import escape
@@ -391,9 +391,12 @@ def releases_between(span: str) -> list[str]:
     lo, sep, hi = span.partition("..")
     if not sep:
         raise UsageError(f"--releases {span!r} is not A..B", "e.g. --releases 0.6.0..0.33.0")
-    first, last = parse(lo) if lo else (0,), parse(hi) if hi else (10**6,)
+    # release_key orders every release (0.6.3 < 0.6.3.post1 < 0.6.4): first bad is the first
+    # release in that order that reproduces.
+    first = release_key(lo) if lo else (0,)
+    last = release_key(hi) if hi else (10**6,)
     chosen = sorted(
-        {t.version for t in provisioned_targets() if first <= parse(t.version) <= last}, key=parse
+        {t.version for t in provisioned_targets() if first <= release_key(t.version) <= last}, key=release_key
     )
     if not chosen:
         raise UsageError(f"no provisioned release in {span}", "kvspec provision VERSION ... first")

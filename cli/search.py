@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.driver import Driver, SpecViolation
-from kvspec.testing.known import FEATURES, Fingerprint, KnownFinding, fingerprint, message_of, which_known
+from kvspec.testing.known import FEATURES, Fingerprint, KnownFinding, label_failures
 from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
@@ -144,30 +144,37 @@ class Sieve:
     repeats: int = 0  # examples stepped past on an already reported identity
 
     def __call__(self, error: BaseException, driver: Driver) -> bool | str:
-        fp = fingerprint(error, driver.trace)
-        known = which_known(self.known, fp, message_of(error), driver.config, {s.op for s in driver.trace})
-        if known is not None and known.go_on and isinstance(error, SpecViolation):
-            # Gone past only if nothing else broke with it: the rest is judged on its own.
-            rest = [v for v in error.violations if v.invariant not in known.invariant]
-            if rest:
-                return self(SpecViolation(rest, error.trace), driver)
-        identity: Identity = known.id if known is not None else fp
-        # A known finding stepped past by going on is gone past the same way while shrinking,
-        # so that the examples hypothesis replays behave as they did when generated.
-        past = CONTINUE if known is not None and known.go_on else True
+        """Every failure the operation shows is judged: the known findings this round steps
+        past are counted and stepped past (by going on only if every one of them is ``go_on``
+        and nothing else broke); any other failure ends the example, and the first one not
+        reported yet is the round's target."""
+        labelled = label_failures(self.known, error, driver.config, driver.trace)
+        stepped = [k for _, k in labelled if k is not None and k.id in self.stepped]
+        others = [(fp, k) for fp, k in labelled if k is None or k.id not in self.stepped]
+        # Going on is for violations that leave the target consistent: never after a crash.
+        past = CONTINUE if isinstance(error, SpecViolation) and all(k.go_on for k in stepped) else True
         if self.target is not None:
-            if identity != self.target:
-                return past if known is not None and known.id in self.stepped else True
-            self.last = fp
-            return False
-        if known is not None and known.id in self.stepped:
-            self.fired[known.id] += 1
+            # Shrinking the round's failure: the examples hypothesis replays meet the known
+            # findings as the search did, and every other failure is discarded.
+            hit = next((fp for fp, k in others if _identity(fp, k) == self.target), None)
+            if hit is not None:
+                self.last = hit
+                return False
+            return past if not others else True
+        for ident in dict.fromkeys(k.id for k in stepped):
+            self.fired[ident] += 1
+        if not others:
             return past
-        if identity in self.reported:
+        fresh = next(((fp, k) for fp, k in others if _identity(fp, k) not in self.reported), None)
+        if fresh is None:
             self.repeats += 1
             return True
-        self.target, self.last = identity, fp
+        self.target, self.last = _identity(*fresh), fresh[0]
         return False
+
+
+def _identity(fp: Fingerprint, known: KnownFinding | None) -> Identity:
+    return known.id if known is not None else fp
 
 
 @attrs.define

@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
-from kvspec.targets.registry import Target, TargetError, home, target
+from kvspec.targets.registry import V1_FROM, Target, TargetError, home, release_key, target, unsupported_v1
 from kvspec.testing import implementations
 from kvspec.testing.guard import DEFAULT_MEMORY_CAP_GIB, Guard, GuardTripped, Limits
 from kvspec.testing.implementations import Factory, by_manager
@@ -287,12 +287,17 @@ def venv_for_source(version: str, gens: dict[str, bool], choice: str | None) -> 
 # ------------------------------------------------------------------------------ the target
 
 
-def ensure_provisioned(version: str, *, recheck: bool = False, full: bool = False) -> Target:
+def ensure_provisioned(
+    version: str, *, recheck: bool = False, full: bool = False, engine: str | None = None
+) -> Target:
     """The release's venv, provisioned (or reused) with this checkout of kvspec in it.
     ``recheck`` goes through provisioning on reuse too (which records and reports what the
     venv holds) rather than returning as soon as kvspec imports there; ``full``: a new venv
-    gets the whole dated resolution, not the lean one (targets/lean.py)."""
+    gets the whole dated resolution, not the lean one (targets/lean.py); ``engine`` (the one an
+    --impl runs on) is refused here, before provisioning, when kvspec cannot drive it there."""
     try:
+        if engine is not None:
+            target(version, engine)
         t = target(version)
     except TargetError as error:
         raise UsageError(
@@ -393,6 +398,14 @@ def here_local() -> VllmHere:
     return VllmHere(path, version, "local")
 
 
+def _is_release(version: str) -> bool:
+    try:
+        release_key(version)
+    except TargetError:
+        return False
+    return True
+
+
 def choose_impl(here: VllmHere, impl: str | None) -> str:
     """The implementation to drive on this vLLM; refuse one it does not ship, by name."""
     gens = here.generations()
@@ -401,15 +414,19 @@ def choose_impl(here: VllmHere, impl: str | None) -> str:
         raise UsageError(
             f"{where} is an unsupported engine generation: it has neither the legacy block "
             "managers (vllm/core) nor the V1 KVCacheManager (vllm/v1/core)",
-            "kvspec drives legacy 0.4.3 .. 0.10.2 and V1 0.8.3 on; kvspec targets lists them",
+            f"kvspec drives legacy 0.4.3 .. 0.10.2 and V1 {'.'.join(map(str, V1_FROM))} on; "
+            "kvspec targets lists them",
         )
+    why_not_v1 = unsupported_v1(here.version) if gens["v1"] and _is_release(here.version) else None
     if impl is None:
-        if gens["v1"]:
+        if gens["v1"] and why_not_v1 is None:
             return "v1"  # the engine such releases run by default
         manager = _legacy_call(here, "default_manager")
         return by_manager(manager).name
     chosen = implementations.lookup(impl)
     engine, manager = chosen.engine, chosen.manager
+    if engine == "v1" and why_not_v1 is not None:
+        raise UsageError(f"{where}: {why_not_v1}", "kvspec targets lists what each release ships")
     if not gens[engine]:
         label = "legacy (vllm/core)" if engine == "legacy" else "V1 (vllm/v1/core)"
         if gens["legacy"]:
@@ -488,10 +505,19 @@ def import_failure(here: VllmHere, error: BaseException, noise: list[str]) -> Us
     frames = traceback.extract_tb(error.__traceback__)
     origin = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     hint = "run it with the release's own venv: --vllm VERSION"
-    if here.kind == "source":
+    if here.kind == "release":
+        hint = "the release's own venv fails to import it: kvspec provision it again, or report it"
+    elif here.kind == "source":
         hint = (
             "the checkout needs dependencies the chosen venv lacks, or imports compiled "
             "kernels (vllm._C) unguarded; provision its exact release"
+        )
+    missing = getattr(error, "name", None) or ""
+    if isinstance(error, ModuleNotFoundError) and missing.startswith("vllm."):
+        # vLLM itself imported; a module kvspec's adapter needs is not in this vLLM.
+        hint = (
+            f"{here.label} has no module {missing}, which kvspec's adapter imports: kvspec targets "
+            "lists the releases each adapter drives; report it if this release is among them"
         )
     return UsageError(f"{where} does not import: {first_lines(detail, 6)}{origin}", hint)
 

@@ -36,18 +36,26 @@ class Shipped:
         return release_key(self.first) <= key and (self.last is None or key <= release_key(self.last))
 
 
+# The vLLM module kvspec's V1 adapter imports without a fallback that came last, and the first
+# release that ships it, read from the releases' wheels: vllm-0.8.5.post1 (the last 0.8 release)
+# has vllm/v1/core/{block_pool,kv_cache_manager,kv_cache_utils,specialized_manager}.py and
+# vllm/v1/core/sched/scheduler.py but no single_type_kv_cache_manager.py (its per-type managers
+# are specialized_manager.py); vllm-0.9.0 ships vllm/v1/core/single_type_kv_cache_manager.py
+# (and every other module the V1 adapters import: tests/test_registry_ranges.py).
+V1_ADAPTER_NEEDS = {"vllm.v1.core.single_type_kv_cache_manager": "0.9.0"}
+
 # Read from each release's source (vllm/core/interfaces.py,
 # BlockSpaceManager.get_block_space_manager_class, and the files under vllm/core and
 # vllm/v1/core): 0.4.3, 0.5.0.post1 and 0.6.3 map "v1" to block_manager_v1.BlockSpaceManagerV1
 # and "v2" to block_manager_v2.BlockSpaceManagerV2; 0.6.3.post1 and 0.6.4 have only
 # "selfattn" -> block_manager.SelfAttnBlockSpaceManager (interfaces.py:31-33); 0.10.2 is the
-# last release with vllm/core.  vllm/v1/core/kv_cache_manager.py exists from 0.6.4 on; the V1
-# adapter drives its API from 0.8.3 on.
+# last release with vllm/core.  The V1 adapter runs from the release that ships every module of
+# V1_ADAPTER_NEEDS.
 SHIPPED = (
     Shipped("legacy-v1", "legacy", "vllm.core.block_manager_v1", "0.4.3", "0.6.3"),
     Shipped("legacy-v2", "legacy", "vllm.core.block_manager_v2", "0.4.3", "0.6.3"),
     Shipped("legacy-self-attn", "legacy", "vllm.core.block_manager", "0.6.3.post1", "0.10.2"),
-    Shipped("v1", "v1", "vllm.v1.core.kv_cache_manager", "0.8.3", None),
+    Shipped("v1", "v1", "vllm.v1.core.kv_cache_manager", "0.9.0", None),
 )
 
 
@@ -84,7 +92,7 @@ class Target:
 PINNED = ("0.6.3", "0.33.0")
 
 LEGACY_RANGE = ((0, 4, 3), (0, 10, 2))
-V1_FROM = (0, 8, 3)
+V1_FROM = (0, 9, 0)
 
 _VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.(\d+))?(?:\.post(\d+))?")
 
@@ -118,17 +126,43 @@ def shipped(version: str, engine: str) -> tuple[str, ...]:
     return tuple(s.impl for s in SHIPPED if s.engine == engine and s.ships_in(version))
 
 
+def v1_lacks(version: str) -> tuple[str, ...]:
+    """The modules of V1_ADAPTER_NEEDS that release ``version`` does not ship yet."""
+    key = release_key(version)
+    return tuple(m for m, first in V1_ADAPTER_NEEDS.items() if key < release_key(first))
+
+
+def unsupported_v1(version: str) -> str | None:
+    """Why kvspec cannot drive a release's V1 engine (None: it can)."""
+    lacking = v1_lacks(version)
+    if not lacking:
+        return None
+    first = max((V1_ADAPTER_NEEDS[m] for m in lacking), key=release_key)
+    legacy = shipped(version, "legacy")
+    instead = f"; its legacy block managers run: --impl {', '.join(legacy)}" if legacy else ""
+    return (
+        f"vLLM {version}'s V1 engine has no {', '.join(lacking)}, which kvspec's V1 adapter "
+        f"imports (first shipped in {first}): kvspec drives the V1 KVCacheManager from "
+        f"{'.'.join(map(str, V1_FROM))} on{instead}"
+    )
+
+
 def target(version: str, engine: str | None = None) -> Target:
-    """The target for a release; legacy and V1 overlap in 0.8.3 .. 0.10.2 (``engine`` picks)."""
+    """The target for a release; legacy and V1 overlap in 0.9.0 .. 0.10.2 (``engine`` picks).
+    A release whose V1 engine kvspec cannot drive is refused for ``engine="v1"`` with the
+    reason, before anything is provisioned; by default it is its legacy block managers."""
     legacy, v1 = shipped(version, "legacy"), shipped(version, "v1")
     if engine is None:
         engine = "v1" if v1 else "legacy"
     managers = {"legacy": legacy, "v1": v1}.get(engine, ())
     if managers:
         return Target(version, engine, managers)
+    why = unsupported_v1(version) if engine == "v1" else None
+    lo, hi = (".".join(map(str, v)) for v in LEGACY_RANGE)
     raise TargetError(
-        f"vLLM {version} has no supported engine generation '{engine}': kvspec drives the legacy "
-        f"block managers in 0.4.3 .. 0.10.2 and the V1 KVCacheManager from 0.8.3 on"
+        why
+        or f"vLLM {version} has no supported engine generation '{engine}': kvspec drives the legacy "
+        f"block managers in {lo} .. {hi} and the V1 KVCacheManager from {'.'.join(map(str, V1_FROM))} on"
     )
 
 

@@ -140,6 +140,8 @@ _KEYS = {
     "reach",
     "go_on",
     "after",
+    "bisect",
+    "alongside",
 }
 
 
@@ -170,6 +172,12 @@ class KnownFinding:
     go_on: bool = False  # stepped past by going on with the example (state violations only)
     after: tuple[str, ...] = ()  # driver operations the trace must hold (up to the failing one)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
+    # Invariants its own operation breaks with it (its consequences there, e.g. a failed
+    # allocation not rolled back): part of this finding only beside one of its own invariants.
+    alongside: tuple[str, ...] = ()
+    # How ``releases`` was measured: the ``kvspec bisect`` run (the releases replayed, first bad,
+    # first fixed), or why the range is where the finding was seen and not bisected.
+    bisect: str = ""
 
     @classmethod
     def from_toml(cls, entry: Mapping[str, Any]) -> KnownFinding:
@@ -208,6 +216,8 @@ class KnownFinding:
             reach=str(entry.get("reach", "")),
             go_on=bool(entry.get("go_on", False)),
             after=_strings(entry, "after"),
+            bisect=str(entry.get("bisect", "")),
+            alongside=_strings(entry, "alongside"),
         )
 
     def cite(self) -> str:
@@ -283,3 +293,43 @@ def which_known(
     ops: Collection[str] | None = None,
 ) -> KnownFinding | None:
     return next((k for k in known if k.matches(fp, message, config, ops)), None)
+
+
+Labelled = tuple[Fingerprint, KnownFinding | None]
+"""One failure of an example: its fingerprint, and the known finding it is (None: unknown)."""
+
+
+def label_failures(
+    known: Iterable[KnownFinding],
+    error: BaseException,
+    config: Config | None,
+    trace: Sequence[TraceStep] = (),
+) -> list[Labelled]:
+    """Every distinct failure ``error`` carries, each with the known finding it matches.
+
+    A SpecViolation carries every invariant the operation violated: one fingerprint per
+    invariant (in the order checked), each matched on that invariant's own messages, so a known
+    finding met in an operation does not name (and hide) another invariant the same operation
+    broke.  A target's exception is one failure."""
+    known = list(known)
+    if not isinstance(error, SpecViolation):
+        steps = list(trace)
+        fp = fingerprint(error, steps)
+        return [(fp, which_known(known, fp, message_of(error), config, {s.op for s in steps}))]
+    steps = error.trace or list(trace)
+    operation = steps[-1].op if steps else "teardown"
+    ops = {s.op for s in steps}
+    messages: dict[str, list[str]] = {}
+    for violation in error.violations:
+        messages.setdefault(violation.invariant, []).append(str(violation))
+    labelled: list[Labelled] = []
+    for invariant, lines in messages.items():
+        fp = Fingerprint(invariant, operation)
+        labelled.append((fp, which_known(known, fp, "\n".join(lines), config, ops)))
+    # What a finding met in this operation declares it breaks alongside is that finding.
+    met = [k for _, k in labelled if k is not None]
+    labelled = [
+        (fp, k if k is not None else next((m for m in met if fp.invariant in m.alongside), None))
+        for fp, k in labelled
+    ]
+    return labelled or [(fingerprint(error, steps), None)]

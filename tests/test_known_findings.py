@@ -282,3 +282,88 @@ def test_a_known_finding_not_met_prints_the_budget_that_reaches_it():
     text = captured.get()
     assert "not met in this run: K9; its budget: kvspec check --impl x --examples 600" in text
     assert "not met in this run: K3" not in text
+
+
+def _sieve_case():
+    """A Sieve over two known findings of one ``admit`` (A stepped past by discarding, G by going
+    on), and a way to show it an operation's violations."""
+    from types import SimpleNamespace
+
+    from kvspec.cli.search import Sieve
+    from kvspec.spec.invariants import Violation
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.driver import TraceStep
+
+    a = KnownFinding(
+        "A", "a", ("admission-soundness",), ("admit",), message=("answered OK",), alongside=("no-leak",)
+    )
+    g = KnownFinding("G", "g", ("window-bound",), ("admit",), go_on=True)
+    config = Config(block_size=2, num_blocks=4, sliding_window=2)
+    driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
+    sieve = Sieve(frozenset(), [a, g], frozenset({"A", "G"}))
+
+    def show(*violations: tuple[str, str]):
+        error = SpecViolation([Violation(i, m) for i, m in violations], driver.trace)
+        return sieve(error, driver)  # type: ignore[arg-type]
+
+    return sieve, show
+
+
+KNOWN_A = ("admission-soundness", "the admission check answered OK, then the allocation failed")
+KNOWN_G = ("window-bound", "seq 0 holds 3 blocks but ... needs at most 2")
+UNKNOWN = ("refcount-exact", "block 1 has refcount 2 with 1 holder(s)")
+
+
+def test_a_known_finding_met_first_does_not_hide_another_violation_of_the_same_operation():
+    """Every invariant an operation violated is judged on its own: a known one met first
+    (stepped past by discarding, or by going on) and an unknown one beside it end the example on
+    the unknown one, which becomes the round's failure."""
+    from kvspec.testing.machine import CONTINUE
+
+    for first in (KNOWN_A, KNOWN_G):
+        sieve, show = _sieve_case()
+        assert show(first, UNKNOWN) is False
+        assert sieve.target == sieve.last == Fingerprint("refcount-exact", "admit")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_G) == CONTINUE
+    assert show(KNOWN_G, KNOWN_A) is True  # A leaves nothing to go on with: discarded
+    assert show(KNOWN_A, KNOWN_G) is True
+    assert sieve.fired == {"G": 3, "A": 2}  # both counted whichever came first
+    assert sieve.target is None
+
+
+def test_a_known_finding_is_found_again_when_another_known_one_comes_first():
+    """Re-finding A (every other finding stepped past): an operation that shows G first and A
+    beside it is A's failure, not discarded as G."""
+    sieve, show = _sieve_case()
+    sieve.stepped = frozenset({"G"})
+    assert show(KNOWN_G, KNOWN_A) is False
+    assert sieve.target == "A" and sieve.last == Fingerprint("admission-soundness", "admit")
+    # While A shrinks, G alone is gone past as the search went past it; anything else is discarded.
+    from kvspec.testing.machine import CONTINUE
+
+    assert show(KNOWN_G) == CONTINUE
+    assert show(UNKNOWN) is True
+    assert show(UNKNOWN, KNOWN_A) is False
+
+
+def test_what_a_finding_breaks_alongside_is_that_finding_only_beside_it():
+    """A known finding's declared consequences in its own operation (A: a failed allocation
+    not rolled back leaks) are stepped past with it; met alone, they are a new failure."""
+    leak = ("no-leak", "no sequence is live, yet gpu blocks [0] are still in use")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_A, leak) is True
+    assert sieve.fired == {"A": 1} and sieve.target is None
+    assert show(leak) is False
+    assert sieve.target == Fingerprint("no-leak", "admit")
+    sieve, show = _sieve_case()
+    assert show(KNOWN_A, leak, UNKNOWN) is False  # what it does not declare still ends the example
+    assert sieve.target == Fingerprint("refcount-exact", "admit")
+
+
+def test_every_legacy_range_says_how_it_was_measured():
+    """A legacy entry's releases are what `kvspec bisect` measured, or the entry says why they
+    are where the finding was seen (bisect: the run, or the reason it could not be run)."""
+    legacy = {"legacy-v1", "legacy-v2", "legacy-self-attn"}
+    unmeasured = [k.id for k in load_known([SHIPPED]) if k.releases and set(k.impl) & legacy and not k.bisect]
+    assert not unmeasured, f"no bisect note: {unmeasured}"
