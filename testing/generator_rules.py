@@ -127,7 +127,8 @@ def pool_blocks(max_blocks: int) -> st.SearchStrategy[int]:
 
 # ------------------------------------------------------------------------------ prompt lengths
 
-EDGE_CODE = 16  # one length byte in this many snaps the length to an edge
+EDGE_CODE = 16  # one first length byte in this many snaps the length to an edge ...
+EDGE_SECOND = 128  # ... when the second length byte is at least this: lowering it leaves the edge
 
 
 def prompt_length(
@@ -141,12 +142,15 @@ def prompt_length(
 ) -> int:
     """Rules ``prompt-edges`` and ``pool-edges``: a prompt's length from two bytes.  Mostly
     their product scaled to ``max_len`` (short prompts are the common case on small pools);
-    one draw in ``EDGE_CODE`` lands on an edge instead: a block boundary, ``max_len`` itself
+    one draw in ``2 * EDGE_CODE`` lands on an edge instead: a block boundary, ``max_len`` itself
     (the longest prompt the caller allows), the scheduler's token ``budget``, or the pool's
     ``capacity`` in tokens (a prompt that fills the pool exactly).  Edges past ``max_len`` are
     cut to it.  A rule switched off: its edges are never the length."""
     length = 1 + len_a * len_b * max_len // 65536
-    if len_a % EDGE_CODE == EDGE_CODE - 1:
+    # The edge needs a high second byte, so that the shrinker, which lowers every byte, can
+    # always leave an edge for the plain length below it (a failure that needs no edge shrinks
+    # as far as it did without the rule).
+    if len_a % EDGE_CODE == EDGE_CODE - 1 and len_b >= EDGE_SECOND:
         boundary = block_size * (1 + len_b % max(1, max_len // block_size))
         choices = [boundary, max_len, *(e for e in (budget, capacity) if e)]
         length = max(1, min(choices[(len_b // 7) % len(choices)], max_len))
