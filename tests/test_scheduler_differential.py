@@ -108,8 +108,9 @@ def test_the_differential_compares_only_what_the_policy_declares(monkeypatch):
     narrow = attrs.evolve(REFERENCE_OWN, not_compared=left_out)
     monkeypatch.setattr(machine, "policy_beside", lambda target: narrow)
     counts = DiffCounts()
+    spare = shapes().filter(lambda shape: shape.extra_blocks > 0)  # at the minimum progress catches it
     run_state_machine_as_test(
-        lambda: SchedulerMachine(variant, differential=Mode.RENAMING, diff_counts=counts),
+        lambda: SchedulerMachine(variant, differential=Mode.RENAMING, diff_counts=counts, shape_strategy=spare),
         settings=_settings(30),
     )
     assert counts.ended[f"{Comparison.HELD_BLOCKS.value} not declared"] > 0, counts
