@@ -38,9 +38,10 @@ from rich.table import Table
 
 import kvspec
 
-from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, captured_fds, err, first_lines, out
 from .failures import (
     HEADLINE,
+    KVSPEC_ERROR,
     STOPPED_BY_TARGET,
     code_digest,
     failure_json,
@@ -244,13 +245,14 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
         return shapes_exit(code, shaped) if guard.tripped is None else max(code, EXIT_FOUND)
     base = output_dir(args, impl)
     entries = []
+    code = EXIT_FOUND
     for n, found in enumerate(search.found, 1):
         out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
         if found.known is not None:
             out.print(f"known finding {found.known.id} (FINDINGS.md): {escape(found.known.title)}")
         where = base / f"{n:02d}-{found.fingerprint.slug()}"
-        report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
-                       annotate=found_json(found))
+        code = max(code, report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
+                                        annotate=found_json(found)))
         entries.append({**found_json(found), "report": str(where / "report.json")})
     last = search.last
     if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
@@ -264,7 +266,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     print_known(search)
     path = write_report(base / "summary.json", summary_json(search, entries, overrides))
     out.print(f"summary: {path}", markup=False, soft_wrap=True)
-    return EXIT_FOUND
+    return shapes_exit(code, shaped)
 
 
 def _guarded_shapes(
@@ -328,7 +330,7 @@ def print_table(o: Outcome) -> None:
             verdict = "[dim]not applicable[/]"
         elif o.status == "holds":
             verdict = "[green]holds[/]"
-        elif o.status in ("violated", "error", "interrupted", *STOPPED_BY_TARGET):
+        elif o.status in ("violated", "error", KVSPEC_ERROR, "interrupted", *STOPPED_BY_TARGET):
             verdict = "[yellow]no violation seen[/]"  # the search stopped early
         else:
             verdict = "[yellow]holds (incomplete run)[/]"
@@ -402,12 +404,15 @@ def report_outcome(
     for i, s in enumerate(o.trace, 1):
         out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
     out_dir = out_dir or output_dir(args, impl)
-    if o.status in STOPPED_BY_TARGET:
+    if o.status == KVSPEC_ERROR:
+        reason = "kvspec's own code raised: the report and `kvspec replay` show it"
+        repro_info: dict[str, Any] = {"status": "not-available", "reason": reason, "path": None}
+    elif o.status in STOPPED_BY_TARGET:
         # A standalone file re-runs the trace: on a hang or a runaway it would do it again, and
         # a nondeterministic target may not fail again.
         reason = f"the outcome is {o.status}; the JSON report and `kvspec replay` (under the same limits) reproduce it"
         out.print(f"[yellow]no standalone reproducer[/]: {escape(reason)}")
-        repro_info: dict[str, Any] = {"status": "not-available", "reason": reason, "path": None}
+        repro_info = {"status": "not-available", "reason": reason, "path": None}
     else:
         repro_info = write_reproducer(args, o, here, impl, out_dir)
     report = build_report(
@@ -434,7 +439,7 @@ def report_outcome(
     elif here is not None and here.kind == "source":
         where = f" --vllm-source {here.source} --source-version {here.version}"
     out.print(f"replay: kvspec replay {path}{where}", markup=False, soft_wrap=True)
-    return EXIT_FOUND
+    return EXIT_KVSPEC_ERROR if o.status == KVSPEC_ERROR else EXIT_FOUND
 
 
 def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
@@ -442,7 +447,7 @@ def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) 
 
     Drawn by replaying the trace on the target once more; not for a target that hung or ran
     away with memory (replaying would do it again)."""
-    if o.status in STOPPED_BY_TARGET or o.config is None:
+    if o.status in (*STOPPED_BY_TARGET, KVSPEC_ERROR) or o.config is None:
         return
     try:
         from kvspec.testing.timeline import film, report_html, timeline_svg

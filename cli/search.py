@@ -47,6 +47,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import out
+from .failures import KVSPEC_ERROR
 from .run import ON, Outcome, config_strategy, run_machine
 from .target import Factory
 
@@ -57,7 +58,7 @@ MAX_MASKS = 6  # feature masks searched behind the known findings (each: rounds 
 # Examples of a masked round, in the run's budgets: what lies behind the known findings needs a
 # combination of features and a narrow state (F12: 1 example in 100 with its features on).
 MASK_BUDGET = 3
-_FAILED = ("violated", "error")
+_FAILED = ("violated", "error", KVSPEC_ERROR)  # a kvspec error ends the search (nothing after it is trusted)
 
 Mask = frozenset[str]
 """Configuration features (``kvspec.testing.known.FEATURES``) a round switches off."""

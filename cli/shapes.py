@@ -26,12 +26,14 @@ from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.guard import crash_traceback, raised_in_kvspec
 from kvspec.testing.known import Fingerprint, KnownFinding, which_known
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, SchedulerMachine
 from rich.markup import escape
 
-from .common import out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, out
+from .failures import HEADLINE, KVSPEC_ERROR, TRACEBACK_LINES, print_kvspec_error
 
 # The scheduler machine's share of a profile: each example builds vLLM's scheduler (a few
 # tens of milliseconds once imported), and runs fewer, longer-lived steps than the
@@ -54,6 +56,7 @@ class ShapesOutcome:
     # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
     differential: DiffCounts = attrs.Factory(DiffCounts)
     known: KnownFinding | None = None  # the known finding (testing/known_findings.toml) it is
+    traceback: list[str] = attrs.Factory(list)  # of a crash or a kvspec error
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
@@ -133,9 +136,10 @@ def run_shapes(
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    except Exception as error:  # the target crashed under a valid protocol
-        outcome.status = "error"
+    except Exception as error:  # the target crashed under a valid protocol, or kvspec's own code raised
+        outcome.status = KVSPEC_ERROR if raised_in_kvspec(error) else "error"
         outcome.error = f"{type(error).__name__}: {error}"
+        outcome.traceback = crash_traceback(error, None if outcome.status == KVSPEC_ERROR else TRACEBACK_LINES)
         outcome.trace = list(last.get("trace", []))
         outcome.shape = last.get("shape")
     outcome.seconds = time.perf_counter() - start
@@ -152,6 +156,7 @@ def print_shapes(o: ShapesOutcome) -> None:
             "holds": "[green]every invariant holds per group and over the shared pool[/]",
             "violated": "[bold red]VIOLATED[/]",
             "error": "[bold red]the scheduler crashed[/]",
+            KVSPEC_ERROR: f"[bold red]{HEADLINE[KVSPEC_ERROR]}[/]",
             "no-examples": "[yellow]nothing ran[/]",
         }[o.status]
     )
@@ -167,9 +172,15 @@ def print_shapes(o: ShapesOutcome) -> None:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
     if o.error:
         out.print(f"  {escape(o.error)}")
+    if o.status == KVSPEC_ERROR:
+        print_kvspec_error(o.traceback)
+    elif o.status == "error":
+        out.print("  traceback (the target's innermost frames):", markup=False)
+        for line in o.traceback:
+            out.print(f"    {line}", markup=False, soft_wrap=True)
     if o.known is not None:
         out.print(f"  known finding {o.known.id} (FINDINGS.md): {escape(o.known.title)}")
-    if o.status in ("violated", "error"):
+    if o.status in ("violated", "error", KVSPEC_ERROR):
         if o.shape is not None:
             out.print(f"shape: {escape(o.shape.describe())}")
         for v in o.violations:
@@ -317,6 +328,6 @@ def shapes_exit(code: int, o: ShapesOutcome | None) -> int:
     """The exit code of a check whose block-manager search ended with ``code``."""
     if o is None or o.status in ("holds",):
         return code
-    from .common import EXIT_FOUND
-
+    if o.status == KVSPEC_ERROR:
+        return max(code, EXIT_KVSPEC_ERROR)
     return max(code, EXIT_FOUND) if o.status in ("violated", "error") else code

@@ -143,6 +143,34 @@ def crash_site(error: BaseException) -> str:
     return f"{path}:{line}"
 
 
+# Whose code an exception escaped from (``raised_in_kvspec``): module prefixes of the target's
+# code (vLLM, and kvspec's own implementations under test in reference/, which are targets
+# when checked and deliberately misbehave in ``reference/misbehaving.py``) and of kvspec's own
+# (the adapters, the machines and drivers, observation, hash learning).
+TARGET_MODULES = ("vllm", "kvspec.reference")
+KVSPEC_MODULES = ("kvspec",)
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def raised_in_kvspec(error: BaseException) -> bool:
+    """Whether ``error`` is a bug of kvspec rather than a crash of the target: of its
+    traceback's frames in either party's code (``TARGET_MODULES``, ``KVSPEC_MODULES``; the
+    standard library's and third parties' frames belong to whoever called them), the innermost
+    is kvspec's.  A limit the guard enforces (``GuardTripped``) is the target's."""
+    if isinstance(error, GuardTripped):
+        return False
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        module = str(frame.f_globals.get("__name__") or "")
+        if _under(module, TARGET_MODULES):
+            return False
+        if _under(module, KVSPEC_MODULES):
+            return True
+    return False
+
+
 def _module_path(frame: Any) -> str:
     """A path readable across installations: the frame's module as a file path."""
     module = frame.f_globals.get("__name__")
@@ -153,18 +181,18 @@ def _module_path(frame: Any) -> str:
     return f"{stem}/__init__.py" if filename.endswith("__init__.py") else f"{stem}.py"
 
 
-def crash_traceback(error: BaseException, limit: int = 12) -> list[str]:
+def crash_traceback(error: BaseException, limit: int | None = 12) -> list[str]:
     """The target's frames (those below the driver's and the guard's call into it), innermost
-    ``limit``, and the exception line, as text lines; without hypothesis' notes (the trace is
-    reported on its own)."""
+    ``limit`` (None: every frame, the callers' too: a bug of kvspec's own is in them), and the
+    exception line, as text lines; without hypothesis' notes (the trace is reported on its own)."""
     walked = list(traceback.walk_tb(error.__traceback__))
     cut = 0
     for i, (frame, _) in enumerate(walked):
-        if frame.f_globals.get("__name__") in _CALLERS:
+        if limit is not None and frame.f_globals.get("__name__") in _CALLERS:
             cut = i + 1
     summary = traceback.extract_tb(error.__traceback__)
     kept = summary[cut:] if cut < len(summary) else summary
-    frames = traceback.format_list(kept[-limit:])
+    frames = traceback.format_list(kept[-limit:] if limit is not None else kept)
     last = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
     head = last[:1] if last else [type(error).__name__]
     return [ln for chunk in frames for ln in chunk.rstrip("\n").splitlines()] + head
@@ -402,4 +430,5 @@ __all__ = [
     "TargetHung",
     "crash_site",
     "crash_traceback",
+    "raised_in_kvspec",
 ]
