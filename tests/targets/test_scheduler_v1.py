@@ -44,6 +44,26 @@ def adapter():
     return VLLMV1SchedulerAdapter
 
 
+@requires_vllm("0.20.1", pin="0.20.1")
+def test_a_coarser_groups_cached_blocks_are_keyed_as_the_release_hashes_them(adapter):
+    """Full attention B=4 beside a window group of B=2 blocks, prefix caching: the full group's
+    blocks are cached under the hash the release derives from two hash blocks (0.20.1
+    concatenates them, 0.30.0+ takes the last one), and the adapter names the key of each
+    (before, 0.20.1's concatenated hashes were 'a hash no request produced')."""
+    shape = Shape(
+        block_size=4, swa_block_size=2, sliding_window=4, extra_blocks=8, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=32, max_model_len=32,
+        full_sequence_must_fit=False, max_tokens=2,
+    )
+    driver = SchedulerDriver(adapter(shape))
+    driver.arrive(0, [1, 2, 3, 1, 2, 3, 1, 2, 3], 2)
+    for _ in range(3):
+        driver.step(bytes(4), bytes(4))
+    full = driver.state.groups[0]
+    assert sorted(len(key.chain) for key, _ in full.cached) == [4, 8]
+    assert driver.check() == []
+
+
 @on_033
 def test_hybrid_scheduler_is_built_as_production_builds_it(adapter):
     shape = Shape(
