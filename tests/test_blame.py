@@ -81,3 +81,6 @@ def test_scheduler_run_blames_the_raising_code(where, status, monkeypatch):
     assert o.status == status, o.error
     assert shapes_exit(0, o) == (EXIT_KVSPEC_ERROR if where is KVSPEC else EXIT_FOUND)
     assert o.traceback and "planted" in o.traceback[-1]
+    # The trace ends with the operation that raised, its crash recorded.
+    assert o.trace[-1].op == "abort" and o.trace[-1].crash is not None
+    assert o.trace[-1].crash.call == "abort" and "planted" in o.trace[-1].outcome
