@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
+from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
+from kvspec.testing.differential import Mode
 from kvspec.testing.driver import TraceStep
 from kvspec.testing.guard import Guard, GuardTripped
 from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
@@ -33,6 +34,7 @@ from kvspec.testing.report import (
 )
 from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
 from kvspec.testing.rerun import rerun
+from kvspec.testing.scheduler_replay import in_context, scheduler_session
 from rich.markup import escape
 from rich.table import Table
 
@@ -53,7 +55,15 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
-from .shapes import SCHEDULER_IMPL, ShapesOutcome, run_v1_shapes, shapes_exit
+from .shapes import (
+    SCHEDULER_IMPL,
+    SchedulerRun,
+    run_v1_shapes,
+    scheduler_factory,
+    scheduler_json,
+    shapes_exit,
+    write_scheduler_reports,
+)
 from .target import (
     VllmHere,
     check_impl_name,
@@ -235,37 +245,53 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     # vLLM's own V1 scheduler in production shapes (cli/shapes.py): hybrid groups, async,
     # spec decode, token budget, startup-minimum pools.
     shaped = _guarded_shapes(args, impl, here, focus, guard)
+    base = output_dir(args, impl)
+    entries: list[dict[str, Any]] = []
     if not search.found:
         if search.fired and search.last.status == "holds":
             out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
             print_known(search)
-            return EXIT_FOUND  # a known bug of this target is still a violation
-        code = report_outcome(args, argv, search.last, here, impl, overrides)
+            code = EXIT_FOUND  # a known bug of this target is still a violation
+        else:
+            code = report_outcome(args, argv, search.last, here, impl, overrides, out_dir=base)
+            print_known(search)
+            code = code if guard.tripped is None else max(code, EXIT_FOUND)
+    else:
+        code = EXIT_FOUND
+        for n, found in enumerate(search.found, 1):
+            out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
+            if found.known is not None:
+                out.print(f"known finding {found.known.id} (FINDINGS.md): {escape(found.known.title)}")
+            where = base / f"{n:02d}-{found.fingerprint.slug()}"
+            code = max(code, report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
+                                            annotate=found_json(found)))
+            entries.append({"machine": "block-manager", **found_json(found), "report": str(where / "report.json")})
+        last = search.last
+        if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
+            # The search ended on a hang, a memory runaway or nondeterminism after these.
+            out.rule(f"then: {HEADLINE[last.status]}")
+            where = base / f"{len(search.found) + 1:02d}-{last.status}"
+            report_outcome(args, argv, last, here, impl, overrides, out_dir=where)
+            entries.append({"outcome": last.status, "report": str(where / "report.json")})
+        out.rule()
+        print_found(search)
         print_known(search)
-        return shapes_exit(code, shaped) if guard.tripped is None else max(code, EXIT_FOUND)
-    base = output_dir(args, impl)
-    entries = []
-    code = EXIT_FOUND
-    for n, found in enumerate(search.found, 1):
-        out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
-        if found.known is not None:
-            out.print(f"known finding {found.known.id} (FINDINGS.md): {escape(found.known.title)}")
-        where = base / f"{n:02d}-{found.fingerprint.slug()}"
-        code = max(code, report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
-                                        annotate=found_json(found)))
-        entries.append({**found_json(found), "report": str(where / "report.json")})
-    last = search.last
-    if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
-        # The search ended on a hang, a memory runaway or nondeterminism after these.
-        out.rule(f"then: {HEADLINE[last.status]}")
-        where = base / f"{len(search.found) + 1:02d}-{last.status}"
-        report_outcome(args, argv, last, here, impl, overrides, out_dir=where)
-        entries.append({"outcome": last.status, "report": str(where / "report.json")})
-    out.rule()
-    print_found(search)
-    print_known(search)
-    path = write_report(base / "summary.json", summary_json(search, entries, overrides))
-    out.print(f"summary: {path}", markup=False, soft_wrap=True)
+    if shaped is not None and shaped.search.found:
+
+        def shared() -> dict[str, Any]:
+            return {
+                "target": target_json(here, impl),
+                "command": ["kvspec", *[a for a in argv if a != "--_in-target"]],
+                "limits": limits_from(args).to_json(),
+            }
+
+        entries += write_scheduler_reports(shaped, base, len(entries) + 1, shared, replay_flags(here))
+    if entries:
+        index = summary_json(search, entries, overrides)
+        if shaped is not None:
+            index["scheduler"] = scheduler_json(shaped)
+        path = write_report(base / "summary.json", index)
+        out.print(f"summary: {path}", markup=False, soft_wrap=True)
     return shapes_exit(code, shaped)
 
 
@@ -275,8 +301,8 @@ def _guarded_shapes(
     here: VllmHere | None,
     focus: tuple[str, ...] | None,
     guard: Guard,
-) -> ShapesOutcome | None:
-    """The scheduler-shapes run under the run's limits; a hang or runaway there is reported."""
+) -> SchedulerRun | None:
+    """The scheduler run under the run's limits; a hang or runaway there is reported."""
     if guard.tripped is not None:
         return None  # the target already hung or ran away: its scheduler is not run again
     try:
@@ -433,13 +459,17 @@ def report_outcome(
     path = write_report(out_dir / "report.json", report)
     out.print(f"report: {path}", markup=False, soft_wrap=True)
     write_picture(o, impl, out_dir, report)
-    where = ""
-    if here is not None and here.kind == "release":
-        where = f" --vllm {here.version}"
-    elif here is not None and here.kind == "source":
-        where = f" --vllm-source {here.source} --source-version {here.version}"
-    out.print(f"replay: kvspec replay {path}{where}", markup=False, soft_wrap=True)
+    out.print(f"replay: kvspec replay {path}{replay_flags(here)}", markup=False, soft_wrap=True)
     return EXIT_KVSPEC_ERROR if o.status == KVSPEC_ERROR else EXIT_FOUND
+
+
+def replay_flags(here: VllmHere | None) -> str:
+    """The flags by which ``kvspec replay`` runs a report on the target it came from."""
+    if here is not None and here.kind == "release":
+        return f" --vllm {here.version}"
+    if here is not None and here.kind == "source":
+        return f" --vllm-source {here.source} --source-version {here.version}"
+    return ""
 
 
 def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
@@ -576,13 +606,18 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         report = load_report(Path(args.report))
     except ReportError as error:
         raise UsageError(str(error), "pass a report.json written by kvspec check") from None
+    # A verdict of the scheduler machine (cli/shapes.py) records vLLM's scheduler in a shape;
+    # it replays on the V1 target of the release (``--impl v1``, whose scheduler it is).
+    scheduler = report.get("machine") == "scheduler"
     try:
-        config = config_from_json(report["config"])
+        config: Any = Shape(**report["shape"]) if scheduler else config_from_json(report["config"])
         trace = trace_from_json(report["trace"])
     except (ConfigError, KeyError, TypeError) as error:
         raise UsageError(f"{args.report}: {error}", "the report is damaged") from None
-    impl = args.impl or report["impl"]
+    impl = args.impl or ("v1" if scheduler else report["impl"])
     check_impl_name(impl)
+    if scheduler and impl != "v1":
+        raise UsageError(f"{args.report} is a scheduler verdict: it replays on vLLM's V1 scheduler", "drop --impl")
     # By default, watch what the recorded run watched (its --invariant focus).
     focus = check_invariant_ids(args.invariant or (report.get("run") or {}).get("focus"))
     recorded = report.get("target") or {}
@@ -600,16 +635,27 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         return resolved
     here, impl = resolved
     guard = Guard(limits_from(args, report.get("limits")))
-    guarded = guard.wrap(factory_for(impl))
+    if scheduler:
+        guarded = guard.wrap(scheduler_factory())
+        mode = report.get("differential_mode")
+        session = scheduler_session(config, Mode(mode) if mode else None)
+    else:
+        guarded = guard.wrap(factory_for(impl))
 
-    def quiet(config: Config) -> Any:
+    def quiet(config: Any) -> Any:
         with captured_fds():  # vLLM's import-time logging
             return guarded(config)
 
-    err.print(f"replaying {len(trace)} operation(s) on {describe_target(here, impl)}", markup=False)
+    what = "vLLM's V1 scheduler" if scheduler else describe_target(here, impl)
+    err.print(f"replaying {len(trace)} operation(s) on {what}", markup=False)
     try:
         with guard.armed():
-            result = rerun(quiet, config, trace, focus=focus)
+            result = (
+                # The scheduler machine notes what it does through hypothesis: in a test's context.
+                in_context(lambda: rerun(quiet, config, trace, focus=focus, session=session))
+                if scheduler
+                else rerun(quiet, config, trace, focus=focus)
+            )
     except (ConfigError, Unsupported) as error:
         raise UsageError(
             f"{describe_target(here, impl)} cannot run the report's configuration "

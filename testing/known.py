@@ -29,6 +29,7 @@ from kvspec.spec.config import Config
 from kvspec.targets.registry import release_key
 
 from .driver import Driver, SpecViolation, TraceStep
+from .scheduler_driver import SchedulerDriver
 
 SHIPPED = Path(__file__).with_name("known_findings.toml")
 CRASH = "crash"  # the invariant field of a target's exception
@@ -43,6 +44,11 @@ _OP_CODES: dict[CodeType, str] = {
     inspect.unwrap(Driver.preempt).__code__: "preempt",
     inspect.unwrap(Driver.reset_prefix_cache).__code__: "reset_prefix_cache",
     Driver._swap.__code__: "_swap",
+    # The scheduler machine's driver (testing/scheduler_driver.py).
+    inspect.unwrap(SchedulerDriver.arrive).__code__: "arrive",
+    inspect.unwrap(SchedulerDriver.abort).__code__: "abort",
+    inspect.unwrap(SchedulerDriver.step).__code__: "step",
+    inspect.unwrap(SchedulerDriver.drain).__code__: "drain",
 }
 
 
@@ -69,7 +75,7 @@ class Fingerprint:
     def slug(self) -> str:
         """A folder name: invariant and operation (and exception type)."""
         parts = [self.invariant, self.operation, self.exception]
-        return "-".join(p for p in parts if p).replace("_", "-").lower()
+        return "-".join(p for p in parts if p).replace("_", "-").replace("/", "-").lower()
 
 
 def _where(filename: str) -> str:

@@ -98,7 +98,7 @@ def _marks_crash(method: Callable) -> Callable:
                 escaped = self.target.escaped
                 call = escaped[0] if escaped is not None and escaped[1] is error else method.__name__
                 step_args = trace_args(signature, (self, *args), kwargs)
-                crash = Crash.of(call, error)
+                crash = self.crash = Crash.of(call, error)
                 step = record_crash(self.trace, mark, method.__name__, step_args, crash, error, self.config)
                 self.log(step.describe())
             raise
@@ -133,6 +133,7 @@ class SchedulerDriver:
         # The exception a target call raised (the run stops there: no teardown on a state the
         # target left half-updated, whose checks would only hide the crash).
         self.crashed: BaseException | None = None
+        self.crash: Crash | None = None  # what escaped, as the crashed step records it
         self.partials: Counter = Counter()  # partial tails cached, promoted, retired
 
     # ------------------------------------------------------------ operations

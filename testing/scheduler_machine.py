@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
@@ -49,6 +50,7 @@ from kvspec.spec.invariants import Violation
 from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
 from .driver import SpecViolation
+from .machine import StepPast, _failures_stepped_past
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
 from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
@@ -372,8 +374,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         differential: Mode | None = None,
         diff_counts: DiffCounts | None = None,
         known: tuple[Divergence, ...] = SCHEDULER_KNOWN,
+        step_past: StepPast | None = None,
     ) -> None:
         super().__init__()
+        # Whether a failing example is discarded (True) rather than reported: cli/search.py's
+        # rounds step past what earlier rounds found (testing/machine.py ``StepPast``).
+        self.step_past = step_past
         self.differential = differential
         self.diff_counts = diff_counts if diff_counts is not None else DiffCounts()
         self.known = known
@@ -394,10 +400,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         shape = data.draw(self.shape_strategy, label="shape")
         note(f"shape: {shape!r}")
         try:
-            target = self.factory(shape)
+            self.start(shape)
         except ConfigError as err:
             note(f"shape not supported by the target: {err}")
             reject()
+
+    def start(self, shape: Shape) -> None:
+        """Build the target in ``shape`` (a ConfigError: the target refuses it) and its driver,
+        in lockstep with the reference scheduler when the differential is on.  ``build`` draws
+        the shape; a replay (testing/scheduler_replay.py) gives the recorded one."""
+        target = self.factory(shape)
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
         # Against vLLM, Mamba shapes run no differential: the reference scheduler does not cut
@@ -416,6 +428,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         return self.driver
 
     @rule(raw=admission_bytes)
+    @_failures_stepped_past
     def arrive(self, raw):
         shape = self.shape
         assert shape is not None
@@ -432,11 +445,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.driver is not None)
     @rule(accept=step_bytes, tokens=step_bytes)
+    @_failures_stepped_past
     def step(self, accept, tokens):
         self.d.step(accept, tokens)
 
     @precondition(lambda self: self.driver is not None and bool(self.driver.seqs))
     @rule(pick=st.integers(0, 255))
+    @_failures_stepped_past
     def abort(self, pick):
         live = sorted(self.d.seqs)
         self.d.abort(live[pick % len(live)])
@@ -459,8 +474,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.focus is not None:
             found = [v for v in found if v.invariant in self.focus]
         if found:
-            self.failed = True
-            raise SpecViolation(found, self.d.trace)
+            error = SpecViolation(found, self.d.trace)
+            self._failing(error)
+            raise error
+
+    def _failing(self, error: BaseException) -> None:
+        """A failure: the step-past policy may discard the example instead (one it would go
+        on past, ``CONTINUE``, is discarded too: the scheduler machine does not go on)."""
+        self.failed = True
+        if self.step_past is not None and self.step_past(error, self.d):
+            reject()
 
     def teardown(self):
         if self.driver is None or self.shape is None:
@@ -472,7 +495,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             return  # a violation or a crash ended the example: its state is not a finished one
         # Not when hypothesis is abandoning the example (StopTest, a rejection): no verdict.
         abandoned = sys.exc_info()[1] is not None
-        if not abandoned and (self.focus is None or "progress" in self.focus):
-            # progress: with no new arrivals, the target's own loop finishes every request.
-            self._raise(drain(self.d, self._checks))
-        self._raise(self.d.finish())
+        try:
+            if not abandoned and (self.focus is None or "progress" in self.focus):
+                # progress: with no new arrivals, the target's own loop finishes every request.
+                self._raise(drain(self.d, self._checks))
+            self._raise(self.d.finish())
+        except (SpecViolation, HypothesisException):
+            raise
+        except Exception as error:  # a target crash in the drain: the step-past policy sees it too
+            self._failing(error)
+            raise

@@ -74,12 +74,12 @@ def test_block_manager_check_blames_the_raising_code(where, code, headline, monk
 
 @pytest.mark.parametrize(("where", "status"), [(KVSPEC, "kvspec-error"), (VLLM, "error")])
 def test_scheduler_run_blames_the_raising_code(where, status, monkeypatch):
-    from kvspec.cli.shapes import run_shapes, shapes_exit
+    from kvspec.cli.shapes import run_shapes, status_exit
 
     monkeypatch.setattr(ReferenceScheduler, "abort", lambda self, seq_id: planted(where)())
     o = run_shapes(ReferenceScheduler, profile="ci", examples=30, steps=None, seed=1, focus=None)
     assert o.status == status, o.error
-    assert shapes_exit(0, o) == (EXIT_KVSPEC_ERROR if where is KVSPEC else EXIT_FOUND)
+    assert status_exit(o.status) == (EXIT_KVSPEC_ERROR if where is KVSPEC else EXIT_FOUND)
     assert o.traceback and "planted" in o.traceback[-1]
     # The trace ends with the operation that raised, its crash recorded.
     assert o.trace[-1].op == "abort" and o.trace[-1].crash is not None
