@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
+from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test
@@ -100,10 +101,12 @@ def run_shapes(
     step_past: StepPast | None = None,
     counts: ShapeCounts | None = None,
     differential: DiffCounts | None = None,
+    shape_strategy: st.SearchStrategy[Shape] | None = None,
 ) -> ShapesOutcome:
     """One hypothesis search of the scheduler machine; ``step_past`` may discard failing
     examples (the rounds of ``run_scheduler_search``), ``counts`` and ``differential`` gather
-    what every round ran."""
+    what every round ran; ``shape_strategy`` narrows the shapes (default: every production
+    shape, testing/scheduler_machine.py ``shapes``)."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
     chosen = Settings(
@@ -135,6 +138,7 @@ def run_shapes(
         def __init__(self) -> None:
             super().__init__(
                 build,
+                shape_strategy,
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
