@@ -50,7 +50,7 @@ from kvspec.spec.invariants import Violation
 from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained, release_before
 from .driver import SpecViolation
-from .machine import StepPast, _failures_stepped_past
+from .machine import StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
 from .strategies import ALPHABET, admission_bytes, extra_from, prompt_from
@@ -428,7 +428,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         return self.driver
 
     @rule(raw=admission_bytes)
-    @_failures_stepped_past
     def arrive(self, raw):
         shape = self.shape
         assert shape is not None
@@ -445,13 +444,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.driver is not None)
     @rule(accept=step_bytes, tokens=step_bytes)
-    @_failures_stepped_past
     def step(self, accept, tokens):
         self.d.step(accept, tokens)
 
     @precondition(lambda self: self.driver is not None and bool(self.driver.seqs))
     @rule(pick=st.integers(0, 255))
-    @_failures_stepped_past
     def abort(self, pick):
         live = sorted(self.d.seqs)
         self.d.abort(live[pick % len(live)])
@@ -491,6 +488,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.counts.add(self.shape.tags(), len(self.d.trace), self.d.cache_counts())
         if self.lockstep is not None:
             self.diff_counts.add(self.lockstep)
+        raised = sys.exc_info()[1]  # hypothesis tears down in a ``finally``: a rule that raised
+        if isinstance(raised, Exception) and not isinstance(raised, SpecViolation | HypothesisException):
+            if not self.failed:
+                self._failing(raised)  # a crash: the step-past policy sees it too
+            return
         if self.failed or self.d.crashed is not None:
             return  # a violation or a crash ended the example: its state is not a finished one
         # Not when hypothesis is abandoning the example (StopTest, a rejection): no verdict.
