@@ -34,7 +34,7 @@ from kvspec.spec.invariants import Violation
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
 from kvspec.testing.guard import crash_traceback, raised_in_kvspec
-from kvspec.testing.known import KnownFinding
+from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.machine import StepPast
 from kvspec.testing.report import build_report, write_atomic, write_report
 from kvspec.testing.scheduler_driver import ShapeCounts
@@ -372,10 +372,13 @@ def run_scheduler_search(
     search = search_rounds(one_round, known, report_known=report_known, max_violations=max_violations)
     rounds: list[ShapesOutcome] = search.rounds
     last = rounds[-1]
-    if search.found:
-        status = next((f.outcome.status for f in search.found if f.outcome.status == KVSPEC_ERROR), "violated")
-    else:
-        status = last.status
+    if last.status in ("error", KVSPEC_ERROR) and all(f.outcome is not last for f in search.found):
+        # A failure no step-past policy saw (building the first target, before any driver):
+        # a verdict of its own.
+        at = last.trace[-1].op if last.trace else "construct"
+        search.found.append(Found(Fingerprint(CRASH, at, (last.error or "?").split(":")[0]), last))
+    statuses = {f.outcome.status for f in search.found}
+    status = next((s for s in (KVSPEC_ERROR, "violated", "error") if s in statuses), last.status)
     summary = ShapesOutcome(
         status,
         counts,

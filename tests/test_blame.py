@@ -84,3 +84,15 @@ def test_scheduler_run_blames_the_raising_code(where, status, monkeypatch):
     # The trace ends with the operation that raised, its crash recorded.
     assert o.trace[-1].op == "abort" and o.trace[-1].crash is not None
     assert o.trace[-1].crash.call == "abort" and "planted" in o.trace[-1].outcome
+
+
+def test_a_kvspec_error_building_the_scheduler_is_a_verdict_with_its_exit_code():
+    """Raised before any driver exists (no step-past policy sees it): still a verdict."""
+    from kvspec.cli.shapes import run_scheduler_search, shapes_exit
+
+    run = run_scheduler_search(
+        lambda _shape: planted(KVSPEC)(), profile="ci", examples=5, steps=None, seed=1, focus=None
+    )
+    assert [f.fingerprint.operation for f in run.search.found] == ["construct"]
+    assert run.summary.status == "kvspec-error"
+    assert shapes_exit(0, run) == EXIT_KVSPEC_ERROR
