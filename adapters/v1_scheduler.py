@@ -200,6 +200,8 @@ class VLLMV1SchedulerAdapter:
         if any(B % g.block_size for g in groups):
             raise ConfigError(f"group block sizes must divide the scheduler's block size {B}")
         self.hash_block_size = math.gcd(*(g.block_size for g in groups))
+        # The groups' block sizes above the hash block: their cache keys are derived (``_learn``).
+        self._coarser_block_sizes = sorted({g.block_size for g in groups} - {self.hash_block_size})
         self._sched_params = _params(sched_mod.Scheduler.__init__)
         if self.hash_block_size != B and "hash_block_size" not in self._sched_params:
             raise ConfigError(
@@ -552,17 +554,24 @@ class VLLMV1SchedulerAdapter:
     # ------------------------------------------------------------------ observation
 
     def _learn(self, request: Any) -> None:
-        """Map the release's hash of every hash block to its PrefixKey (the token chain up
-        to the block's end, in the request's domain).  Hashes chain over the whole prefix, so a group whose blocks are
-        a multiple of the hash block uses the hash at its block's end (``BlockHashListWith
-        BlockSize``, vllm/v1/core/kv_cache_utils.py:1157)."""
+        """Map the release's hash of every block to its PrefixKey (the token chain up to the
+        block's end, in the request's domain): of every hash block, and of every block of a
+        group whose blocks are a multiple of the hash block, as the release's own
+        ``BlockHashListWithBlockSize`` derives it when ``cache_full_blocks`` caches such a block
+        (block_pool.py: 0.20.1 :241-252).  Releases derive it differently: 0.12.0 and 0.20.1
+        concatenate the hash blocks' hashes (kv_cache_utils.py 0.20.1 :2115-2118, 0.12.0
+        :1462-1468), 0.30.0 and 0.33.0 take the last one (0.33.0 :1224-1227)."""
         hashes = getattr(request, "block_hashes", None)
         if not hashes and hasattr(self.manager, "req_to_block_hashes"):
             hashes = self.manager.req_to_block_hashes.get(request.request_id)  # before 0.10.1
         if not hashes:
             return
         extra = self._extra.get(request.request_id, NO_EXTRA)
-        self.cache_view.learn(hashes, tuple(request.all_token_ids), extra, self.hash_block_size)
+        tokens = tuple(request.all_token_ids)
+        self.cache_view.learn(hashes, tokens, extra, self.hash_block_size)
+        for size in self._coarser_block_sizes:
+            coarse = self._v.kcu.BlockHashListWithBlockSize(hashes, self.hash_block_size, size)
+            self.cache_view.learn(coarse, tokens, extra, size)
 
     def observe(self) -> HybridState:
         kcu = self._v.kcu
