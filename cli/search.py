@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.driver import Driver, SpecViolation
-from kvspec.testing.known import FEATURES, Fingerprint, KnownFinding, fingerprint, message_of, which_known
+from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, fingerprint, message_of, which_known
 from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
@@ -397,13 +397,15 @@ def print_found(
     table.add_column("#", justify="right")
     table.add_column("invariant", no_wrap=True)
     table.add_column("operation", no_wrap=True)
-    table.add_column("crash site", overflow="fold")
+    table.add_column("crash site / compared", overflow="fold")
     table.add_column("known", no_wrap=True)
     table.add_column("trace", justify="right")
     table.add_column("configuration", overflow="fold")
     for n, f in enumerate(search.found, 1):
         fp = f.fingerprint
         site = f"{fp.exception} at {fp.location}" if fp.exception else "-"
+        if fp.invariant == DIFFERS:  # what a policy difference compared, and under which policy
+            site = f"{fp.exception} (policy {fp.location})"
         if setting is not None:
             config = setting(f)
         else:

@@ -7,6 +7,7 @@ broken reference scheduler (reference/broken_scheduler.py), no vLLM needed."""
 from __future__ import annotations
 
 import json
+import re
 
 from kvspec.cli.common import EXIT_FOUND, EXIT_OK
 from kvspec.cli.failures import replay_verdict
@@ -100,6 +101,12 @@ def test_a_policy_difference_is_a_verdict_of_its_own_that_replays(tmp_path, caps
     assert differs, run.summary
     f = differs[0]
     assert f.fingerprint.invariant == "differs" and f.fingerprint.exception == comparison.value
+    assert f.fingerprint.location == f.outcome.difference.policy  # the declared policy's ID
+    assert f.fingerprint.operation == f.outcome.trace[-1].op
+    assert re.fullmatch(r"[a-z0-9.-]+", f.fingerprint.slug()), f.fingerprint.slug()
+    # Stepped past once found: the next round finds something else or nothing.
+    assert len(run.search.rounds) == len(run.search.found) + 1
+    assert len({x.fingerprint for x in run.search.found}) == len(run.search.found)
     assert not f.outcome.violations and f.outcome.difference is not None
     assert verdict_kind(f.outcome) == "differential"
     assert shapes_exit(0, run) == EXIT_FOUND
