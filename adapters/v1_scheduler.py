@@ -262,7 +262,9 @@ class VLLMV1SchedulerAdapter:
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=structured,
-            log_stats=False,
+            # The engine's default (``disable_log_stats`` off): ``update_from_output`` builds
+            # the scheduler stats, prefix-cache stats included (0.33.0 scheduler.py:3260-3300).
+            log_stats=True,
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self.manager = self.scheduler.kv_cache_manager
@@ -573,6 +575,15 @@ class VLLMV1SchedulerAdapter:
             coarse = self._v.kcu.BlockHashListWithBlockSize(hashes, self.hash_block_size, size)
             self.cache_view.learn(coarse, tokens, extra, size)
 
+    def _usage(self) -> float | None:
+        """The KV-cache usage the scheduler reports (``get_kv_cache_usage``, 0.33.0
+        scheduler.py:2924; the manager's ``usage`` where it has no such method)."""
+        read = getattr(self.scheduler, "get_kv_cache_usage", None)
+        if read is not None:
+            return float(read())
+        usage = getattr(self.manager, "usage", None)
+        return None if usage is None else float(usage)
+
     def observe(self) -> HybridState:
         kcu = self._v.kcu
         self.cache_view.drain(self.manager)
@@ -610,6 +621,7 @@ class VLLMV1SchedulerAdapter:
             cached=cached_all,
             computed=frozenset(b for _, b in cached_all),
             epochs={b: self._epochs.get(b, 0) for b in ids},
+            usage=self._usage(),
         )
         coordinator = self.manager.coordinator
         groups = []
