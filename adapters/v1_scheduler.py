@@ -295,7 +295,15 @@ class VLLMV1SchedulerAdapter:
             if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
-            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+            # As the engine core builds it (0.33.0 engine/core.py:219-230): with EAGLE and
+            # prefix caching each hash also covers the tokens after its block
+            # (``num_hash_lookahead_tokens``, config/vllm.py:678-692), which the scheduler's
+            # coordinator relies on not to drop a hit block.
+            lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+            takes = "num_hash_lookahead_tokens" in _params(v.kcu.get_request_block_hasher)
+            self._hasher = v.kcu.get_request_block_hasher(
+                self.hash_block_size, hash_fn, *((lookahead,) if takes else ())
+            )
         self._epochs: dict[int, int] = {}
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
