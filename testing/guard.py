@@ -30,6 +30,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -143,6 +144,34 @@ def crash_site(error: BaseException) -> str:
     return f"{path}:{line}"
 
 
+# Whose code an exception escaped from (``raised_in_kvspec``): module prefixes of kvspec's own
+# code (the adapters, the machines and drivers, observation, hash learning), less kvspec's own
+# implementations under test in reference/ (targets when checked; ``reference/misbehaving.py``
+# raises on purpose).
+KVSPEC_MODULES = ("kvspec",)
+TARGET_MODULES = ("kvspec.reference",)
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def raised_in_kvspec(error: BaseException) -> bool:
+    """Whether ``error`` is a bug of kvspec rather than a crash of the target: the raising
+    frame (the innermost frame of its traceback outside the standard library, whose frames
+    belong to their caller) is kvspec's own code (``KVSPEC_MODULES`` less ``TARGET_MODULES``).
+    Any other raising frame is the target's: vLLM's, or that of an implementation defined
+    outside kvspec.  A limit the guard enforces (``GuardTripped``) is the target's."""
+    if isinstance(error, GuardTripped):
+        return False
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        module = str(frame.f_globals.get("__name__") or "")
+        if module.partition(".")[0] in sys.stdlib_module_names:
+            continue
+        return _under(module, KVSPEC_MODULES) and not _under(module, TARGET_MODULES)
+    return False
+
+
 def _module_path(frame: Any) -> str:
     """A path readable across installations: the frame's module as a file path."""
     module = frame.f_globals.get("__name__")
@@ -153,18 +182,18 @@ def _module_path(frame: Any) -> str:
     return f"{stem}/__init__.py" if filename.endswith("__init__.py") else f"{stem}.py"
 
 
-def crash_traceback(error: BaseException, limit: int = 12) -> list[str]:
+def crash_traceback(error: BaseException, limit: int | None = 12) -> list[str]:
     """The target's frames (those below the driver's and the guard's call into it), innermost
-    ``limit``, and the exception line, as text lines; without hypothesis' notes (the trace is
-    reported on its own)."""
+    ``limit`` (None: every frame, the callers' too: a bug of kvspec's own is in them), and the
+    exception line, as text lines; without hypothesis' notes (the trace is reported on its own)."""
     walked = list(traceback.walk_tb(error.__traceback__))
     cut = 0
     for i, (frame, _) in enumerate(walked):
-        if frame.f_globals.get("__name__") in _CALLERS:
+        if limit is not None and frame.f_globals.get("__name__") in _CALLERS:
             cut = i + 1
     summary = traceback.extract_tb(error.__traceback__)
     kept = summary[cut:] if cut < len(summary) else summary
-    frames = traceback.format_list(kept[-limit:])
+    frames = traceback.format_list(kept[-limit:] if limit is not None else kept)
     last = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
     head = last[:1] if last else [type(error).__name__]
     return [ln for chunk in frames for ln in chunk.rstrip("\n").splitlines()] + head
@@ -402,4 +431,5 @@ __all__ = [
     "TargetHung",
     "crash_site",
     "crash_traceback",
+    "raised_in_kvspec",
 ]
