@@ -43,6 +43,10 @@ from kvspec.spec.errors import Rejected, Unsupported
 
 GIB = 1024**3
 DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
+# Extra seconds for the first construction through a wrapped factory: it imports the target
+# (vLLM and torch), which took 71-114 s on a loaded two-core machine (0.12.0's scheduler);
+# an import is not an operation of the target, and a real hang still trips after it.
+FIRST_CONSTRUCT_ALLOWANCE = 600.0
 DEFAULT_MEMORY_CAP_GIB = 4.0
 TICK = 0.05  # seconds between samples while a call runs
 MEMORY_CHECK_EVERY = 8  # calls between two checks of the memory a run has added
@@ -244,6 +248,7 @@ class Guard:
         self.notes: list[str] = []
         self._op: str | None = None
         self._start = 0.0
+        self._timeout: float | None = self.limits.op_timeout  # the running call's limit
         self._baseline = 0
         self._armed = False
         self._timer = False
@@ -329,7 +334,7 @@ class Guard:
             return
         if self.tripped is not None:
             raise self.tripped  # the target swallowed it (a bare except): raised again until it lets go
-        timeout = self.limits.op_timeout
+        timeout = self._timeout
         elapsed = time.monotonic() - self._start
         if timeout is not None and elapsed >= timeout:
             self._trip(TargetHung(op, timeout))
@@ -348,12 +353,23 @@ class Guard:
 
     # ------------------------------------------------------------ calling
 
-    def call(self, op: str, config: Config | None, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """``fn(*args, **kw)`` under the limits; what escapes it is remembered as ``failure``."""
+    def call(
+        self,
+        op: str,
+        config: Config | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        allowance: float = 0.0,
+        **kw: Any,
+    ) -> Any:
+        """``fn(*args, **kw)`` under the limits (``allowance``: seconds added to the time limit
+        for this call); what escapes it is remembered as ``failure``."""
         if self.tripped is not None:
             raise self.tripped  # the target is abandoned: it is in no state to be called again
         if not self._armed:
             return fn(*args, **kw)
+        limit = self.limits.op_timeout
+        self._timeout = None if limit is None else limit + allowance
         self._start = time.monotonic()
         self._op = op
         try:
@@ -386,8 +402,12 @@ class Guard:
     def wrap(self, factory: Callable[[Config], Any]) -> Callable[[Config], Any]:
         """The factory with the construction and every operation of what it builds guarded."""
 
+        imported: list[bool] = []  # whether a construction through this factory has run
+
         def build(config: Config) -> Any:
-            impl = self.call("construct", config, factory, config)
+            allowance = 0.0 if imported else FIRST_CONSTRUCT_ALLOWANCE
+            imported.append(True)
+            impl = self.call("construct", config, factory, config, allowance=allowance)
             self.implementation_name = str(getattr(impl, "name", "") or "") or None
             return Guarded(impl, self)
 

@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import kvspec.testing.guard as guard_module
 import pytest
 from kvspec.cli.failures import replay_verdict
 from kvspec.cli.main import main
@@ -85,6 +86,19 @@ def test_guard_interrupts_a_python_loop_and_restores_the_process():
         guard.call("anything", None, lambda: None)  # a tripped target is abandoned
     assert signal.getsignal(signal.SIGALRM) == handler
     assert resource.getrlimit(resource.RLIMIT_AS) == limit
+
+
+def test_the_first_construction_may_import_the_target_and_later_ones_may_not(monkeypatch):
+    """The first construction through a wrapped factory imports vLLM (over a minute on a loaded
+    machine): it gets ``FIRST_CONSTRUCT_ALLOWANCE`` on top of the limit; the next does not."""
+    monkeypatch.setattr(guard_module, "FIRST_CONSTRUCT_ALLOWANCE", 5.0)
+    guard = Guard(Limits(op_timeout=0.2, memory_cap_gib=None))
+    build = guard.wrap(lambda _config: time.sleep(0.5) or object())
+    with guard.armed():
+        build(None)
+        with pytest.raises(TargetHung) as caught:
+            build(None)
+    assert str(caught.value) == "target hung in construct after 0.2 s"
 
 
 def test_a_target_that_swallows_the_limit_is_stopped_again():
