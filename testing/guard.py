@@ -374,6 +374,8 @@ class Guard:
             result = fn(*args, **kw)
         except GuardTripped as trip:
             self.failure = Failure(op, config, trip)
+            if trip.config is None:
+                trip.config = config  # a driver that made the call may name it first
             raise
         except MemoryError as error:
             cap = self.limits.memory_cap_gib or 0.0
