@@ -330,7 +330,9 @@ class VLLMV1Adapter:
             enable_caching=config.prefix_caching,
             caching_hash_algo=hash_algo,
             use_eagle=use_eagle,
-            log_stats=False,
+            # As the engine runs with its default ``log_stats``: the usage ``observe`` reads
+            # is what it exports (0.33.0 sched/scheduler.py:3294).
+            log_stats=True,
             enable_kv_cache_events=self._emits_events(config),
             scheduler_block_size=B,
             hash_block_size=B,
@@ -804,6 +806,7 @@ class VLLMV1Adapter:
             computed=computed,
             epochs={b: self._epochs[b] for b in ids},
             events=tuple(self._events) if Capability.KV_EVENTS in self.capabilities else None,
+            usage=getattr(self._raw, "usage", None),
         )
         return KVState(gpu=gpu, tables=tables, cpu=None)
 

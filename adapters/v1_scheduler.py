@@ -262,7 +262,9 @@ class VLLMV1SchedulerAdapter:
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=structured,
-            log_stats=False,
+            # The engine's default (``disable_log_stats`` off): ``update_from_output`` builds
+            # the scheduler stats, prefix-cache stats included (0.33.0 scheduler.py:3260-3300).
+            log_stats=True,
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self.manager = self.scheduler.kv_cache_manager
@@ -293,7 +295,15 @@ class VLLMV1SchedulerAdapter:
             if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
-            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+            # As the engine core builds it (0.33.0 engine/core.py:219-230): with EAGLE and
+            # prefix caching each hash also covers the tokens after its block
+            # (``num_hash_lookahead_tokens``, config/vllm.py:678-692), which the scheduler's
+            # coordinator relies on not to drop a hit block.
+            lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+            takes = "num_hash_lookahead_tokens" in _params(v.kcu.get_request_block_hasher)
+            self._hasher = v.kcu.get_request_block_hasher(
+                self.hash_block_size, hash_fn, *((lookahead,) if takes else ())
+            )
         self._epochs: dict[int, int] = {}
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
@@ -573,6 +583,15 @@ class VLLMV1SchedulerAdapter:
             coarse = self._v.kcu.BlockHashListWithBlockSize(hashes, self.hash_block_size, size)
             self.cache_view.learn(coarse, tokens, extra, size)
 
+    def _usage(self) -> float | None:
+        """The KV-cache usage the scheduler reports (``get_kv_cache_usage``, 0.33.0
+        scheduler.py:2924; the manager's ``usage`` where it has no such method)."""
+        read = getattr(self.scheduler, "get_kv_cache_usage", None)
+        if read is not None:
+            return float(read())
+        usage = getattr(self.manager, "usage", None)
+        return None if usage is None else float(usage)
+
     def observe(self) -> HybridState:
         kcu = self._v.kcu
         self.cache_view.drain(self.manager)
@@ -610,6 +629,7 @@ class VLLMV1SchedulerAdapter:
             cached=cached_all,
             computed=frozenset(b for _, b in cached_all),
             epochs={b: self._epochs.get(b, 0) for b in ids},
+            usage=self._usage(),
         )
         coordinator = self.manager.coordinator
         groups = []

@@ -123,6 +123,24 @@ class ReleaseCachedAsFree(ReferenceManager):
         self.gpu = _FreeCachedPool(config.num_blocks, config.prefix_caching)
 
 
+class _CachedCountsAsUsedPool(BlockPool):
+    def usage(self) -> float:
+        if not self.num_blocks:
+            return 0.0
+        return 1.0 - len(self.free) / self.num_blocks
+
+
+class UsageCountsCached(ReferenceManager):
+    """Reports unreferenced cached blocks as in use: the exported KV-cache usage stays high
+    while the pool could reclaim them."""
+
+    name = "usage-counts-cached"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.gpu = _CachedCountsAsUsedPool(config.num_blocks, config.prefix_caching)
+
+
 class PublishBeforeCompute(ReferenceManager):
     """Publishes a prompt's full blocks at admission, before their KV is written."""
 
@@ -413,6 +431,9 @@ BROKEN: dict[str, BrokenVariant] = {
     ),
     ReleaseCachedAsFree.name: BrokenVariant(
         ReleaseCachedAsFree, frozenset({"conservation"}), {"prefix_caching": True}
+    ),
+    UsageCountsCached.name: BrokenVariant(
+        UsageCountsCached, frozenset({"conservation"}), {"prefix_caching": True}
     ),
     PublishBeforeCompute.name: BrokenVariant(
         PublishBeforeCompute,

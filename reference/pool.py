@@ -105,4 +105,11 @@ class BlockPool:
             computed=frozenset(self.key_of),
             epochs=dict(enumerate(self.epoch)),
             events=tuple(self.events) if self.prefix_caching else None,
+            usage=self.usage(),
         )
+
+    def usage(self) -> float:
+        """The share of the pool in use: every block neither free nor evictable."""
+        if not self.num_blocks:
+            return 0.0
+        return 1.0 - (len(self.free) + len(self.evictable)) / self.num_blocks

@@ -41,6 +41,11 @@ from .registry import (
 from .state import Device, KVState, PoolView, Status, World
 from .window import blocks_for_tokens, window_cover
 
+# A reported usage is a float ``1 - free / total`` (V1 block_pool.py:921-932): equal to the
+# exact share up to rounding, and any miscount is at least one block in a pool of far fewer
+# than a billion.
+USAGE_TOLERANCE = 1e-9
+
 # ---------------------------------------------------------------- state invariants
 
 
@@ -81,7 +86,9 @@ def conservation(world: World) -> Iterator[str]:
     """Free + evictable + in-use is exactly the pool, pairwise disjoint; nothing is freed twice
     and no block id is out of range.  A free block is not in the prefix-cache map: the next
     allocation may overwrite it while a lookup still hands it out (unreferenced cached
-    blocks are evictable, not free).
+    blocks are evictable, not free).  The usage a pool reports is the share of its blocks in
+    use: free and evictable blocks are both reclaimable (V1 ``BlockPool.get_usage``, 0.33.0
+    block_pool.py:921-932, counts every block on the free queue, cached or not).
     """
     for device, pool in pools(world.state):
         ids = set(pool.ids)
@@ -107,6 +114,13 @@ def conservation(world: World) -> Iterator[str]:
             yield f"{name} block {block} is evictable but holds no cached content"
         for block in sorted(free & set(cached)):
             yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
+        if pool.usage is not None and ids:
+            share = len(in_use & ids) / len(ids)
+            if abs(pool.usage - share) > USAGE_TOLERANCE:
+                yield (
+                    f"{name} pool reports usage {pool.usage:.4f} but {len(in_use & ids)} of its "
+                    f"{len(ids)} blocks are in use ({share:.4f})"
+                )
 
 
 @invariant(

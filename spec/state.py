@@ -65,6 +65,9 @@ class PoolView:
     computed     cached blocks a lookup may hand out as hits (their KV is written); legacy
                  vLLM registers a full block's hash before computing it and tracks
                  computed-ness separately, V1 hands out every cached block.
+    usage        the share of the pool the implementation reports in use (V1's
+                 ``KVCacheManager.usage``, which the engine exports as ``kv_cache_usage``,
+                 0.33.0 sched/scheduler.py:3294); None when it reports none.
     """
 
     ids: tuple[int, ...]
@@ -75,6 +78,7 @@ class PoolView:
     computed: frozenset[int] = frozenset()
     epochs: Mapping[int, int] | None = None
     events: tuple[CacheEvent, ...] | None = None
+    usage: float | None = None
 
     def cached_key_of(self) -> dict[int, PrefixKey]:
         return {block: key for key, block in self.cached}
