@@ -39,6 +39,7 @@ from kvspec.spec.window import first_needed_block
 
 from .completeness import CompletenessObserver
 from .guard import Crash, GuardTripped
+from .incremental import IncrementalChecker, TouchedMemory, check_both, check_mode
 
 _EXTRA_CAPS = {
     "cache_salt": Capability.CACHE_SALT,
@@ -144,7 +145,10 @@ class Driver:
         *,
         focus: Iterable[str] | None = None,
         log: Callable[[str], None] | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the state invariants are evaluated (``incremental.MODES``; None:
+        ``KVSPEC_CHECK``, else incremental, which equals the whole-world definition)."""
         self.impl = _Target(impl)
         self.config: Config = impl.config
         self.crash: Crash | None = None  # set when the implementation crashed (then abandoned)
@@ -155,7 +159,9 @@ class Driver:
                 raise ValueError(f"unknown invariant id(s): {sorted(unknown)}")
         self.log = log or (lambda _msg: None)
         self.seqs: dict[int, SeqModel] = {}
-        self.memory: dict[tuple[Device, int, int], tuple[int, int]] = {}
+        self.memory: TouchedMemory = TouchedMemory()  # (device, block, offset) -> (position, token)
+        self.checking = check_mode(checking)
+        self.incremental = IncrementalChecker(self.config)
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.state: KVState = impl.observe()
@@ -350,7 +356,14 @@ class Driver:
         found, self.pending = self.pending, []
         clean = (self.state, dict(self.seqs), self.memory_version)
         if clean != self._clean:
-            state_found = check_world(World(self.config, *clean[:2], self.memory))
+            world = World(self.config, *clean[:2], self.memory)
+            touched = self.memory.take()
+            if self.checking == "full":
+                state_found = check_world(world)
+            elif self.checking == "both":
+                state_found = check_both(self.incremental, world, touched)
+            else:
+                state_found = self.incremental.check(world, touched)
             self._clean = None if state_found else clean
             found = found + state_found
         self.checked.update(INVARIANTS)

@@ -151,7 +151,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_swapped: bool = True,
         features: Features | None = None,
         step_past: StepPast | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the driver evaluates the state invariants (``Driver``)."""
         super().__init__()
         self.factory = factory
         self.config_strategy = config_strategy if config_strategy is not None else configs()
@@ -162,6 +164,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.free_swapped = free_swapped
         self.features = features if features is not None else Features()
         self.step_past = step_past
+        self.checking = checking
         self.stats = stats if stats is not None else STATS
         self.driver: Driver | None = None
         self.failed = False
@@ -188,7 +191,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             # rejects prefix caching with a sliding window): not a finding, not a run.
             note(f"configuration not supported by the target: {err}")
             reject()
-        self.driver = Driver(impl, focus=self.focus, log=note)
+        self.driver = Driver(impl, focus=self.focus, log=note, checking=self.checking)
 
     @property
     def d(self) -> Driver:
