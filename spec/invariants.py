@@ -328,13 +328,15 @@ def admission_soundness(
             yield fault.message
     if before is None or after is None:
         return
+    # Equal states satisfy both comparisons below, and most refusals change nothing.
+    same = before == after
     if error is None:
-        if answered_ok is False and normalized(before) != normalized(after):
+        if answered_ok is False and not same and normalized(before) != normalized(after):
             yield f"an admission check that refused changed the state: {_state_diff(before, after)}"
         return
     if answered_ok:
         yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
-    if not unchanged_but_window_drops(before, after, first_needed or {}):
+    if not same and not unchanged_but_window_drops(before, after, first_needed or {}):
         yield f"a refused/failed allocation changed the state: {_state_diff(before, after)}"
 
 

@@ -158,6 +158,7 @@ class Driver:
             if unknown:
                 raise ValueError(f"unknown invariant id(s): {sorted(unknown)}")
         self.log = log or (lambda _msg: None)
+        self.quiet = log is None  # nobody reads the log: operations are not described
         self.seqs: dict[int, SeqModel] = {}
         self.memory: TouchedMemory = TouchedMemory()  # (device, block, offset) -> (position, token)
         self.checking = check_mode(checking)
@@ -454,7 +455,7 @@ class Driver:
             if m.status is Status.RUNNING and error is not None
         }
         self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
-        if error is not None and normalized(before) != normalized(after):
+        if error is not None and before != after and normalized(before) != normalized(after):
             self.refusal_window_drops += 1
         self._advance(after)
 
@@ -487,7 +488,8 @@ class Driver:
         else:
             step = TraceStep(op, args, crash.describe(), crash)
         self.trace.append(step)
-        self.log(step.describe())
+        if not self.quiet:
+            self.log(step.describe())
         if isinstance(error, GuardTripped):
             error.trace = list(self.trace)
             error.config = self.config
@@ -495,7 +497,8 @@ class Driver:
     def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
         step = TraceStep(op, args, outcome)
         self.trace.append(step)
-        self.log(step.describe())
+        if not self.quiet:
+            self.log(step.describe())
 
 
 # ---------------------------------------------------------------- replay

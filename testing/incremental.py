@@ -192,6 +192,7 @@ class IncrementalChecker:
         self.live: dict[int, tuple[Device, tuple[int | None, ...]]] = {}  # seq -> its live table
         self.active = 0  # sequences not waiting
         self.dirty: set[str] | None = None  # invariants the last world broke (None: unknown)
+        self._applies: tuple[int, list[Invariant]] = (-1, [])
 
     # ------------------------------------------------------------ following worlds
 
@@ -346,6 +347,13 @@ class IncrementalChecker:
 
     # ------------------------------------------------------------ checking
 
+    def _applicable(self) -> list[Invariant]:
+        """The state invariants that apply to the configuration, in the registry's order."""
+        if self._applies[0] != len(INVARIANTS):  # an invariant registered since
+            found = [i for i in INVARIANTS.values() if i.kind == "state" and i.applies(self.config) is None]
+            self._applies = (len(INVARIANTS), found)
+        return self._applies[1]
+
     def check(self, world: World, memory: set[Block] | None) -> list[Violation]:
         """The violations of ``world``: each invariant's incremental rule where the last world
         satisfied it, the definition where it did not, and the definition's own report for
@@ -353,9 +361,7 @@ class IncrementalChecker:
         dirty = self.dirty
         delta = self.advance(world, memory)
         found: list[Violation] = []
-        for inv in INVARIANTS.values():
-            if inv.kind != "state" or inv.applies(world.config) is not None:
-                continue
+        for inv in self._applicable():
             rule = RULES.get(inv.id)
             if delta is None or dirty is None or inv.id in dirty or rule is None or any(rule(self, world, delta)):
                 found.extend(inv.check(world))
@@ -368,9 +374,7 @@ class IncrementalChecker:
         dirty = self.dirty
         delta = self.advance(world, memory)
         out: dict[str, list[str]] = {}
-        for inv in INVARIANTS.values():
-            if inv.kind != "state" or inv.applies(world.config) is not None:
-                continue
+        for inv in self._applicable():
             rule = RULES.get(inv.id)
             if delta is None or dirty is None or inv.id in dirty or rule is None:
                 messages = [v.message for v in inv.check(world)]
