@@ -131,7 +131,8 @@ class PoolIndex:
     holders: dict[int, dict[int, tuple[int, ...]]]  # block -> live seq -> slot indices
     keys_of: dict[int, Counter[PrefixKey]]  # block -> keys the cache map names it under
     cached: Counter[PrefixKey]  # key -> entries of the map under it
-    on_free: Counter[int]  # block -> times on the free list
+    free: frozenset[int]  # blocks on the free list
+    free_dupes: Counter[int]  # block -> times on the free list, for blocks on it more than once
     evictable: frozenset[int]
     in_use: int  # blocks with a positive refcount
     events: EventReplay | None
@@ -174,7 +175,8 @@ def _pool_index(view: PoolView) -> PoolIndex:
         holders={},
         keys_of=keys_of,
         cached=Counter(key for key, _ in view.cached),
-        on_free=Counter(view.free),
+        free=frozenset(view.free),
+        free_dupes=Counter(view.free) if len(set(view.free)) != len(view.free) else Counter(),
         evictable=frozenset(view.evictable),
         in_use=sum(1 for rc in view.refcounts.values() if rc > 0),
         events=events,
@@ -305,9 +307,12 @@ class IncrementalChecker:
                     touched.add(block)
                     index.in_use += (new.refcounts.get(block, 0) > 0) - (old.refcounts.get(block, 0) > 0)
         if old.free != new.free:
-            on_free = Counter(new.free)
-            touched.update(b for b in index.on_free.keys() | on_free.keys() if index.on_free[b] != on_free[b])
-            index.on_free = on_free
+            free = frozenset(new.free)
+            # Multiplicities only matter for a double free: counted when the list has one.
+            dupes = Counter(new.free) if len(free) != len(new.free) else Counter()
+            touched.update(index.free ^ free, index.free_dupes.keys() ^ dupes.keys())
+            touched.update(b for b in dupes.keys() & index.free_dupes.keys() if dupes[b] != index.free_dupes[b])
+            index.free, index.free_dupes = free, dupes
         if old.evictable != new.evictable:
             evictable = frozenset(new.evictable)
             touched.update(index.evictable ^ evictable)
@@ -315,11 +320,13 @@ class IncrementalChecker:
         if old.computed != new.computed:
             touched.update(old.computed ^ new.computed)
         if old.cached != new.cached:
-            was, now = Counter(old.cached), Counter(new.cached)
-            for entry in was.keys() | now.keys():
-                delta = now[entry] - was[entry]
-                if not delta:
-                    continue
+            was, now = set(old.cached), set(new.cached)
+            if len(was) == len(old.cached) and len(now) == len(new.cached):
+                entries = [(e, 1) for e in now - was] + [(e, -1) for e in was - now]
+            else:  # an entry held twice: compare multiplicities
+                many, few = Counter(new.cached), Counter(old.cached)
+                entries = [(e, many[e] - few[e]) for e in was | now if many[e] != few[e]]
+            for entry, delta in entries:
                 key, block = entry
                 touched.add(block)
                 keys.add(key)
@@ -425,7 +432,8 @@ def conservation_rule(c: IncrementalChecker, world: World, delta: Delta) -> Iter
         refcounts = index.view.refcounts
         for block in sorted(delta.blocks[device]):
             yield from block_conservation(
-                device, block, in_pool=block in index.ids, on_free=index.on_free.get(block, 0),
+                device, block, in_pool=block in index.ids,
+                on_free=index.free_dupes.get(block) or int(block in index.free),
                 evictable=block in index.evictable, in_use=refcounts.get(block, 0) > 0,
                 cached=block in index.keys_of,
             )
