@@ -14,8 +14,8 @@ block table, a cache entry, a key), each conjunct reading only that entity's par
 itself is written with).  If an invariant held on the last world checked, a conjunct can only
 fail now on an entity whose part changed, and those are exactly the touched entities.  An
 invariant that did not hold on the last world, a world with no last world (the first check),
-or a change this module does not follow (a pool's ids, an event stream that is not an
-extension of the last one, the memory cleared wholesale) is checked whole.  A state invariant
+or a change this module does not follow (a pool appearing or going, an event stream that is
+not an extension of the last one, the memory cleared wholesale) is checked whole.  A state invariant
 with no incremental rule here (registered by a plugin or a test) is always checked whole.
 
 When an invariant's incremental rule finds a violation, the invariant is re-checked whole, so
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 import attrs
 from kvspec.spec.config import Config
@@ -186,8 +186,10 @@ def _pool_index(view: PoolView) -> PoolIndex:
 class IncrementalChecker:
     """Follows the worlds a driver checks and evaluates each state invariant over what changed."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, only: Collection[str] | None = None) -> None:
+        """``only``: the invariants to evaluate (None: every state invariant)."""
         self.config = config
+        self.only = None if only is None else frozenset(only)
         self.state: KVState | None = None
         self.seqs: Mapping[int, SeqModel] = {}
         self.pools: dict[Device, PoolIndex] = {}
@@ -299,8 +301,10 @@ class IncrementalChecker:
     ) -> tuple[str, ...]:
         """Fold one pool's change into its index; the faults among its new events."""
         index.view = new
-        if old.ids != new.ids:
-            raise Rebuild
+        if old.ids != new.ids:  # a group's view owns the blocks it holds or caches
+            ids = frozenset(new.ids)
+            touched.update(index.ids ^ ids)
+            index.ids = ids
         if old.refcounts != new.refcounts:
             for block, _ in old.refcounts.items() ^ new.refcounts.items():
                 if block not in touched:
@@ -357,7 +361,10 @@ class IncrementalChecker:
     def _applicable(self) -> list[Invariant]:
         """The state invariants that apply to the configuration, in the registry's order."""
         if self._applies[0] != len(INVARIANTS):  # an invariant registered since
-            found = [i for i in INVARIANTS.values() if i.kind == "state" and i.applies(self.config) is None]
+            found = [
+                i for i in INVARIANTS.values()
+                if i.kind == "state" and i.applies(self.config) is None and (self.only is None or i.id in self.only)
+            ]
             self._applies = (len(INVARIANTS), found)
         return self._applies[1]
 
@@ -396,7 +403,7 @@ class IncrementalChecker:
 def check_both(checker: IncrementalChecker, world: World, memory: set[Block] | None) -> list[Violation]:
     """The definition's violations of ``world``, after requiring that the incremental rules
     find the same invariants broken with the same messages (``IncrementalMismatch`` if not)."""
-    full = check_world(world)
+    full = check_world(world, checker.only)
     ours = checker.verdicts(world, memory)
     theirs: dict[str, list[str]] = {}
     for v in full:
@@ -407,6 +414,30 @@ def check_both(checker: IncrementalChecker, world: World, memory: set[Block] | N
             f"  incremental: {ours}\n  whole world: {theirs}"
         )
     return full
+
+
+class Judges:
+    """A ``spec.groups.Judge`` per check mode for a driver of hybrid states: one checker per
+    world key (the shared pool, each group), all fed the blocks whose memory changed."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.checkers: dict[str, IncrementalChecker] = {}
+
+    def judge(self, memory: set[Block] | None) -> Callable[[str, World, Collection[str] | None], list[Violation]]:
+        """The judge for one check, given the blocks whose memory changed since the last."""
+
+        def judge(key: str, world: World, only: Collection[str] | None) -> list[Violation]:
+            if self.mode == "full":
+                return check_world(world, only)
+            checker = self.checkers.get(key)
+            if checker is None or checker.config != world.config:
+                checker = self.checkers[key] = IncrementalChecker(world.config, only)
+            if self.mode == "both":
+                return check_both(checker, world, memory)
+            return checker.check(world, memory)
+
+        return judge
 
 
 # ---------------------------------------------------------------- the rules

@@ -39,6 +39,7 @@ from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
 
 from .driver import TraceStep
+from .incremental import Judges, TouchedMemory, check_mode
 
 DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
 
@@ -98,14 +99,18 @@ class SchedulerDriver:
         *,
         async_depth: int = 0,
         log: Callable[[str], None] | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the state invariants are evaluated (``incremental.MODES``; None:
+        ``KVSPEC_CHECK``, else incremental, which equals the whole-world definition)."""
         self.target = target
         self.config = target.config
         self.async_depth = async_depth  # steps whose output is still in flight after a step
         self.log = log or (lambda _m: None)
         self.seqs: dict[int, SeqModel] = {}
         self.max_tokens: dict[int, int] = {}  # a request's sampled tokens at most (its arrival's)
-        self.memory: dict = {}
+        self.memory: TouchedMemory = TouchedMemory()
+        self.judges = Judges(check_mode(checking))
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.in_flight: deque = deque()
@@ -360,7 +365,8 @@ class SchedulerDriver:
 
     def check(self) -> list[Violation]:
         found, self.pending = self.pending, []
-        found += check_hybrid(self.config, self.state, self.seqs, self.memory)
+        judge = self.judges.judge(self.memory.take())
+        found += check_hybrid(self.config, self.state, self.seqs, self.memory, judge)
         collisions = getattr(self.target, "hash_collisions", ())
         for h, a, b in collisions:
             found.append(
