@@ -1,10 +1,11 @@
 """Incremental checking equals the whole-world definition (testing/incremental.py).
 
-The machine runs in ``both`` mode: after every operation the incremental rules and
+The machines run in ``both`` mode: after every operation the incremental rules and
 ``check_world`` judge the same world, and any difference in the invariants found or their
-messages raises ``IncrementalMismatch``.  It runs on the reference and on every deliberately
-broken variant (each reaches worlds that violate the invariants it breaks), and a sabotaged
-rule -- one that stops looking -- must make the comparison fail, so the comparison can fail.
+messages raises ``IncrementalMismatch``.  They run on the references and on every deliberately
+broken variant of reference/broken.py and reference/broken_scheduler.py (each reaches worlds
+that violate the invariants it breaks), and a sabotaged rule -- one that stops looking -- must
+make the comparison fail, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken import BROKEN
+from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
 from kvspec.reference.manager import ReferenceManager
+from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.config import Config
 from kvspec.spec.state import Device
 from kvspec.testing import KVCacheMachine, SpecViolation
@@ -29,6 +32,7 @@ from kvspec.testing.incremental import (
     readback_rule,
 )
 from kvspec.testing.machine import CONTINUE
+from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
 from kvspec.testing.strategies import configs
 from test_stateful_broken import _configs_for
 
@@ -155,3 +159,47 @@ def test_touched_memory_notes_blocks():
     assert memory.take() == {(Device.GPU, 3)}
     memory.update({(Device.GPU, 5, 0): (0, 1)})
     assert memory.take() is None  # a wholesale change: the checker re-indexes
+
+
+# ---------------------------------------------------------------- the scheduler machine
+
+SCHEDULER_EXAMPLES = 20
+
+
+def _run_scheduler(cls, shape_strategy, examples: int = SCHEDULER_EXAMPLES) -> BaseException | None:
+    try:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(cls, shape_strategy),
+            settings=settings(
+                derandomize=True, database=None, max_examples=examples, report_multiple_bugs=False, deadline=None
+            ),
+        )
+    except Exception as error:  # a violation or a mismatch
+        return error
+    return None
+
+
+def _within(name: str):
+    shape = BROKEN_SCHEDULERS[name].shape
+    return shapes().filter(lambda s: shape in s.tags())
+
+
+@pytest.mark.parametrize("name", ["reference", *sorted(BROKEN_SCHEDULERS)])
+def test_scheduler_verdicts_agree(name, monkeypatch):
+    """The scheduler machine's hybrid checks (every group view and the shared pool) agree too,
+    on the reference scheduler and on every broken scheduler in the shape that reaches its bug."""
+    monkeypatch.setenv(CHECK_ENV, "both")
+    if name == "reference":
+        error = _run_scheduler(ReferenceScheduler, shapes())
+        assert error is None, error
+    else:
+        error = _run_scheduler(BROKEN_SCHEDULERS[name].cls, _within(name))
+        assert not isinstance(error, IncrementalMismatch), error
+
+
+def test_sabotaged_rule_disagrees_on_the_shared_pool(monkeypatch):
+    """A blind refcount rule misses the block two groups' tables alias in the shared pool."""
+    monkeypatch.setenv(CHECK_ENV, "both")
+    monkeypatch.setitem(RULES, "refcount-exact", _blind)
+    error = _run_scheduler(BROKEN_SCHEDULERS["aliased-group-tables"].cls, _within("aliased-group-tables"), 300)
+    assert isinstance(error, IncrementalMismatch), repr(error)
