@@ -95,7 +95,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -104,7 +105,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import PrefixKey
-from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView
+from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView, table_view
 
 from .harness import legacy as harness
 from .recording import Recorder, real
@@ -232,6 +233,9 @@ _copies = harness.block_copies
 
 class LegacyAdapter:
     """kvspec ``Implementation`` over one legacy block manager (see the module docstring)."""
+
+    # The last observation's block tables: unchanged tables are handed out again (table_view).
+    _last_tables: Mapping[int, TableView] = MappingProxyType({})
 
     def __init__(
         self,
@@ -733,7 +737,8 @@ class LegacyAdapter:
                 else:
                     slots.append(b - cpu_offset if on_cpu else b)
             device = Device.CPU if on_cpu else Device.GPU
-            tables[seq_id] = TableView(seq_id, device, tuple(slots))
+            tables[seq_id] = table_view(self._last_tables, seq_id, device, tuple(slots))
+        self._last_tables = tables
         return KVState(
             gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
         )
@@ -839,7 +844,9 @@ class LegacyAdapter:
             slots: list[Slot] = [b.block_number for b in blocks]
             if bsw is not None and self.v1_window_slots == "tail" and len(slots) > bsw:
                 slots = [None] * (len(slots) - bsw) + slots[-bsw:]
-            tables[seq_id] = TableView(seq_id, Device.CPU if on_cpu else Device.GPU, tuple(slots))
+            device = Device.CPU if on_cpu else Device.GPU
+            tables[seq_id] = table_view(self._last_tables, seq_id, device, tuple(slots))
+        self._last_tables = tables
         return KVState(
             gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
         )

@@ -91,7 +91,7 @@ from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupport
 from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey, as_extra, key_of
-from kvspec.spec.state import Device, KVState, PoolView, TableView
+from kvspec.spec.state import Device, KVState, PoolView, TableView, table_view
 
 from .recording import Recorder, real
 
@@ -250,6 +250,9 @@ class VLLMV1Adapter:
                            (False); default: int when the pool size is even, so a run covers
                            both (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, 0.33.0 default int).
     """
+
+    # The last observation's block tables: unchanged tables are handed out again (table_view).
+    _last_tables: Mapping[int, TableView] = MappingProxyType({})
 
     name = "vllm-v1"
 
@@ -796,7 +799,8 @@ class VLLMV1Adapter:
                 None if (b is null or getattr(b, "is_null", False)) else b.block_id
                 for b in self._group_blocks(request.request_id)
             )
-            tables[seq_id] = TableView(seq_id, Device.GPU, slots)
+            tables[seq_id] = table_view(self._last_tables, seq_id, Device.GPU, slots)
+        self._last_tables = tables
         gpu = PoolView(
             ids=ids,
             refcounts=refcounts,

@@ -30,7 +30,8 @@ blocks, the first block to publish a key keeps it, no watermark.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 from kvspec.spec.admission import fits, new_blocks_for_step
@@ -38,7 +39,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import ExtraKeys, as_extra, block_keys, key_of
-from kvspec.spec.state import DROPPED, Device, KVState, TableView
+from kvspec.spec.state import DROPPED, Device, KVState, TableView, table_view
 from kvspec.spec.window import first_needed_block
 
 from .block_table import BlockTable
@@ -73,6 +74,7 @@ class _AdmissionPlan:
 class ReferenceManager:
     name = "reference"
     partial_tails = False  # publish a prompt's partial last block (PartialTailReference)
+    _last_tables: Mapping[int, TableView] = MappingProxyType({})  # the last observation's
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -283,13 +285,11 @@ class ReferenceManager:
     # ------------------------------------------------------------ observation
 
     def observe(self) -> KVState:
-        return KVState(
-            gpu=self.gpu.view(),
-            cpu=self.cpu.view() if self.cpu is not None else None,
-            tables={
-                sid: TableView(sid, s.device, tuple(s.table.slots)) for sid, s in self.seqs.items()
-            },
-        )
+        tables = {
+            sid: table_view(self._last_tables, sid, s.device, tuple(s.table.slots)) for sid, s in self.seqs.items()
+        }
+        self._last_tables = tables  # unchanged tables are handed out again (table_view)
+        return KVState(gpu=self.gpu.view(), cpu=self.cpu.view() if self.cpu is not None else None, tables=tables)
 
     # ------------------------------------------------------------ helpers
 

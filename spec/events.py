@@ -56,20 +56,36 @@ class CacheEvent:
 def replay(events: Iterable[CacheEvent]) -> tuple[Counter[PrefixKey], list[str]]:
     """Replay an event stream from an empty cache: the multiset of cached keys it describes,
     and the events that contradict the stream before them (a removal of a key not stored)."""
-    live: Counter[PrefixKey] = Counter()
-    faults: list[str] = []
-    for i, event in enumerate(events, 1):
-        if event.kind is EventKind.CLEARED:
-            live.clear()
-        elif event.kind is EventKind.STORED:
-            live.update(event.keys)
-        else:
-            for key in event.keys:
-                if live[key] == 0:
-                    faults.append(
-                        f"event {i} ({event.describe()}) removes a key no earlier event stored "
-                        f"(chain of {len(key.chain)} tokens)"
-                    )
-                else:
-                    live[key] -= 1
-    return +live, faults
+    stream = EventReplay()
+    faults = stream.feed(events)
+    return +stream.live, faults
+
+
+@attrs.define
+class EventReplay:
+    """An event stream replayed so far: ``feed`` takes the events that follow, so a stream
+    that only grows is replayed once in all (``replay`` is one ``feed`` of every event)."""
+
+    live: Counter[PrefixKey] = attrs.Factory(Counter)
+    seen: int = 0  # events fed so far; faults number events from 1
+
+    def feed(self, events: Iterable[CacheEvent]) -> list[str]:
+        """Apply the next events; the faults among them (a removal of a key not stored)."""
+        live = self.live
+        faults: list[str] = []
+        for event in events:
+            self.seen += 1
+            if event.kind is EventKind.CLEARED:
+                live.clear()
+            elif event.kind is EventKind.STORED:
+                live.update(event.keys)
+            else:
+                for key in event.keys:
+                    if live[key] <= 0:
+                        faults.append(
+                            f"event {self.seen} ({event.describe()}) removes a key no earlier event stored "
+                            f"(chain of {len(key.chain)} tokens)"
+                        )
+                    else:
+                        live[key] -= 1
+        return faults

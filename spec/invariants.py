@@ -14,7 +14,8 @@ invariants look at one operation: a refusal's before/after and an accepted step'
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 
 import attrs
 
@@ -28,7 +29,7 @@ from .admission import (
     reserve_refusal_allowed,
 )
 from .kv_memory import UNMAPPED, WriteFault, block_contents, readback_faults
-from .prefix_hash import is_well_formed
+from .prefix_hash import PrefixKey, is_well_formed
 from .registry import (
     INVARIANTS,
     Violation,
@@ -38,7 +39,7 @@ from .registry import (
     needs_window,
     pools,
 )
-from .state import Device, KVState, PoolView, Status, World
+from .state import Device, KVState, PoolView, SeqModel, Status, TableView, World
 from .window import blocks_for_tokens, window_cover
 
 # A reported usage is a float ``1 - free / total`` (V1 block_pool.py:921-932): equal to the
@@ -65,15 +66,19 @@ def refcount_exact(world: World) -> Iterator[str]:
         for table in live_tables(world, device):
             holders.update(table.held())
         for block in sorted(set(holders) | set(pool.refcounts)):
-            want = holders.get(block, 0)
-            got = pool.refcounts.get(block)
-            if got is None:
-                yield f"{device.value} block {block} is held by a table but is not in the pool"
-            elif got != want:
-                yield (
-                    f"{device.value} block {block} has refcount {got} but {want} live "
-                    f"block-table slot(s) hold it"
-                )
+            fault = refcount_fault(device, block, holders.get(block, 0), pool.refcounts.get(block))
+            if fault is not None:
+                yield fault
+
+
+def refcount_fault(device: Device, block: int, want: int, got: int | None) -> str | None:
+    """``refcount-exact`` on one block: ``want`` live slots hold it, the pool says ``got``
+    (None: the pool has no such block)."""
+    if got is None:
+        return f"{device.value} block {block} is held by a table but is not in the pool" if want else None
+    if got != want:
+        return f"{device.value} block {block} has refcount {got} but {want} live block-table slot(s) hold it"
+    return None
 
 
 @invariant(
@@ -92,35 +97,58 @@ def conservation(world: World) -> Iterator[str]:
     """
     for device, pool in pools(world.state):
         ids = set(pool.ids)
-        name = device.value
-        for block, n in Counter(pool.free).items():
-            if n > 1:
-                yield f"{name} block {block} is on the free list {n} times (double free)"
-        free, evictable, in_use = set(pool.free), set(pool.evictable), set(pool.in_use())
-        for label, group in (("free", free), ("evictable", evictable), ("in-use", in_use)):
-            for block in sorted(group - ids):
+        on_free = Counter(pool.free)
+        evictable, in_use, cached = set(pool.evictable), pool.in_use(), pool.cached_key_of()
+        for block in sorted(ids | set(on_free) | evictable | in_use):
+            yield from block_conservation(
+                device, block, in_pool=block in ids, on_free=on_free.get(block, 0),
+                evictable=block in evictable, in_use=block in in_use, cached=block in cached,
+            )
+        fault = usage_fault(device, pool, len(in_use & ids))
+        if fault is not None:
+            yield fault
+
+
+def usage_fault(device: Device, pool: PoolView, used: int) -> str | None:
+    """``conservation`` on a pool's reported KV-cache usage: the share of its blocks in use
+    (``used`` of them; None when the pool reports no usage)."""
+    total = len(pool.ids)
+    if pool.usage is None or not total:
+        return None
+    share = used / total
+    if abs(pool.usage - share) <= USAGE_TOLERANCE:
+        return None
+    return (
+        f"{device.value} pool reports usage {pool.usage:.4f} but {used} of its {total} blocks are in use "
+        f"({share:.4f})"
+    )
+
+
+def block_conservation(
+    device: Device, block: int, *, in_pool: bool, on_free: int, evictable: bool, in_use: bool, cached: bool
+) -> Iterator[str]:
+    """``conservation`` on one block: ``on_free`` is how many times the free list holds it,
+    ``cached`` whether the prefix-cache map names it."""
+    name, free = device.value, on_free > 0
+    if on_free > 1:
+        yield f"{name} block {block} is on the free list {on_free} times (double free)"
+    if not in_pool:
+        for label, member in (("free", free), ("evictable", evictable), ("in-use", in_use)):
+            if member:
                 yield f"{name} {label} block {block} is out of the pool's id range"
-        for a, b, sa, sb in (
-            ("free", "in-use", free, in_use),
-            ("evictable", "in-use", evictable, in_use),
-            ("free", "evictable", free, evictable),
-        ):
-            for block in sorted(sa & sb):
-                yield f"{name} block {block} is both {a} and {b}"
-        for block in sorted(ids - free - evictable - in_use):
-            yield f"{name} block {block} is lost: not free, not evictable and not in use"
-        cached = pool.cached_key_of()
-        for block in sorted(evictable - set(cached)):
-            yield f"{name} block {block} is evictable but holds no cached content"
-        for block in sorted(free & set(cached)):
-            yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
-        if pool.usage is not None and ids:
-            share = len(in_use & ids) / len(ids)
-            if abs(pool.usage - share) > USAGE_TOLERANCE:
-                yield (
-                    f"{name} pool reports usage {pool.usage:.4f} but {len(in_use & ids)} of its "
-                    f"{len(ids)} blocks are in use ({share:.4f})"
-                )
+    for a, b, in_a, in_b in (
+        ("free", "in-use", free, in_use),
+        ("evictable", "in-use", evictable, in_use),
+        ("free", "evictable", free, evictable),
+    ):
+        if in_a and in_b:
+            yield f"{name} block {block} is both {a} and {b}"
+    if in_pool and not (free or evictable or in_use):
+        yield f"{name} block {block} is lost: not free, not evictable and not in use"
+    if evictable and not cached:
+        yield f"{name} block {block} is evictable but holds no cached content"
+    if free and cached:
+        yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
 
 
 @invariant(
@@ -133,19 +161,33 @@ def no_leak(world: World) -> Iterator[str]:
     and a freed sequence keeps no block table.
     """
     for seq_id, table in world.state.tables.items():
-        seq = world.seqs.get(seq_id)
-        if (seq is None or seq.status is Status.WAITING) and table.held():
-            yield f"seq {seq_id} was freed but still holds blocks {list(table.held())}"
-    live = [s for s in world.seqs.values() if s.status is not Status.WAITING]
-    if live:
+        fault = freed_table_fault(table, world.seqs.get(seq_id))
+        if fault is not None:
+            yield fault
+    if any(s.status is not Status.WAITING for s in world.seqs.values()):
         return
     for device, pool in pools(world.state):
-        in_use = sorted(pool.in_use())
-        if in_use:
-            yield (
-                f"no sequence is live, yet {device.value} blocks {in_use} are still in use "
-                f"(refcounts {[pool.refcounts[b] for b in in_use]})"
-            )
+        fault = idle_pool_fault(device, pool)
+        if fault is not None:
+            yield fault
+
+
+def freed_table_fault(table: TableView, seq: SeqModel | None) -> str | None:
+    """``no-leak`` on one block table: its sequence is gone or waiting, yet it holds blocks."""
+    if (seq is None or seq.status is Status.WAITING) and table.held():
+        return f"seq {table.seq_id} was freed but still holds blocks {list(table.held())}"
+    return None
+
+
+def idle_pool_fault(device: Device, pool: PoolView) -> str | None:
+    """``no-leak`` on a pool while no sequence is live: no block may be in use."""
+    in_use = sorted(pool.in_use())
+    if not in_use:
+        return None
+    return (
+        f"no sequence is live, yet {device.value} blocks {in_use} are still in use "
+        f"(refcounts {[pool.refcounts[b] for b in in_use]})"
+    )
 
 
 @invariant(
@@ -161,23 +203,29 @@ def window_bound(world: World) -> Iterator[str]:
     tokens, which is ``ceil((W - 1) / B) + 1`` for a decode step -- and never more than its
     tokens fill.
     """
-    window = world.config.sliding_window
-    if window is None:  # not applicable (needs_window); a direct call says nothing
+    if world.config.sliding_window is None:  # not applicable (needs_window); a direct call says nothing
         return
-    block_size = world.config.block_size
     for table in live_tables(world, Device.GPU):
-        seq = world.seqs[table.seq_id]
-        start, end = seq.step
-        scheduled = max(1, end - start)
-        bound = min(
-            window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size)
+        fault = window_fault(world, table)
+        if fault is not None:
+            yield fault
+
+
+def window_fault(world: World, table: TableView) -> str | None:
+    """``window-bound`` on one live GPU block table (a sliding window configured)."""
+    window, block_size = world.config.sliding_window, world.config.block_size
+    assert window is not None
+    seq = world.seqs[table.seq_id]
+    start, end = seq.step
+    scheduled = max(1, end - start)
+    bound = min(window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size))
+    held = len(table.held())
+    if held > bound:
+        return (
+            f"seq {seq.seq_id} holds {held} blocks but a step over positions {start}..{end - 1} "
+            f"with window {window} needs at most {bound} (block size {block_size})"
         )
-        held = len(table.held())
-        if held > bound:
-            yield (
-                f"seq {seq.seq_id} holds {held} blocks but a step over positions {start}..{end - 1} "
-                f"with window {window} needs at most {bound} (block size {block_size})"
-            )
+    return None
 
 
 @invariant(
@@ -207,32 +255,40 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     decides.  Promotion retires a block's partial keys (block_pool.py:288-297,
     ``_remove_cached_block_hashes``) with their ``BlockRemoved`` events (``event-consistency``).
     """
-    block_size = world.config.block_size
     for device, pool in pools(world.state):
         pool_blocks = set(pool.ids)
         for key, block in pool.cached:
-            if block not in pool_blocks:
-                # The null block (or an id the pool does not hold): nothing is written there,
-                # so the content checks below cannot see it, yet a lookup would hand it out.
-                yield (f"{device.value} block {block} is cached under a {len(key.chain)}-token "
-                       "key but is not a block of the pool (the null block or an unknown id)")
-                continue
-            if not is_well_formed(key, block_size):
-                yield f"{device.value} block {block} is cached under an empty key"
-                continue
-            want = list(key.block_tokens(block_size))
-            first = key.block_index(block_size) * block_size
-            expected = [(first + i, t) for i, t in enumerate(want)]
-            got = block_contents(world.memory, device, block, block_size)
-            written = [(i, g) for i, g in enumerate(got) if g is not None]
-            # A partial key claims only its own tokens; slots past it may fill later.
-            if any(i < len(expected) and g != expected[i] for i, g in written):
-                yield (f"{device.value} block {block} is cached as tokens {want} but holds {got}")
-            elif block in pool.computed and None in got[: len(want)]:
-                yield (
-                    f"{device.value} block {block} can be handed out as a cache hit for {want} "
-                    f"but its KV is only allocated, not written ({got})"
-                )
+            fault = cache_entry_fault(world, device, pool, pool_blocks, key, block)
+            if fault is not None:
+                yield fault
+
+
+def cache_entry_fault(
+    world: World, device: Device, pool: PoolView, pool_blocks: AbstractSet[int], key: PrefixKey, block: int
+) -> str | None:
+    """``prefix-cache-consistency`` on one entry of the map: ``key`` names ``block``."""
+    block_size = world.config.block_size
+    if block not in pool_blocks:
+        # The null block (or an id the pool does not hold): nothing is written there,
+        # so the content checks below cannot see it, yet a lookup would hand it out.
+        return (f"{device.value} block {block} is cached under a {len(key.chain)}-token "
+                "key but is not a block of the pool (the null block or an unknown id)")
+    if not is_well_formed(key, block_size):
+        return f"{device.value} block {block} is cached under an empty key"
+    want = list(key.block_tokens(block_size))
+    first = key.block_index(block_size) * block_size
+    expected = [(first + i, t) for i, t in enumerate(want)]
+    got = block_contents(world.memory, device, block, block_size)
+    written = [(i, g) for i, g in enumerate(got) if g is not None]
+    # A partial key claims only its own tokens; slots past it may fill later.
+    if any(i < len(expected) and g != expected[i] for i, g in written):
+        return f"{device.value} block {block} is cached as tokens {want} but holds {got}"
+    if block in pool.computed and None in got[: len(want)]:
+        return (
+            f"{device.value} block {block} can be handed out as a cache hit for {want} "
+            f"but its KV is only allocated, not written ({got})"
+        )
+    return None
 
 
 @invariant(
@@ -250,9 +306,16 @@ def kv_readback(world: World) -> Iterator[str]:
             table, seq, world.config.block_size, world.config.sliding_window, world.memory
         )
     for seq in world.seqs.values():
-        if seq.status is Status.RUNNING and seq.seq_id not in world.state.tables:
-            if seq.num_computed:
-                yield f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table"
+        fault = tableless_fault(seq, seq.seq_id in world.state.tables)
+        if fault is not None:
+            yield fault
+
+
+def tableless_fault(seq: SeqModel, has_table: bool) -> str | None:
+    """``kv-readback`` on a running sequence without a block table: it has nothing to read."""
+    if seq.status is Status.RUNNING and not has_table and seq.num_computed:
+        return f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table"
+    return None
 
 
 # ---------------------------------------------------------------- transition invariants
@@ -290,13 +353,15 @@ def admission_soundness(
             yield fault.message
     if before is None or after is None:
         return
+    # Equal states satisfy both comparisons below, and most refusals change nothing.
+    same = before == after
     if error is None:
-        if answered_ok is False and normalized(before) != normalized(after):
+        if answered_ok is False and not same and normalized(before) != normalized(after):
             yield f"an admission check that refused changed the state: {_state_diff(before, after)}"
         return
     if answered_ok:
         yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
-    if not unchanged_but_window_drops(before, after, first_needed or {}):
+    if not same and not unchanged_but_window_drops(before, after, first_needed or {}):
         yield f"a refused/failed allocation changed the state: {_state_diff(before, after)}"
 
 
@@ -528,11 +593,12 @@ def _short(chain: tuple[int, ...]) -> str:
     )
 
 
-def check_world(world: World) -> list[Violation]:
-    """Every state invariant that applies to the world's configuration, on one world."""
+def check_world(world: World, only: Collection[str] | None = None) -> list[Violation]:
+    """Every state invariant that applies to the world's configuration (of those named in
+    ``only``, if given), on one world."""
     out: list[Violation] = []
     for inv in INVARIANTS.values():
-        if inv.kind == "state" and inv.applies(world.config) is None:
+        if inv.kind == "state" and inv.applies(world.config) is None and (only is None or inv.id in only):
             out.extend(inv.check(world))
     return out
 

@@ -205,7 +205,7 @@ def ended_lifetimes(before: KVState, after: KVState) -> set[tuple[Device, int]]:
     free list and the cache map are all there is to go by.
     """
     dead: set[tuple[Device, int]] = set()
-    if before is after:
+    if before is after or before == after:  # nothing changed: no life ended
         return dead
     for device in Device:
         pool_after = after.pool(device)

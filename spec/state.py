@@ -48,6 +48,16 @@ class TableView:
         return tuple(b for b in self.slots if b is not DROPPED)
 
 
+def table_view(previous: Mapping[int, TableView], seq_id: int, device: Device, slots: tuple[Slot, ...]) -> TableView:
+    """A sequence's block table, as the object ``previous`` (the last observation's tables) holds
+    when nothing in it changed: consecutive observations then share what an operation did not
+    touch, and comparing them is an identity test for those tables."""
+    old = previous.get(seq_id)
+    if old is not None and old.device is device and old.slots == slots:
+        return old
+    return TableView(seq_id, device, slots)
+
+
 @attrs.frozen
 class PoolView:
     """One block pool as the implementation holds it.

@@ -26,12 +26,12 @@ Prefix-cache reset and retention (what the spec allows and forbids):
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .events import replay
 from .prefix_hash import PrefixKey
 from .registry import invariant, live_tables, needs_prefix_caching, pools
-from .state import World
+from .state import Device, PoolView, World
 
 
 def _extra_text(extra: tuple[object, ...]) -> str:
@@ -56,34 +56,44 @@ def prefix_cache_isolation(world: World) -> Iterator[str]:
     blocks from the one it starts in (a feature placed after a block leaves that block
     shareable).  Checked on the blocks sequences hold, which is where crossed KV is read.
     """
-    B = world.config.block_size
     for device, pool in pools(world.state):
         keys_of: dict[int, list[PrefixKey]] = defaultdict(list)
         for key, block in pool.cached:
             keys_of[block].append(key)
-        domains: dict[int, dict[tuple[object, ...], list[int]]] = defaultdict(dict)
+        held_by: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for table in live_tables(world, device):
-            seq = world.seqs[table.seq_id]
             for i, block in enumerate(table.slots):
-                if block is None:
-                    continue
-                domain = seq.extra.for_chain((i + 1) * B)
-                domains[block].setdefault(domain, []).append(seq.seq_id)
-                for key in keys_of.get(block, ()):
-                    n = len(key.chain)
-                    if key.block_index(B) != i or key.chain != tuple(seq.tokens[:n]):
-                        continue  # another chain: prefix-cache-consistency's business
-                    own = seq.extra.for_chain(n)
-                    if key.extra != own:
-                        yield (
-                            f"seq {seq.seq_id} ({seq.extra.describe()}) holds {device.value} "
-                            f"block {block} at slot {i}, cached under the same tokens in another "
-                            f"domain ({_extra_text(key.extra)}; its own: {_extra_text(own)})"
-                        )
-        for block, by_domain in sorted(domains.items()):
-            if len(by_domain) > 1:
-                shown = "; ".join(f"seqs {sids} in {_extra_text(d)}" for d, sids in sorted(by_domain.items(), key=str))
-                yield f"{device.value} block {block} is shared across domains: {shown}"
+                if block is not None:
+                    held_by[block].append((table.seq_id, i))
+        for block in sorted(held_by):
+            yield from block_isolation(world, device, block, held_by[block], keys_of.get(block, ()))
+
+
+def block_isolation(
+    world: World, device: Device, block: int, holders: Iterable[tuple[int, int]], keys: Iterable[PrefixKey]
+) -> Iterator[str]:
+    """``prefix-cache-isolation`` on one block: ``holders`` are the (live sequence, slot) pairs
+    that hold it, ``keys`` the keys the cache map names it under."""
+    B = world.config.block_size
+    keys = tuple(keys)
+    domains: dict[tuple[object, ...], list[int]] = {}
+    for seq_id, i in sorted(holders):
+        seq = world.seqs[seq_id]
+        domains.setdefault(seq.extra.for_chain((i + 1) * B), []).append(seq_id)
+        for key in keys:
+            n = len(key.chain)
+            if key.block_index(B) != i or key.chain != tuple(seq.tokens[:n]):
+                continue  # another chain: prefix-cache-consistency's business
+            own = seq.extra.for_chain(n)
+            if key.extra != own:
+                yield (
+                    f"seq {seq.seq_id} ({seq.extra.describe()}) holds {device.value} "
+                    f"block {block} at slot {i}, cached under the same tokens in another "
+                    f"domain ({_extra_text(key.extra)}; its own: {_extra_text(own)})"
+                )
+    if len(domains) > 1:
+        shown = "; ".join(f"seqs {sids} in {_extra_text(d)}" for d, sids in sorted(domains.items(), key=str))
+        yield f"{device.value} block {block} is shared across domains: {shown}"
 
 
 @invariant(
@@ -111,15 +121,28 @@ def event_consistency(world: World) -> Iterator[str]:
         for fault in faults:
             yield f"{device.value}: {fault}"
         cached = Counter(key for key, _ in pool.cached)
-        for key in sorted(set(live) | set(cached), key=lambda k: (len(k.chain), k.chain, str(k.extra))):
-            said, held = live[key], cached[key]
-            if said != held:
-                blocks = sorted(b for k, b in pool.cached if k == key)
-                yield (
-                    f"{device.value}: the event stream says {said} block(s) cached under the "
-                    f"{len(key.chain)}-token chain {_short(key.chain)} ({_extra_text(key.extra)}), "
-                    f"the cache map holds {held} {blocks} ({len(pool.events)} events so far)"
-                )
+        for key in sorted(set(live) | set(cached), key=key_order):
+            fault = event_key_fault(device, pool, key, live[key], cached[key])
+            if fault is not None:
+                yield fault
+
+
+def key_order(key: PrefixKey) -> tuple:
+    """The order ``event-consistency`` reports keys in."""
+    return (len(key.chain), key.chain, str(key.extra))
+
+
+def event_key_fault(device: Device, pool: PoolView, key: PrefixKey, said: int, held: int) -> str | None:
+    """``event-consistency`` on one key: the stream says ``said`` blocks are cached under it,
+    the map holds ``held``."""
+    if said == held:
+        return None
+    blocks = sorted(b for k, b in pool.cached if k == key)
+    return (
+        f"{device.value}: the event stream says {said} block(s) cached under the "
+        f"{len(key.chain)}-token chain {_short(key.chain)} ({_extra_text(key.extra)}), "
+        f"the cache map holds {held} {blocks} ({len(pool.events or ())} events so far)"
+    )
 
 
 def _short(chain: tuple[int, ...]) -> str:

@@ -39,6 +39,7 @@ from kvspec.spec.window import first_needed_block
 
 from .completeness import CompletenessObserver
 from .guard import Crash, GuardTripped
+from .incremental import IncrementalChecker, TouchedMemory, check_both, check_mode
 
 _EXTRA_CAPS = {
     "cache_salt": Capability.CACHE_SALT,
@@ -179,7 +180,10 @@ class Driver:
         *,
         focus: Iterable[str] | None = None,
         log: Callable[[str], None] | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the state invariants are evaluated (``incremental.MODES``; None:
+        ``KVSPEC_CHECK``, else incremental, which equals the whole-world definition)."""
         self.impl = _Target(impl)
         self.config: Config = impl.config
         self.crash: Crash | None = None  # set when the implementation crashed (then abandoned)
@@ -189,8 +193,11 @@ class Driver:
             if unknown:
                 raise ValueError(f"unknown invariant id(s): {sorted(unknown)}")
         self.log = log or (lambda _msg: None)
+        self.quiet = log is None  # nobody reads the log: operations are not described
         self.seqs: dict[int, SeqModel] = {}
-        self.memory: dict[tuple[Device, int, int], tuple[int, int]] = {}
+        self.memory: TouchedMemory = TouchedMemory()  # (device, block, offset) -> (position, token)
+        self.checking = check_mode(checking)
+        self.incremental = IncrementalChecker(self.config)
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.state: KVState = impl.observe()
@@ -385,7 +392,14 @@ class Driver:
         found, self.pending = self.pending, []
         clean = (self.state, dict(self.seqs), self.memory_version)
         if clean != self._clean:
-            state_found = check_world(World(self.config, *clean[:2], self.memory))
+            world = World(self.config, *clean[:2], self.memory)
+            touched = self.memory.take()
+            if self.checking == "full":
+                state_found = check_world(world)
+            elif self.checking == "both":
+                state_found = check_both(self.incremental, world, touched)
+            else:
+                state_found = self.incremental.check(world, touched)
             self._clean = None if state_found else clean
             found = found + state_found
         self.checked.update(INVARIANTS)
@@ -476,7 +490,7 @@ class Driver:
             if m.status is Status.RUNNING and error is not None
         }
         self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
-        if error is not None and normalized(before) != normalized(after):
+        if error is not None and before != after and normalized(before) != normalized(after):
             self.refusal_window_drops += 1
         self._advance(after)
 
@@ -500,12 +514,15 @@ class Driver:
         """Record the step that crashed: the one the operation recorded (its answer so far kept),
         or a new one when it crashed before recording; drop anything recorded after."""
         self.crash = Crash.of(call, error)
-        self.log(record_crash(self.trace, mark, op, args, self.crash, error, self.config).describe())
+        step = record_crash(self.trace, mark, op, args, self.crash, error, self.config)
+        if not self.quiet:
+            self.log(step.describe())
 
     def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
         step = TraceStep(op, args, outcome)
         self.trace.append(step)
-        self.log(step.describe())
+        if not self.quiet:
+            self.log(step.describe())
 
 
 # ---------------------------------------------------------------- replay

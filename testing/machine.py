@@ -133,6 +133,18 @@ three_bytes = st.binary(min_size=3, max_size=3)
 pick_code = st.integers(0, 255)
 
 
+def _notes_kept() -> bool:
+    """Whether hypothesis keeps this example's notes: the run it reports, a verbose run, or
+    observability on.  Otherwise the driver does not describe its operations (formatting
+    every step of every example was a measurable part of the oracle's time)."""
+    try:
+        from hypothesis.control import should_note
+        from hypothesis.internal.observability import observability_enabled
+    except ImportError:  # another hypothesis: note everything, as before
+        return True
+    return should_note() or observability_enabled()
+
+
 def skipped(go: int) -> bool:
     """An iteration leaves a running sequence out now and then (1 in 8); 0, what shrinking
     moves towards, schedules it."""
@@ -151,7 +163,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_swapped: bool = True,
         features: Features | None = None,
         step_past: StepPast | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the driver evaluates the state invariants (``Driver``)."""
         super().__init__()
         self.factory = factory
         self.config_strategy = config_strategy if config_strategy is not None else configs()
@@ -162,6 +176,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.free_swapped = free_swapped
         self.features = features if features is not None else Features()
         self.step_past = step_past
+        self.checking = checking
         self.stats = stats if stats is not None else STATS
         self.driver: Driver | None = None
         self.failed = False
@@ -188,7 +203,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             # rejects prefix caching with a sliding window): not a finding, not a run.
             note(f"configuration not supported by the target: {err}")
             reject()
-        self.driver = Driver(impl, focus=self.focus, log=note)
+        log = note if _notes_kept() else None
+        self.driver = Driver(impl, focus=self.focus, log=log, checking=self.checking)
 
     @property
     def d(self) -> Driver:

@@ -42,6 +42,7 @@ from kvspec.spec.state import Device, KVState, SeqModel, Status
 
 from .driver import TraceStep, _Target, record_crash, trace_args
 from .guard import Crash
+from .incremental import Judges, TouchedMemory, check_mode
 
 DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
 
@@ -113,7 +114,10 @@ class SchedulerDriver:
         *,
         async_depth: int = 0,
         log: Callable[[str], None] | None = None,
+        checking: str | None = None,
     ) -> None:
+        """``checking``: how the state invariants are evaluated (``incremental.MODES``; None:
+        ``KVSPEC_CHECK``, else incremental, which equals the whole-world definition)."""
         # The target as the driver calls it: which call an exception escaped is remembered.
         self.target = _Target(target)
         self.config = target.config
@@ -121,7 +125,8 @@ class SchedulerDriver:
         self.log = log or (lambda _m: None)
         self.seqs: dict[int, SeqModel] = {}
         self.max_tokens: dict[int, int] = {}  # a request's sampled tokens at most (its arrival's)
-        self.memory: dict = {}
+        self.memory: TouchedMemory = TouchedMemory()
+        self.judges = Judges(check_mode(checking))
         self.trace: list[TraceStep] = []
         self.pending: list[Violation] = []
         self.in_flight: deque = deque()
@@ -377,7 +382,8 @@ class SchedulerDriver:
 
     def check(self) -> list[Violation]:
         found, self.pending = self.pending, []
-        found += check_hybrid(self.config, self.state, self.seqs, self.memory)
+        judge = self.judges.judge(self.memory.take())
+        found += check_hybrid(self.config, self.state, self.seqs, self.memory, judge)
         collisions = getattr(self.target, "hash_collisions", ())
         for h, a, b in collisions:
             found.append(
