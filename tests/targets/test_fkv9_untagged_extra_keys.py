@@ -8,17 +8,22 @@ and ``generate_block_hash_extra_keys`` appends ``request.cache_salt`` as it is (
 the same at :571, 621-629); 0.33.0 tags each extra key with its kind: ``("lora", name, path)``,
 ``("cache_salt", salt)`` (kv_cache_utils.py:590-607, 658-669).  The traces are the default
 run's (``kvspec check --vllm 0.20.1 --seed 1``: two admissions) and a hit across the domains,
-replayed through the V1 adapter.
+replayed through the V1 adapter.  vLLM's own Scheduler shows the same keys as one block hash
+learned for two keys with equal tokens in a LoRA and a salted domain (``prefix-cache-consistency``,
+the scheduler part of the default runs on 0.12.0, 0.20.1 and 0.30.0).
 """
 
 from __future__ import annotations
 
 from kvspec.adapters.v1 import VLLMV1Adapter
 from kvspec.spec.config import Config
+from kvspec.spec.groups import Shape
 from kvspec.spec.prefix_hash import ExtraKeys
+from kvspec.targets.registry import parse
 from kvspec.testing.driver import Driver
+from kvspec.testing.scheduler_driver import SchedulerDriver
 
-from .conftest import requires_vllm
+from .conftest import VLLM, requires_vllm
 
 CONFIG = Config(block_size=1, num_blocks=8, prefix_caching=True)
 
@@ -69,3 +74,34 @@ def test_fkv9_control_a_salt_unlike_the_adapters_name_misses():
 def test_fkv9_control_033_tags_the_keys_apart():
     _, hit, found = _salted_after_adapter("seq0")
     assert hit == 0 and not found
+
+
+def _scheduler_collisions(salt: str) -> list[str]:
+    """vLLM's own Scheduler (full attention, B=2, prefix caching): ``[0, 0]`` arrives under the
+    adapter "seq1", then ``[0, 0]`` salted ``salt`` (the default run's trace on 0.30.0,
+    ``--seed 2``); the prefix-cache-consistency messages after the two arrivals."""
+    from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
+
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=4, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=1,
+    )
+    driver = SchedulerDriver(VLLMV1SchedulerAdapter(shape))
+    driver.arrive(0, (0, 0), 1, ExtraKeys(lora="seq1"))
+    driver.arrive(1, (0, 0), 1, ExtraKeys(salt))
+    return [v.message for v in driver.check() if v.invariant == "prefix-cache-consistency"]
+
+
+@requires_vllm("0.12.0", "0.30.0", pin="0.30.0")
+def test_fkv9_scheduler_form_one_hash_stands_for_a_lora_name_and_an_equal_salt():
+    found = _scheduler_collisions("seq1")
+    assert found and "the same tokens in two domains" in found[0], "F-KV9's scheduler form is gone: " + repr(found)
+    assert "lora=seq1" in found[0] and "cache_salt=seq1" in found[0], found
+
+
+@requires_vllm("0.12.0", pin="0.30.0")
+def test_fkv9_scheduler_form_control_another_salt_or_033():
+    assert _scheduler_collisions("seq2") == []
+    if parse(VLLM) >= parse("0.33.0"):
+        assert _scheduler_collisions("seq1") == []
