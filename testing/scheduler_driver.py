@@ -37,7 +37,7 @@ from kvspec.spec.kv_memory import (
     plan_step_writes,
     state_readback_faults,
 )
-from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, key_of
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
 
 from .driver import TraceStep, _Target, record_crash, trace_args
@@ -80,6 +80,12 @@ class ShapeCounts:
             self.examples[s] += 1
             self.operations[s] += operations
         self.cache.update(cache or {})
+
+
+def _domain(key: PrefixKey) -> str:
+    """A key's domain as a report names it: its extra parts, ``kind=value`` ("plain": none)."""
+    parts = ["=".join(map(str, part)) if isinstance(part, tuple) else str(part) for part in key.extra]
+    return ",".join(parts) or "plain"
 
 
 def _marks_crash(method: Callable) -> Callable:
@@ -386,12 +392,11 @@ class SchedulerDriver:
         found += check_hybrid(self.config, self.state, self.seqs, self.memory, judge)
         collisions = getattr(self.target, "hash_collisions", ())
         for h, a, b in collisions:
-            found.append(
-                Violation(
-                    "prefix-cache-consistency",
-                    f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}",
-                )
-            )
+            message = f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}"
+            if a.chain == b.chain:
+                # Equal tokens: what the hash failed to tell apart is the domain (extra keys).
+                message += f", the same tokens in two domains: {_domain(a)} and {_domain(b)}"
+            found.append(Violation("prefix-cache-consistency", message))
         return found
 
     def finish(self) -> list[Violation]:
