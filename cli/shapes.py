@@ -220,7 +220,7 @@ def differential_line(d: DiffCounts) -> str:
     return (
         f"differential vs the reference scheduler ({DIFFERENTIAL_MODE.value}{policy}): {d.examples} "
         f"examples, {d.steps} steps and {d.states} states compared; divergences allowed: "
-        f"{allowed}; compared to the end in {d.examples - ended} examples"
+        f"{allowed}; compared to the end in {d.to_end} of {d.examples} examples"
         + (f", ended early in {ended} ({why})" if ended else "")
     )
 

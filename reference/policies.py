@@ -80,6 +80,13 @@ class SchedulerPolicy:
     # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two);
     # False: plus one batch's.
     admission_cap_all_batches: Choice
+    # With prefix caching: a freed block that holds no cached content goes to the head of the
+    # free queue, to be reused first (False: to its tail, as a cached one does).
+    uncached_freed_first: Choice
+    # With prefix caching and a second group of sliding-window layers: such a group caches only
+    # the blocks a hit at a multiple of the scheduler's block size can use, the window's blocks
+    # before each multiple (False: every full block).
+    sparse_window_cache: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -99,6 +106,8 @@ class SchedulerPolicy:
             "pad_admissions": self.pad_admissions,
             "free_by_processed": self.free_by_processed,
             "admission_cap_all_batches": self.admission_cap_all_batches,
+            "uncached_freed_first": self.uncached_freed_first,
+            "sparse_window_cache": self.sparse_window_cache,
         }
 
     def span(self) -> str:
@@ -107,6 +116,8 @@ class SchedulerPolicy:
 
 _SCHED = "vllm/v1/core/sched/scheduler.py"
 _KVM = "vllm/v1/core/kv_cache_manager.py"
+_POOL = "vllm/v1/core/block_pool.py"
+_SINGLE = "vllm/v1/core/single_type_kv_cache_manager.py"
 
 DECLARED: tuple[SchedulerPolicy, ...] = (
     SchedulerPolicy(
@@ -122,6 +133,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
         # refuses full_sequence_must_fit shapes on this release), so the cap never applies.
         admission_cap_all_batches=Choice(False, "vllm/config/scheduler.py:28-50"),
+        # free_blocks appends every block whose refcount drops to 0 to the queue's tail.
+        uncached_freed_first=Choice(False, f"{_POOL}:384-398"),
+        # cache_blocks caches every full block (num_tokens // block_size) of every group.
+        sparse_window_cache=Choice(False, f"{_SINGLE}:147-171"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -134,6 +149,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
         # likewise, :388-392), passed in by single_type_kv_cache_manager.py:1159-1164.
         admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
+        uncached_freed_first=Choice(False, f"{_POOL}:408-422"),
+        sparse_window_cache=Choice(False, f"{_SINGLE}:273-297"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -147,6 +164,11 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
         # kv_cache_interface.py:835-842 adds to the window.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:602-610"),
+        # Uncached blocks are prepended (LIFO reuse), cached ones appended (LRU eviction).
+        uncached_freed_first=Choice(True, f"{_POOL}:779-798"),
+        # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
+        # cache_full_blocks: only the needed blocks before each aligned boundary.
+        sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -157,6 +179,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         free_by_processed=Choice(True, f"{_KVM}:564-568"),
         # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
+        uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
+        sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run
