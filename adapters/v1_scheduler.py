@@ -293,7 +293,13 @@ class VLLMV1SchedulerAdapter:
             if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
-            self._hasher = v.kcu.get_request_block_hasher(self.hash_block_size, hash_fn)
+            # Block hashes cover the tokens after each block the scheduler was configured for
+            # (EAGLE's lookahead hashes, 0.33.0), as the engine builds its hasher
+            # (engine/core.py:226-230); releases without them take no such argument.
+            lookahead = getattr(sched, "num_hash_lookahead_tokens", 0)
+            self._hasher = v.kcu.get_request_block_hasher(
+                self.hash_block_size, hash_fn, *((lookahead,) if lookahead else ())
+            )
         self._epochs: dict[int, int] = {}
         self._count_allocations()
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)

@@ -134,6 +134,7 @@ class ReferenceScheduler:
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
         self.reqs: dict[int, _Req] = {}
+        self.hits = 0  # admissions that started at a prefix hit
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._step = 0
@@ -448,6 +449,7 @@ class ReferenceScheduler:
             req.computed -= hit.length
             req.hit = None
             raise
+        self.hits += hit.length > 0
         # Only the tokens the request knows are cached, not drafts or placeholders.
         self._cache_blocks(req, min(req.computed + n, len(req.tokens)))
         start = req.computed

@@ -171,6 +171,9 @@ class DiffCounts:
     states: int = 0  # observed states compared (after every rule)
     allowed: Counter = attrs.Factory(Counter)  # allowed divergences by ID
     ended: Counter = attrs.Factory(Counter)  # why comparisons ended before the example did
+    hits: int = 0  # admissions at a prefix hit in the steps compared
+    hit_examples: int = 0  # examples with such an admission
+    hit_examples_to_end: int = 0  # ... and compared to their end
     not_run: Counter = attrs.Factory(Counter)  # examples run without the differential, by why
     policy: SchedulerPolicy | None = None  # the declared policy the reference followed
     undeclared: str | None = None  # the target's release, when no policy is declared for it
@@ -187,6 +190,10 @@ class DiffCounts:
         self.states += lockstep.states
         for _, why in lockstep.allowed:
             self.allowed[why.id] += 1
+        hits = getattr(lockstep.reference, "hits", 0)
+        self.hits += hits
+        self.hit_examples += hits > 0
+        self.hit_examples_to_end += hits > 0 and lockstep.ended is None
         if lockstep.ended is not None:
             self.ended[lockstep.ended] += 1
 
