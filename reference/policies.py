@@ -87,6 +87,13 @@ class SchedulerPolicy:
     # the blocks a hit at a multiple of the scheduler's block size can use, the window's blocks
     # before each multiple (False: every full block).
     sparse_window_cache: Choice
+    # With prefix caching, an EAGLE head that drops a hit's last block, and two groups: each
+    # group's lookup reaches one block past the candidate hit before dropping the block (False:
+    # it looks up to the candidate, then drops).
+    eagle_looks_further: Choice
+    # ... and that reach may pass the request's tokens less one (up to its last full block);
+    # False: it stops there.
+    eagle_looks_past_hit_limit: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -108,6 +115,8 @@ class SchedulerPolicy:
             "admission_cap_all_batches": self.admission_cap_all_batches,
             "uncached_freed_first": self.uncached_freed_first,
             "sparse_window_cache": self.sparse_window_cache,
+            "eagle_looks_further": self.eagle_looks_further,
+            "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
         }
 
     def span(self) -> str:
@@ -118,6 +127,7 @@ _SCHED = "vllm/v1/core/sched/scheduler.py"
 _KVM = "vllm/v1/core/kv_cache_manager.py"
 _POOL = "vllm/v1/core/block_pool.py"
 _SINGLE = "vllm/v1/core/single_type_kv_cache_manager.py"
+_COORD = "vllm/v1/core/kv_cache_coordinator.py"
 
 DECLARED: tuple[SchedulerPolicy, ...] = (
     SchedulerPolicy(
@@ -137,6 +147,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         uncached_freed_first=Choice(False, f"{_POOL}:384-398"),
         # cache_blocks caches every full block (num_tokens // block_size) of every group.
         sparse_window_cache=Choice(False, f"{_SINGLE}:147-171"),
+        # The full group looks up to max_cache_hit_length, the other group up to its hit.
+        eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:470-500"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -151,6 +164,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
         uncached_freed_first=Choice(False, f"{_POOL}:408-422"),
         sparse_window_cache=Choice(False, f"{_SINGLE}:273-297"),
+        # min(curr_hit_length + spec.block_size, max_cache_hit_length).
+        eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -169,6 +185,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
         # cache_full_blocks: only the needed blocks before each aligned boundary.
         sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
+        eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -181,6 +199,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
         uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
         sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
+        # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
+        eagle_looks_further=Choice(True, f"{_COORD}:869-887"),
+        eagle_looks_past_hit_limit=Choice(True, f"{_COORD}:869-887"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

@@ -281,15 +281,19 @@ class ReferenceScheduler:
         last token is computed for the logits), a multiple of ``alignment``.  Full attention
         looks first; the second group looks up to the full group's hit and sets the length;
         the full group's blocks are cut to it.  An EAGLE drop takes one block off each group's
-        run (each group looks one block further first)."""
+        run; with two groups, under ``eagle_looks_further``, each looks one block further first
+        (up to the request's last full block under ``eagle_looks_past_hit_limit``, else up to
+        its tokens less one)."""
         if self.cache is None or req.computed:
             return NO_HIT
         groups = self.group_specs
         full = groups[0]
         drop = self.drop_eagle_block
         limit = len(req.tokens) - 1
-        if drop:
-            limit = min(limit + full.block_size, self._hashed_tokens(req))
+        further = drop and len(groups) > 1 and self.policy.eagle_looks_further.value
+        cap = self._hashed_tokens(req) if self.policy.eagle_looks_past_hit_limit.value else limit
+        if further:
+            limit = min(limit + full.block_size, cap)
         blocks: list[int | None] = list(full_hit(self._lookup(req, 0), limit // full.block_size))
         length = len(blocks) * full.block_size
         if drop and length:
@@ -297,7 +301,7 @@ class ReferenceScheduler:
         length -= length % self.alignment
         tables: list[tuple[int | None, ...]] = [()] * len(groups)
         for gi, group in enumerate(groups[1:], start=1):
-            limit = min(length + group.block_size, self._hashed_tokens(req)) if drop else length
+            limit = min(length + group.block_size, cap) if further else length
             lookup = self._lookup(req, gi)
             if group.sliding_window is not None:
                 found = window_hit(
