@@ -90,6 +90,10 @@ class SchedulerPolicy:
     # With prefix caching, an EAGLE head that drops a hit's last block, and two groups: each
     # group's lookup reaches one block past the candidate hit before dropping the block (False:
     # it looks up to the candidate, then drops).
+    # With prefix caching and two groups: each group caches the blocks of the computed tokens
+    # rounded down to the scheduler's block size, the length every hit is a multiple of (with an
+    # EAGLE drop, a block more); False: the blocks of every computed token.
+    hybrid_caches_aligned: Choice
     eagle_looks_further: Choice
     # ... and that reach may pass the request's tokens less one (up to its last full block);
     # False: it stops there.
@@ -115,6 +119,7 @@ class SchedulerPolicy:
             "admission_cap_all_batches": self.admission_cap_all_batches,
             "uncached_freed_first": self.uncached_freed_first,
             "sparse_window_cache": self.sparse_window_cache,
+            "hybrid_caches_aligned": self.hybrid_caches_aligned,
             "eagle_looks_further": self.eagle_looks_further,
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
         }
@@ -147,6 +152,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         uncached_freed_first=Choice(False, f"{_POOL}:384-398"),
         # cache_blocks caches every full block (num_tokens // block_size) of every group.
         sparse_window_cache=Choice(False, f"{_SINGLE}:147-171"),
+        hybrid_caches_aligned=Choice(False, f"{_COORD}:147-158"),
         # The full group looks up to max_cache_hit_length, the other group up to its hit.
         eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:470-500"),
@@ -164,6 +170,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
         uncached_freed_first=Choice(False, f"{_POOL}:408-422"),
         sparse_window_cache=Choice(False, f"{_SINGLE}:273-297"),
+        hybrid_caches_aligned=Choice(False, f"{_COORD}:187-198"),
         # min(curr_hit_length + spec.block_size, max_cache_hit_length).
         eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
@@ -185,6 +192,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
         # cache_full_blocks: only the needed blocks before each aligned boundary.
         sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
+        hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
     ),
@@ -199,6 +207,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
         uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
         sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
+        hybrid_caches_aligned=Choice(True, f"{_COORD}:777-803"),
         # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
         eagle_looks_further=Choice(True, f"{_COORD}:869-887"),
         eagle_looks_past_hit_limit=Choice(True, f"{_COORD}:869-887"),

@@ -350,13 +350,15 @@ class ReferenceScheduler:
             while len(table) < n:
                 table.append(self._allocate())
 
-    def _cacheable(self, tokens: int) -> int:
-        """Tokens a group may cache blocks of: hybrid hits are multiples of ``alignment``, so a
-        block past the last such multiple could never be hit (one block more for an EAGLE
-        drop, which looks a block further)."""
-        if len(self.group_specs) == 1:
+    def _cacheable(self, tokens: int, group: GroupSpec) -> int:
+        """Tokens ``group`` caches the blocks of: under ``hybrid_caches_aligned``, with two groups,
+        those before the last multiple of ``alignment`` (hits are such multiples), and one block
+        more for an EAGLE drop (which looks a block past the hit)."""
+        if len(self.group_specs) == 1 or not self.policy.hybrid_caches_aligned.value:
             return tokens
         aligned = tokens - tokens % self.alignment
+        if self.drop_eagle_block and aligned:
+            return min(tokens, aligned + group.block_size)
         return aligned
 
     def _cache_blocks(self, req: _Req, tokens: int) -> None:
@@ -370,10 +372,7 @@ class ReferenceScheduler:
             req.cached = [0] * len(self.group_specs)
         hashed = self._hashed_tokens(req)
         for gi, (table, group) in enumerate(zip(req.tables, self.group_specs, strict=True)):
-            cacheable = self._cacheable(tokens)
-            if self.drop_eagle_block and cacheable and len(self.group_specs) > 1:
-                cacheable = min(tokens, cacheable + group.block_size)
-            full = min(cacheable, hashed) // group.block_size
+            full = min(self._cacheable(tokens, group), hashed) // group.block_size
             start = req.cached[gi]
             if start >= full:
                 continue
