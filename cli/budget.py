@@ -75,6 +75,14 @@ class Part:
         self.examples += 1
         self._example_start = time.monotonic()
 
+    def past_deadline(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def next_round(self) -> None:
+        """A part run as several search rounds (the scheduler's): a failure shrunk by an
+        earlier round no longer exempts this round's examples from the deadline."""
+        self.failing = False
+
     def example_ended(self, tags: tuple[str, ...] = ()) -> None:
         """Called from a machine's teardown: the example's seconds go to each of its tags
         (an example of several shapes counts in each); an exception in flight that is not

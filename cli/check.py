@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
+from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
+from kvspec.testing.differential import Mode
 from kvspec.testing.driver import TraceStep
 from kvspec.testing.guard import Guard, GuardTripped
 from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
@@ -34,6 +35,7 @@ from kvspec.testing.report import (
 )
 from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
 from kvspec.testing.rerun import rerun
+from kvspec.testing.scheduler_replay import in_context, scheduler_session
 from rich.markup import escape
 from rich.table import Table
 
@@ -41,9 +43,10 @@ import kvspec
 
 from . import reach
 from .budget import UNBOUNDED_EXAMPLES, TimeBudget
-from .common import EXIT_FOUND, EXIT_OK, UsageError, captured_fds, err, first_lines, out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, captured_fds, err, first_lines, out
 from .failures import (
     HEADLINE,
+    KVSPEC_ERROR,
     STOPPED_BY_TARGET,
     code_digest,
     failure_json,
@@ -55,7 +58,16 @@ from .failures import (
 )
 from .run import Outcome, config_strategy, features_from, parse_overrides
 from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
-from .shapes import SCHEDULER_IMPL, ShapesOutcome, run_v1_shapes, shapes_apply, shapes_exit
+from .shapes import (
+    SCHEDULER_IMPL,
+    SchedulerRun,
+    run_v1_shapes,
+    scheduler_factory,
+    scheduler_json,
+    shapes_apply,
+    shapes_exit,
+    write_scheduler_reports,
+)
 from .target import (
     VllmHere,
     check_impl_name,
@@ -269,57 +281,60 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     coverage = None
     if measured and here is not None:
         coverage = reach.report(measured[0], here, impl, base, args).to_json()
+    entries: list[dict[str, Any]] = []
+    single: list[dict[str, Any]] = []  # the block-manager search's one report in ``base``, if any
     if not search.found:
         if search.fired and search.last.status == "holds":
             out.print("[yellow]no new violation[/]; known findings fired (stepped past):")
             print_known(search)
-            write_coverage_summary(base, search, [], overrides, coverage)
-            return EXIT_FOUND  # a known bug of this target is still a violation
-        code = report_outcome(args, argv, search.last, here, impl, overrides, out_dir=base)
+            code = EXIT_FOUND  # a known bug of this target is still a violation
+        else:
+            code = report_outcome(args, argv, search.last, here, impl, overrides, out_dir=base)
+            print_known(search)
+            if (base / "report.json").exists():
+                single.append({"machine": "block-manager", "report": str(base / "report.json"),
+                               "fingerprint": None, "known_finding": None})
+            code = code if guard.tripped is None else max(code, EXIT_FOUND)
+    else:
+        code = EXIT_FOUND
+        for n, found in enumerate(search.found, 1):
+            out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
+            if found.known is not None:
+                out.print(f"{escape(found.known.cite())}: {escape(found.known.title)}")
+            where = base / f"{n:02d}-{found.fingerprint.slug()}"
+            code = max(code, report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
+                                            annotate=found_json(found)))
+            entries.append({"machine": "block-manager", **found_json(found), "report": str(where / "report.json")})
+        last = search.last
+        if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
+            # The search ended on a hang, a memory runaway or nondeterminism after these.
+            out.rule(f"then: {HEADLINE[last.status]}")
+            where = base / f"{len(search.found) + 1:02d}-{last.status}"
+            report_outcome(args, argv, last, here, impl, overrides, out_dir=where)
+            entries.append({"outcome": last.status, "report": str(where / "report.json")})
+        out.rule()
+        print_found(search)
         print_known(search)
-        single = base / "report.json"
-        entries = [{"report": str(single), "fingerprint": None, "known_finding": None}] if single.exists() else []
-        write_coverage_summary(base, search, entries, overrides, coverage)
-        return shapes_exit(code, shaped) if guard.tripped is None else max(code, EXIT_FOUND)
-    entries = []
-    for n, found in enumerate(search.found, 1):
-        out.rule(f"violation {n} of {len(search.found)}: {found.fingerprint.describe()}")
-        if found.known is not None:
-            out.print(f"{escape(found.known.cite())}: {escape(found.known.title)}")
-        where = base / f"{n:02d}-{found.fingerprint.slug()}"
-        report_outcome(args, argv, found.outcome, here, impl, overrides, out_dir=where,
-                       annotate=found_json(found))
-        entries.append({**found_json(found), "report": str(where / "report.json")})
-    last = search.last
-    if last.status in STOPPED_BY_TARGET and all(f.outcome is not last for f in search.found):
-        # The search ended on a hang, a memory runaway or nondeterminism after these.
-        out.rule(f"then: {HEADLINE[last.status]}")
-        where = base / f"{len(search.found) + 1:02d}-{last.status}"
-        report_outcome(args, argv, last, here, impl, overrides, out_dir=where)
-        entries.append({"outcome": last.status, "report": str(where / "report.json")})
-    out.rule()
-    print_found(search)
-    print_known(search)
-    summary = summary_json(search, entries, overrides)
-    if coverage is not None:
-        summary["coverage"] = coverage
-    path = write_report(base / "summary.json", summary)
-    out.print(f"summary: {path}", markup=False, soft_wrap=True)
-    return EXIT_FOUND
+    if shaped is not None and shaped.search.found:
 
+        def shared() -> dict[str, Any]:
+            return {
+                "target": target_json(here, impl),
+                "command": ["kvspec", *[a for a in argv if a != "--_in-target"]],
+                "limits": limits_from(args).to_json(),
+            }
 
-def write_coverage_summary(
-    base: Path,
-    search: Any,
-    entries: list[dict[str, Any]],
-    overrides: dict[str, Any],
-    coverage: dict[str, Any] | None,
-) -> None:
-    """A run that found nothing new writes ``summary.json`` only to carry its coverage."""
-    if coverage is None:
-        return
-    path = write_report(base / "summary.json", {**summary_json(search, entries, overrides), "coverage": coverage})
-    out.print(f"summary: {path}", markup=False, soft_wrap=True)
+        entries += write_scheduler_reports(shaped, base, len(entries) + 1, shared, replay_flags(here))
+    if entries or coverage is not None:
+        # An index of the report folders; with --coverage, written whatever the verdict.
+        index = summary_json(search, [*single, *entries], overrides)
+        if shaped is not None:
+            index["scheduler"] = scheduler_json(shaped)
+        if coverage is not None:
+            index["coverage"] = coverage
+        path = write_report(base / "summary.json", index)
+        out.print(f"summary: {path}", markup=False, soft_wrap=True)
+    return shapes_exit(code, shaped)
 
 
 def _guarded_shapes(
@@ -329,8 +344,8 @@ def _guarded_shapes(
     focus: tuple[str, ...] | None,
     guard: Guard,
     budget: TimeBudget | None = None,
-) -> ShapesOutcome | None:
-    """The scheduler-shapes run under the run's limits; a hang or runaway there is reported."""
+) -> SchedulerRun | None:
+    """The scheduler run under the run's limits; a hang or runaway there is reported."""
     if guard.tripped is not None:
         return None  # the target already hung or ran away: its scheduler is not run again
     try:
@@ -391,7 +406,7 @@ def print_table(o: Outcome) -> None:
             verdict = "[dim]not applicable[/]"
         elif o.status == "holds":
             verdict = "[green]holds[/]"
-        elif o.status in ("violated", "error", "interrupted", *STOPPED_BY_TARGET):
+        elif o.status in ("violated", "error", KVSPEC_ERROR, "interrupted", *STOPPED_BY_TARGET):
             verdict = "[yellow]no violation seen[/]"  # the search stopped early
         else:
             verdict = "[yellow]holds (incomplete run)[/]"
@@ -466,12 +481,15 @@ def report_outcome(
     for i, s in enumerate(o.trace, 1):
         out.print(f"  {i}. {s.describe()}", markup=False, soft_wrap=True)
     out_dir = out_dir or output_dir(args, impl)
-    if o.status in STOPPED_BY_TARGET:
+    if o.status == KVSPEC_ERROR:
+        reason = "kvspec's own code raised: the report and `kvspec replay` show it"
+        repro_info: dict[str, Any] = {"status": "not-available", "reason": reason, "path": None}
+    elif o.status in STOPPED_BY_TARGET:
         # A standalone file re-runs the trace: on a hang or a runaway it would do it again, and
         # a nondeterministic target may not fail again.
         reason = f"the outcome is {o.status}; the JSON report and `kvspec replay` (under the same limits) reproduce it"
         out.print(f"[yellow]no standalone reproducer[/]: {escape(reason)}")
-        repro_info: dict[str, Any] = {"status": "not-available", "reason": reason, "path": None}
+        repro_info = {"status": "not-available", "reason": reason, "path": None}
     else:
         repro_info = write_reproducer(args, o, here, impl, out_dir)
     report = build_report(
@@ -492,13 +510,17 @@ def report_outcome(
     path = write_report(out_dir / "report.json", report)
     out.print(f"report: {path}", markup=False, soft_wrap=True)
     write_picture(o, impl, out_dir, report)
-    where = ""
+    out.print(f"replay: kvspec replay {path}{replay_flags(here)}", markup=False, soft_wrap=True)
+    return EXIT_KVSPEC_ERROR if o.status == KVSPEC_ERROR else EXIT_FOUND
+
+
+def replay_flags(here: VllmHere | None) -> str:
+    """The flags by which ``kvspec replay`` runs a report on the target it came from."""
     if here is not None and here.kind == "release":
-        where = f" --vllm {here.version}"
-    elif here is not None and here.kind == "source":
-        where = f" --vllm-source {here.source} --source-version {here.version}"
-    out.print(f"replay: kvspec replay {path}{where}", markup=False, soft_wrap=True)
-    return EXIT_FOUND
+        return f" --vllm {here.version}"
+    if here is not None and here.kind == "source":
+        return f" --vllm-source {here.source} --source-version {here.version}"
+    return ""
 
 
 def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
@@ -506,7 +528,7 @@ def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) 
 
     Drawn by replaying the trace on the target once more; not for a target that hung or ran
     away with memory (replaying would do it again)."""
-    if o.status in STOPPED_BY_TARGET or o.config is None:
+    if o.status in (*STOPPED_BY_TARGET, KVSPEC_ERROR) or o.config is None:
         return
     try:
         from kvspec.testing.timeline import film, report_html, timeline_svg
@@ -635,13 +657,18 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         report = load_report(Path(args.report))
     except ReportError as error:
         raise UsageError(str(error), "pass a report.json written by kvspec check") from None
+    # A verdict of the scheduler machine (cli/shapes.py) records vLLM's scheduler in a shape;
+    # it replays on the V1 target of the release (``--impl v1``, whose scheduler it is).
+    scheduler = report.get("machine") == "scheduler"
     try:
-        config = config_from_json(report["config"])
+        config: Any = Shape(**report["shape"]) if scheduler else config_from_json(report["config"])
         trace = trace_from_json(report["trace"])
     except (ConfigError, KeyError, TypeError) as error:
         raise UsageError(f"{args.report}: {error}", "the report is damaged") from None
-    impl = args.impl or report["impl"]
+    impl = args.impl or ("v1" if scheduler else report["impl"])
     check_impl_name(impl)
+    if scheduler and impl != "v1":
+        raise UsageError(f"{args.report} is a scheduler verdict: it replays on vLLM's V1 scheduler", "drop --impl")
     # By default, watch what the recorded run watched (its --invariant focus).
     focus = check_invariant_ids(args.invariant or (report.get("run") or {}).get("focus"))
     recorded = report.get("target") or {}
@@ -659,16 +686,27 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         return resolved
     here, impl = resolved
     guard = Guard(limits_from(args, report.get("limits")))
-    guarded = guard.wrap(factory_for(impl))
+    if scheduler:
+        guarded = guard.wrap(scheduler_factory())
+        mode = report.get("differential_mode")
+        session = scheduler_session(config, Mode(mode) if mode else None)
+    else:
+        guarded = guard.wrap(factory_for(impl))
 
-    def quiet(config: Config) -> Any:
+    def quiet(config: Any) -> Any:
         with captured_fds():  # vLLM's import-time logging
             return guarded(config)
 
-    err.print(f"replaying {len(trace)} operation(s) on {describe_target(here, impl)}", markup=False)
+    what = "vLLM's V1 scheduler" if scheduler else describe_target(here, impl)
+    err.print(f"replaying {len(trace)} operation(s) on {what}", markup=False)
     try:
         with guard.armed():
-            result = rerun(quiet, config, trace, focus=focus)
+            result = (
+                # The scheduler machine notes what it does through hypothesis: in a test's context.
+                in_context(lambda: rerun(quiet, config, trace, focus=focus, session=session))
+                if scheduler
+                else rerun(quiet, config, trace, focus=focus)
+            )
     except (ConfigError, Unsupported) as error:
         raise UsageError(
             f"{describe_target(here, impl)} cannot run the report's configuration "

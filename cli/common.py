@@ -19,6 +19,7 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 EXIT_OK = 0
 EXIT_FOUND = 1
 EXIT_USAGE = 2
+EXIT_KVSPEC_ERROR = 3  # kvspec's own code raised (testing/guard.py ``raised_in_kvspec``): a bug of kvspec
 
 
 class UsageError(Exception):

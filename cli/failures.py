@@ -25,21 +25,25 @@ from kvspec.testing.guard import (
     GuardTripped,
     Limits,
     crash_traceback,
+    raised_in_kvspec,
 )
 from kvspec.testing.rerun import Rerun, first_difference, name_nondeterminism
 from rich.markup import escape
 
-from .common import EXIT_FOUND, EXIT_OK, UsageError, out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, out
 
-GUARD_OUTCOMES = ("error", "hung", "memory", "nondeterministic")
+KVSPEC_ERROR = "kvspec-error"  # kvspec's own code raised (testing/guard.py ``raised_in_kvspec``)
+GUARD_OUTCOMES = ("error", KVSPEC_ERROR, "hung", "memory", "nondeterministic")
 STOPPED_BY_TARGET = ("hung", "memory", "nondeterministic")  # the search cannot go on after these
 HEADLINE = {
     "error": "the target crashed",
+    KVSPEC_ERROR: "kvspec failed (not the target)",
     "hung": "the target hung",
     "memory": "the target exceeded its memory cap",
     "nondeterministic": "the target is nondeterministic",
 }
 TRACEBACK_LINES = 12  # of the target's traceback, printed (the report keeps them all)
+REPORT_IT = "this is a bug in kvspec, please report it (with this output and the report folder)"
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +126,7 @@ def fill_failure(outcome: Any, error: BaseException, factory: Callable[[Config],
         outcome.crash = Crash.of("?", error)
     cause = _inner(error) if isinstance(error, Flaky) else error
     if cause is not None and not isinstance(cause, SpecViolation):
-        outcome.traceback = crash_traceback(cause)
+        outcome.traceback = crash_traceback(cause, None if outcome.status == KVSPEC_ERROR else TRACEBACK_LINES)
     if isinstance(error, Flaky) and outcome.config is not None:
         focus = outcome.focus
         outcome.difference = name_nondeterminism(
@@ -167,11 +171,21 @@ def print_failure(o: Any) -> None:
     else:
         _say(f"  {escape(o.error or '')}")
     lines = getattr(o, "traceback", None) or []
-    if lines and o.status == "error":
+    if o.status == KVSPEC_ERROR:
+        print_kvspec_error(lines)
+    elif lines and o.status == "error":
         shown = _whole_frames(lines[-TRACEBACK_LINES:])
         _say("  traceback (the target's innermost frames):", markup=False)
         for line in shown:
             _say(f"    {line}", markup=False)
+
+
+def print_kvspec_error(lines: list[str]) -> None:
+    """The whole traceback of an exception kvspec's own code raised, and whom to tell."""
+    _say("  traceback (kvspec's own code raised it):", markup=False)
+    for line in lines:
+        _say(f"    {line}", markup=False)
+    _say(f"  [bold]{REPORT_IT}[/]")
 
 
 def _whole_frames(lines: list[str]) -> list[str]:
@@ -275,6 +289,27 @@ def same_code(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> bool | Non
 # ------------------------------------------------------------------------------ replay verdicts
 
 
+def _replayed_difference(report: Mapping[str, Any], result: Rerun, same: bool | None, unchanged: dict) -> int:
+    """A replay of (or ending in) a policy difference of the scheduler machine: the target
+    differs from its release's declared policy with every invariant holding, or no longer does."""
+    recorded = (report.get("policy_difference") or {}).get("message")
+    if result.difference is not None:
+        again = recorded == str(result.difference)
+        headline = "the recorded difference reproduces" if again else "the scheduler differs"
+        _say(f"[bold red]{headline}[/]: {escape(str(result.difference))}")
+        if recorded and not again:
+            _say(f"  the report recorded: {escape(recorded)}")
+        return EXIT_FOUND
+    if same is not False:
+        _say(
+            f"[yellow]nondeterministic[/]: the recorded difference did not recur {unchanged[same]}: "
+            + escape(recorded)
+        )
+        return EXIT_FOUND
+    _say(f"[green]no difference[/]: the recorded one ({escape(recorded)}) does not occur on this code")
+    return EXIT_OK
+
+
 def replay_verdict(
     report: Mapping[str, Any],
     trace: list[TraceStep],
@@ -286,6 +321,12 @@ def replay_verdict(
     recorded_ids = {v["invariant"] for v in report.get("violations", [])}
     difference = first_difference(trace, result.trace)
     unchanged = {True: "on the same code", None: "on code whose identity the report does not record"}
+    if result.crash is not None and result.error is not None and raised_in_kvspec(result.error):
+        step = result.crash_step or 0
+        at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)
+        _say(f"[bold red]{HEADLINE[KVSPEC_ERROR]}[/] in {at}: {escape(result.crash.describe())}")
+        print_kvspec_error(crash_traceback(result.error, None))
+        return EXIT_KVSPEC_ERROR
     if result.crash is not None:
         step = result.crash_step or 0
         at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)
@@ -327,6 +368,8 @@ def replay_verdict(
             )
             return EXIT_FOUND
         _say(f"the recorded {_kind(recorded[1])} ({escape(what)}) does not occur on this code")
+    if result.difference is not None or (report.get("policy_difference") and not result.violations):
+        return _replayed_difference(report, result, same, unchanged)
     found = result.violations
     if not found:
         if recorded_ids and same is True:
@@ -355,6 +398,7 @@ def replay_verdict(
 __all__ = [
     "GUARD_OUTCOMES",
     "HEADLINE",
+    "KVSPEC_ERROR",
     "STOPPED_BY_TARGET",
     "add_limit_args",
     "code_digest",

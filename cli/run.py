@@ -25,7 +25,7 @@ from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing import Features, KVCacheMachine, RunStats, SpecViolation, TraceStep
 from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
-from kvspec.testing.guard import Crash, GuardTripped
+from kvspec.testing.guard import Crash, GuardTripped, raised_in_kvspec
 from kvspec.testing.implementations import BROKEN_PREFIX, lookup
 from kvspec.testing.machine import StepPast
 from kvspec.testing.rerun import Difference
@@ -41,7 +41,7 @@ from rich.progress import (
 
 from .budget import BudgetSpent, Part
 from .common import UsageError, err
-from .failures import fill_failure
+from .failures import KVSPEC_ERROR, fill_failure
 from .target import Factory
 
 PROFILES = _profiles.PROFILES
@@ -188,7 +188,7 @@ class Tally:
 
 @attrs.define
 class Outcome:
-    status: str  # holds | violated | error | no-examples | incomplete | interrupted
+    status: str  # holds | violated | error | kvspec-error | no-examples | incomplete | interrupted
     tally: Tally
     stats: RunStats
     requested: int
@@ -395,8 +395,8 @@ def run_machine(
         outcome.status = "nondeterministic"
         outcome.config = tally.last_config
         fill_failure(outcome, error, factory)
-    except Exception as error:  # the target (or the adapter) crashed under a valid protocol
-        outcome.status = "error"
+    except Exception as error:  # the target crashed under a valid protocol, or kvspec's own code raised
+        outcome.status = KVSPEC_ERROR if raised_in_kvspec(error) else "error"
         outcome.trace = list(tally.last_trace)
         outcome.config = tally.last_config
         fill_failure(outcome, error, factory)

@@ -41,13 +41,14 @@ from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.driver import Driver, SpecViolation
-from kvspec.testing.known import FEATURES, Fingerprint, KnownFinding, label_failures
+from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, label_failures
 from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
 
 from .budget import TimeBudget, budget_examples
 from .common import out
+from .failures import KVSPEC_ERROR
 from .run import ON, Outcome, config_strategy, run_machine
 from .target import Factory
 
@@ -58,7 +59,8 @@ MAX_MASKS = 6  # feature masks searched behind the known findings (each: rounds 
 # Examples of a masked round, in the run's budgets: what lies behind the known findings needs a
 # combination of features and a narrow state (F12: 1 example in 100 with its features on).
 MASK_BUDGET = 3
-_FAILED = ("violated", "error")
+# "differs": the scheduler machine's target differs from its release's declared policy.
+_FAILED = ("violated", "differs", "error", KVSPEC_ERROR)
 TIME_SPENT = "stopped when the time budget was spent"
 
 Mask = frozenset[str]
@@ -215,6 +217,11 @@ class Search:
         return sum(o.tally.operations for o in self.rounds)
 
 
+RoundRunner = Callable[["Sieve", Mask, str], Any]
+"""One round of a machine's search under a step-past policy, a feature mask and a label; its
+outcome (``Outcome``, or the scheduler machine's ``ShapesOutcome``: anything with a ``status``)."""
+
+
 def run_search(
     factory: Factory,
     strategy: st.SearchStrategy[Config],
@@ -234,27 +241,21 @@ def run_search(
     max_masks: int = MAX_MASKS,
     budget: TimeBudget | None = None,
 ) -> Search:
-    """Rounds of ``run_machine`` until a round finds nothing new, then the same behind the known
-    findings that fired, under feature masks (``masked``: the strategy with a mask's features
-    off; None searches no masks), then each fired known finding once more (module docstring).
-    ``budget``: each round gets its share of the time (cli/budget.py) and none starts once the
-    search's time is spent."""
-    search = Search([], [], Counter(), known)
-    if seed is None and not Settings.get_profile(profile).derandomize:
-        # One seed for every round: each replays the same example sequence (and is recorded).
-        seed = random.SystemRandom().randrange(2**32)
+    """The block-manager machine's search: rounds of ``run_machine`` (``search_rounds``), under
+    feature masks behind the known findings that fired (``masked``: the strategy with a mask's
+    features off; None searches no masks); ``budget``: each round gets its share of the time
+    (cli/budget.py) and none starts once the search's time is spent."""
+    seed = search_seed(profile, seed)
     strategies: dict[Mask, st.SearchStrategy[Config]] = {frozenset(): strategy}
 
-    def one_round(stepped_past: Sequence[KnownFinding], tag: str, mask: Mask) -> tuple[Outcome, Sieve]:
-        reported = frozenset(f.identity for f in search.found)
-        sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
+    def one_round(sieve: Sieve, mask: Mask, tag: str) -> Outcome:
         if mask not in strategies:
             assert masked is not None
             strategies[mask] = masked(mask)
         where = f" without {'+'.join(sorted(mask))}" if mask else ""
         count = examples if examples is not None else Settings.get_profile(profile).max_examples
         part = budget.round(f"{tag}{where}", more_to_come=bool(known)) if budget is not None else None
-        outcome = run_machine(
+        return run_machine(
             factory,
             strategies[mask],
             profile=profile,
@@ -267,6 +268,46 @@ def run_search(
             step_past=sieve,
             part=part,
         )
+
+    return search_rounds(
+        one_round,
+        known,
+        report_known=report_known,
+        max_violations=max_violations,
+        masks=(lambda fired: masks_behind(known, fired, maskable)) if masked is not None else None,
+        max_masks=max_masks,
+        spent=budget.search_spent if budget is not None else None,
+    )
+
+
+def search_seed(profile: str, seed: int | None) -> int | None:
+    """The seed every round of a search runs with: one seed, so each round replays the same
+    example sequence (and it is recorded); None only under a derandomized profile."""
+    if seed is None and not Settings.get_profile(profile).derandomize:
+        seed = random.SystemRandom().randrange(2**32)
+    return seed
+
+
+def search_rounds(
+    run_round: RoundRunner,
+    known: Sequence[KnownFinding],
+    *,
+    report_known: bool = True,
+    max_violations: int = MAX_VIOLATIONS,
+    masks: Callable[[Counter[str]], list[Mask]] | None = None,
+    max_masks: int = MAX_MASKS,
+    spent: Callable[[], bool] | None = None,
+) -> Search:
+    """Rounds of ``run_round`` until a round finds nothing new, then the same behind the known
+    findings that fired, under the feature masks ``masks`` names for them (None: none), then
+    each fired known finding once more (module docstring).  Any machine's search; ``spent``:
+    whether its time budget is spent (then no further round starts; the first always runs)."""
+    search = Search([], [], Counter(), known)
+
+    def one_round(stepped_past: Sequence[KnownFinding], tag: str, mask: Mask) -> tuple[Any, Sieve]:
+        reported = frozenset(f.identity for f in search.found)
+        sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
+        outcome = run_round(sieve, mask, tag)
         search.rounds.append(outcome)
         search.round_masks.append(mask)
         if outcome.status in _FAILED and sieve.last is not None:
@@ -279,9 +320,11 @@ def run_search(
         while True:
             if len(search.found) >= max_violations:
                 return f"stopped at {max_violations} distinct violations"
-            if budget is not None and search.rounds and budget.search_spent():
+            if spent is not None and search.rounds and spent():
                 return TIME_SPENT
             outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}", mask)
+            if outcome.status == KVSPEC_ERROR:
+                return KVSPEC_ERROR  # nothing kvspec finds after its own failure is trusted
             if outcome.status not in _FAILED or sieve.target is None:
                 break
         # The last round ran the whole budget: it met everything the earlier ones did.
@@ -296,8 +339,8 @@ def run_search(
     # the known findings that fired, one feature mask at a time.
     search.masks.append(frozenset())
     search.stopped = explore(frozenset())
-    while search.stopped is None and masked is not None:
-        todo = [m for m in masks_behind(known, search.fired, maskable) if m not in search.masks]
+    while search.stopped is None and masks is not None:
+        todo = [m for m in masks(search.fired) if m not in search.masks]
         if not todo or len(search.masks) > max_masks:
             break
         search.masks.append(todo[0])
@@ -312,7 +355,7 @@ def run_search(
             if len(search.found) >= max_violations:
                 search.stopped = f"stopped at {max_violations} distinct violations"
                 return search
-            if budget is not None and budget.search_spent():
+            if spent is not None and spent():
                 search.stopped = TIME_SPENT
                 return search
             outcome, sieve = one_round(others, f"{ident} ({attempt + 1})", search.fired_under[ident])
@@ -364,19 +407,30 @@ def found_json(found: Found) -> dict[str, Any]:
     }
 
 
-def print_found(search: Search) -> None:
-    table = Table(title="Distinct violations", title_justify="left")
+def print_found(
+    search: Search,
+    setting: Callable[[Found], str] | None = None,
+    title: str = "Distinct violations",
+) -> None:
+    """The distinct violations of a search, one row each; ``setting``: the configuration (or
+    the scheduler's shape) a violation was found in (default: the outcome's configuration)."""
+    table = Table(title=title, title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("invariant", no_wrap=True)
     table.add_column("operation", no_wrap=True)
-    table.add_column("crash site", overflow="fold")
+    table.add_column("crash site / compared", overflow="fold")
     table.add_column("known", no_wrap=True)
     table.add_column("trace", justify="right")
     table.add_column("configuration", overflow="fold")
     for n, f in enumerate(search.found, 1):
         fp = f.fingerprint
         site = f"{fp.exception} at {fp.location}" if fp.exception else "-"
-        config = f.outcome.config.describe() if f.outcome.config is not None else "-"
+        if fp.invariant == DIFFERS:  # what a policy difference compared, and under which policy
+            site = f"{fp.exception} (policy {fp.location})"
+        if setting is not None:
+            config = setting(f)
+        else:
+            config = f.outcome.config.describe() if f.outcome.config is not None else "-"
         known = f.known.id if f.known is not None else "[bold]new[/]"
         table.add_row(
             str(n), fp.invariant, fp.operation, escape(site), known, str(len(f.outcome.trace)), config

@@ -4,20 +4,27 @@ After the block-manager search, ``kvspec check`` on a V1 target runs the schedul
 (testing/scheduler_machine.py) over vLLM's own ``Scheduler``/``AsyncScheduler``
 (adapters/v1_scheduler.py): hybrid KV-cache groups, async scheduling, speculative decoding,
 token-budget chunking, ``full_sequence_must_fit`` on and off, pools at vLLM's startup
-minimum.  The summary gives the examples and operations run in each shape, and names a shape
-no example reached.
+minimum.  It searches as the block-manager machine does (cli/search.py ``search_rounds``):
+rounds that step past the known findings of the scheduler target (``SCHEDULER_IMPL``) and what
+earlier rounds found, every distinct verdict shrunk on its own, then each known finding that
+fired found again.  Each verdict gets a report folder beside the block-manager ones
+(``write_scheduler_reports``) that ``kvspec replay`` re-runs (testing/scheduler_replay.py).
+The summary gives the examples and operations run in each shape, and names a shape no
+example reached.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
+from hypothesis import strategies as st
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test
@@ -27,13 +34,29 @@ from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
-from kvspec.testing.known import Fingerprint, KnownFinding, which_known
+from kvspec.testing.guard import crash_traceback, raised_in_kvspec
+from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
+from kvspec.testing.machine import StepPast
+from kvspec.testing.report import build_report, write_atomic, write_report
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
 from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
-from .common import out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, err, out
+from .failures import HEADLINE, KVSPEC_ERROR, TRACEBACK_LINES, print_kvspec_error
+from .search import (
+    MAX_VIOLATIONS,
+    Found,
+    Mask,
+    Search,
+    Sieve,
+    found_json,
+    print_found,
+    print_known,
+    search_rounds,
+    search_seed,
+)
 
 # The scheduler machine's share of a profile: each example builds vLLM's scheduler (a few
 # tens of milliseconds once imported), and runs fewer, longer-lived steps than the
@@ -55,9 +78,10 @@ class ShapesOutcome:
     rejected: list[str] = attrs.Factory(list)
     # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
     differential: DiffCounts = attrs.Factory(DiffCounts)
-    known: KnownFinding | None = None  # the known finding (testing/known_findings.toml) it is
     # status "differs": the target differs from its release's declared scheduling policy.
     difference: PolicyDifference | None = None
+    traceback: list[str] = attrs.Factory(list)  # of a crash or a kvspec error
+    seed: int | None = None
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
@@ -78,9 +102,17 @@ def run_shapes(
     steps: int | None,
     seed: int | None,
     focus: tuple[str, ...] | None,
+    step_past: StepPast | None = None,
+    counts: ShapeCounts | None = None,
+    differential: DiffCounts | None = None,
+    shape_strategy: st.SearchStrategy[Shape] | None = None,
     part: Part | None = None,
 ) -> ShapesOutcome:
-    """``part``: the shapes' share of a time budget (cli/budget.py)."""
+    """One hypothesis search of the scheduler machine; ``step_past`` may discard failing
+    examples (the rounds of ``run_scheduler_search``), ``counts`` and ``differential`` gather
+    what every round ran; ``shape_strategy`` narrows the shapes (default: every production
+    shape, testing/scheduler_machine.py ``shapes``); ``part``: the scheduler's share of a time
+    budget (cli/budget.py)."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
     chosen = Settings(
@@ -94,7 +126,10 @@ def run_shapes(
     )
     if seed is None and not base.derandomize:
         seed = random.SystemRandom().randrange(2**32)
-    outcome = ShapesOutcome("holds", ShapeCounts())
+    outcome = ShapesOutcome(
+        "holds", counts if counts is not None else ShapeCounts(), seed=seed,
+        differential=differential if differential is not None else DiffCounts(),
+    )
     last: dict[str, Any] = {}
 
     def build(shape: Shape) -> Any:
@@ -111,10 +146,12 @@ def run_shapes(
                 part.start_example()
             super().__init__(
                 build,
+                shape_strategy,
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
                 diff_counts=outcome.differential,
+                step_past=step_past,
             )
 
         def teardown(self):
@@ -132,6 +169,8 @@ def run_shapes(
     if seed is not None:
         test = hypothesis_seed(seed)(test)
     start = time.perf_counter()
+    if part is not None:
+        part.next_round()
     try:
         with with_reporter(lambda _text: None):
             test()
@@ -145,14 +184,17 @@ def run_shapes(
         outcome.difference = found
         outcome.trace = list(found.trace)
         outcome.shape = last.get("shape")
+    except BudgetSpent:
+        pass  # the time budget's deadline: the examples run are the run
+    except KeyboardInterrupt:
+        outcome.status = "interrupted"
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    except BudgetSpent:
-        pass  # the time budget's deadline: the examples run are the run
-    except Exception as error:  # the target crashed under a valid protocol
-        outcome.status = "error"
+    except Exception as error:  # the target crashed under a valid protocol, or kvspec's own code raised
+        outcome.status = KVSPEC_ERROR if raised_in_kvspec(error) else "error"
         outcome.error = f"{type(error).__name__}: {error}"
+        outcome.traceback = crash_traceback(error, None if outcome.status == KVSPEC_ERROR else TRACEBACK_LINES)
         outcome.trace = list(last.get("trace", []))
         outcome.shape = last.get("shape")
     outcome.seconds = time.perf_counter() - start
@@ -163,20 +205,22 @@ def run_shapes(
     return outcome
 
 
+HEADLINES = {
+    "holds": "[green]every invariant holds per group and over the shared pool[/]",
+    "violated": "[bold red]VIOLATED[/]",
+    "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from {whose}'s declared policy[/]",
+    "error": "[bold red]the scheduler crashed[/]",
+    KVSPEC_ERROR: f"[bold red]{HEADLINE[KVSPEC_ERROR]}[/]",
+    "no-examples": "[yellow]nothing ran[/]",
+    "interrupted": "[yellow]interrupted[/]: nothing is claimed",
+}
+
+
 def print_shapes(o: ShapesOutcome) -> None:
+    """What the scheduler run ran (every round): examples per shape, the prefix cache, the
+    differential, and its verdict in one line (the verdicts follow, ``print_verdict``)."""
     out.rule("vLLM's own V1 scheduler, production shapes")
-    out.print(
-        f"{o.examples} examples, {o.operations} operations, {o.seconds:.1f}s: "
-        + {
-            "holds": "[green]every invariant holds per group and over the shared pool[/]",
-            "violated": "[bold red]VIOLATED[/]",
-            "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from "
-            + (escape(o.difference.whose()) if o.difference is not None else "its release")
-            + "'s declared policy[/]",
-            "error": "[bold red]the scheduler crashed[/]",
-            "no-examples": "[yellow]nothing ran[/]",
-        }[o.status]
-    )
+    out.print(f"{o.examples} examples, {o.operations} operations, {o.seconds:.1f}s: " + headline(o))
     for tag in SHAPE_TAGS:
         ex, ops = o.counts.examples.get(tag, 0), o.counts.operations.get(tag, 0)
         if ex:
@@ -187,20 +231,51 @@ def print_shapes(o: ShapesOutcome) -> None:
     print_differential(o)
     if o.rejected:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
+    if o.status == "no-examples" and o.error:
+        out.print(f"  {escape(o.error)}")
+
+
+def print_verdict(o: ShapesOutcome, known: KnownFinding | None) -> None:
+    """One verdict of the scheduler run: what it is, the shape, the violations or the crash
+    with its traceback, and the shrunk trace (ending with the operation that crashed)."""
+    if known is not None:
+        out.print(f"{escape(known.cite())}: {escape(known.title)}")
+    out.print(f"{headline(o)} ({verdict_kind(o)})")
+    if o.shape is not None:
+        out.print(f"shape: {escape(o.shape.describe())}")
     if o.error:
         out.print(f"  {escape(o.error)}")
-    if o.known is not None:
-        out.print(f"  {escape(o.known.cite())}: {escape(o.known.title)}")
-    if o.status in ("violated", "differs", "error"):
-        if o.shape is not None:
-            out.print(f"shape: {escape(o.shape.describe())}")
-        for v in o.violations:
-            out.print(f"  {escape(str(v))}")
-        if o.difference is not None:
-            out.print(f"  {escape(str(o.difference))}")
-        out.print("trace (what the worker did -> what the scheduler planned):")
-        for i, s in enumerate(o.trace, 1):
-            out.print(f"  {i}. {escape(s.describe())}", soft_wrap=True)
+    if o.status == KVSPEC_ERROR:
+        print_kvspec_error(o.traceback)
+    elif o.status == "error":
+        out.print("  traceback (the target's innermost frames):", markup=False)
+        for line in o.traceback:
+            out.print(f"    {line}", markup=False, soft_wrap=True)
+    for v in o.violations:
+        out.print(f"  [red]{escape(str(v))}[/]")
+    if o.difference is not None:
+        out.print(f"  [red]{escape(str(o.difference))}[/]")
+    out.print("trace (what the worker did -> what the scheduler planned):")
+    for i, step in enumerate(o.trace, 1):
+        out.print(f"  {i}. {escape(step.describe())}", soft_wrap=True)
+
+
+def headline(o: ShapesOutcome) -> str:
+    """The one-line verdict of an outcome (markup)."""
+    whose = escape(o.difference.whose()) if o.difference is not None else "its release"
+    return HEADLINES[o.status].format(whose=whose)
+
+
+# A failing round's verdict kind, by its status: ``invariant`` (a state or per-step invariant
+# violated), ``differential`` (the target differs from its release's declared policy, every
+# invariant holding: testing/scheduler_machine.py ``PolicyDifference``), ``crash`` (the target
+# raised), ``kvspec-error`` (kvspec's own code raised).
+VERDICT_KINDS = {"violated": "invariant", "differs": "differential", "error": "crash", KVSPEC_ERROR: KVSPEC_ERROR}
+
+
+def verdict_kind(o: ShapesOutcome) -> str:
+    """What kind of verdict a failing round is (``VERDICT_KINDS``)."""
+    return VERDICT_KINDS.get(o.status, o.status)
 
 
 def differential_line(d: DiffCounts) -> str:
@@ -286,6 +361,7 @@ def print_cache_counts(o: ShapesOutcome) -> None:
 
 
 def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
+    """What a scheduler run ran (each verdict has its own report)."""
     return {
         "status": o.status,
         "examples": o.examples,
@@ -309,11 +385,7 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "per_shape": {
             t: [o.counts.examples.get(t, 0), o.counts.operations.get(t, 0)] for t in SHAPE_TAGS
         },
-        "violations": [{"invariant": v.invariant, "message": v.message} for v in o.violations],
-        "trace": [s.to_json() for s in o.trace],
-        "shape": attrs.asdict(o.shape) if o.shape is not None else None,
         "error": o.error,
-        "known": o.known.id if o.known is not None else None,
     }
 
 
@@ -334,14 +406,70 @@ def difference_json(d: PolicyDifference) -> dict[str, Any]:
 SCHEDULER_IMPL = "v1-scheduler"  # the scheduler target's name in known findings (``impl``)
 
 
-def label_known(o: ShapesOutcome, known: list[KnownFinding]) -> KnownFinding | None:
-    """The known finding a violation of the shapes run is (its fingerprint: the first
-    violation's invariant after the trace's last operation), if any."""
-    if o.status != "violated" or not o.violations:
-        return None
-    fp = Fingerprint(o.violations[0].invariant, o.trace[-1].op if o.trace else "teardown")
-    message = "\n".join(str(v) for v in o.violations)
-    return which_known(known, fp, message, None, {s.op for s in o.trace})
+@attrs.define
+class SchedulerRun:
+    """The scheduler machine's search in one ``kvspec check``: its rounds (cli/search.py
+    ``Search`` over ``ShapesOutcome``s), and what they ran together."""
+
+    search: Search
+    summary: ShapesOutcome  # every round's counts; the status of the run as a whole
+    implementation_name: str | None = None
+
+
+def run_scheduler_search(
+    factory: Callable[[Shape], Any],
+    *,
+    known: Sequence[KnownFinding] = (),
+    report_known: bool = True,
+    max_violations: int = MAX_VIOLATIONS,
+    part: Part | None = None,
+    **budget: Any,
+) -> SchedulerRun:
+    """Rounds of ``run_shapes`` (``search_rounds``) with its ``budget`` (``profile``,
+    ``examples``, ``steps``, ``seed``, ``focus``): every distinct verdict, each shrunk on its
+    own, the known findings of the scheduler target stepped past and found again; ``part``: its
+    share of a time budget, shared by its rounds (none starts after its deadline)."""
+    seed = search_seed(budget["profile"], budget.pop("seed", None))
+    counts, differential = ShapeCounts(), DiffCounts()
+    rejected: list[str] = []
+
+    def one_round(sieve: Sieve, _mask: Mask, tag: str) -> ShapesOutcome:
+        err.print(f"scheduler shapes {tag} ...", markup=False)
+        o = run_shapes(
+            factory, seed=seed, step_past=sieve, counts=counts, differential=differential, part=part, **budget
+        )
+        rejected.extend(r for r in o.rejected if r not in rejected)
+        return o
+
+    search = search_rounds(
+        one_round,
+        known,
+        report_known=report_known,
+        max_violations=max_violations,
+        spent=part.past_deadline if part is not None else None,
+    )
+    rounds: list[ShapesOutcome] = search.rounds
+    last = rounds[-1]
+    if last.status in ("error", KVSPEC_ERROR) and all(f.outcome is not last for f in search.found):
+        # A failure no step-past policy saw (building the first target, before any driver):
+        # a verdict of its own.
+        at = last.trace[-1].op if last.trace else "construct"
+        search.found.append(Found(Fingerprint(CRASH, at, (last.error or "?").split(":")[0]), last))
+    statuses = {f.outcome.status for f in search.found}
+    status = next((s for s in (KVSPEC_ERROR, "violated", "error", "differs") if s in statuses), last.status)
+    summary = ShapesOutcome(
+        status,
+        counts,
+        examples=sum(o.examples for o in rounds),
+        operations=sum(o.operations for o in rounds),
+        seconds=sum(o.seconds for o in rounds),
+        rejected=rejected[:20],
+        differential=differential,
+        error=last.error,
+        seed=seed,
+        difference=next((f.outcome.difference for f in search.found if f.outcome.difference is not None), None),
+    )
+    return SchedulerRun(search, summary)
 
 
 def run_v1_shapes(
@@ -352,12 +480,12 @@ def run_v1_shapes(
     guard: Any = None,
     known: list[KnownFinding] | None = None,
     part: Part | None = None,
-) -> ShapesOutcome | None:
-    """The scheduler-shapes run of ``kvspec check``: on a V1 target checked as ``v1`` (the
-    default there), unless ``--no-shapes``.  Prints its summary; None when it does not apply.
+) -> SchedulerRun | None:
+    """The scheduler run of ``kvspec check``: on a V1 target checked as ``v1`` (the default
+    there), unless ``--no-shapes``.  Prints what it ran; None when it does not apply.
     ``guard`` (``testing.guard.Guard``, armed by the caller) limits every scheduler call;
-    ``known``: the known findings that concern the scheduler target (``SCHEDULER_IMPL``), by
-    which a violation is labelled."""
+    ``known``: the known findings that concern the scheduler target (``SCHEDULER_IMPL``),
+    stepped past while exploring and reported by id; ``part``: its share of a time budget."""
     if not shapes_apply(args, impl, here):
         return None
     try:
@@ -367,7 +495,7 @@ def run_v1_shapes(
         return None
     if guard is not None:
         factory = guard.wrap(factory)
-    o = run_shapes(
+    run = run_scheduler_search(
         factory,
         profile=args.profile,
         examples=budget_examples(None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE), part),
@@ -375,22 +503,133 @@ def run_v1_shapes(
         seed=args.seed,
         focus=focus,
         part=part,
+        known=known or [],
+        report_known=not getattr(args, "known_count_only", False),
+        max_violations=getattr(args, "max_violations", None) or MAX_VIOLATIONS,
     )
-    o.known = label_known(o, known or [])
-    print_shapes(o)
-    return o
+    run.implementation_name = guard.implementation_name if guard is not None else None
+    print_shapes(run.summary)
+    if not run.search.found:
+        print_known(run.search)
+    return run
 
 
 def shapes_apply(args: Any, impl: str, here: Any) -> bool:
-    """Whether ``kvspec check`` runs the scheduler shapes: a V1 target checked as ``v1``,
-    without ``--no-shapes``."""
+    """Whether ``kvspec check`` runs the scheduler: a V1 target checked as ``v1``, without
+    ``--no-shapes``."""
     return here is not None and impl == "v1" and not getattr(args, "no_shapes", False)
 
 
-def shapes_exit(code: int, o: ShapesOutcome | None) -> int:
-    """The exit code of a check whose block-manager search ended with ``code``."""
-    if o is None or o.status in ("holds",):
-        return code
-    from .common import EXIT_FOUND
+def status_exit(status: str) -> int:
+    """The exit code a scheduler verdict of this status asks for."""
+    if status == KVSPEC_ERROR:
+        return EXIT_KVSPEC_ERROR
+    return EXIT_FOUND if status in ("violated", "differs", "error") else 0
 
-    return max(code, EXIT_FOUND) if o.status in ("violated", "differs", "error") else code
+
+def shapes_exit(code: int, run: SchedulerRun | None) -> int:
+    """The exit code of a check whose block-manager search ended with ``code``: a verdict of
+    the scheduler run, or a known finding of its target that fired, is a finding too."""
+    if run is None:
+        return code
+    codes = [status_exit(f.outcome.status) for f in run.search.found]
+    if run.search.fired:
+        codes.append(EXIT_FOUND)
+    return max([code, *codes])
+
+
+# ------------------------------------------------------------------------------ reports
+
+
+def scheduler_json(run: SchedulerRun) -> dict[str, Any]:
+    """The scheduler run in the run's ``summary.json`` (docs/report-format.md)."""
+    s = run.search
+    return {
+        **shapes_json(run.summary),
+        "rounds": [{"status": o.status, "examples_run": o.examples, "operations_run": o.operations,
+                    "seconds": round(o.seconds, 2)} for o in s.rounds],
+        "known_findings": {k.id: {"fired": s.fired[k.id], "missed": k.id in s.missed} for k in s.known},
+        "stopped": s.stopped,
+        "seed": run.summary.seed,
+    }
+
+
+def verdict_json(found: Found) -> dict[str, Any]:
+    """A verdict's identity, in its report and in the run's index."""
+    return {
+        "machine": "scheduler",
+        "kind": verdict_kind(found.outcome),
+        **found_json(found),
+    }
+
+
+def write_scheduler_reports(
+    run: SchedulerRun,
+    base: Path,
+    first: int,
+    report_base: Callable[[], dict[str, Any]],
+    replay_hint: str,
+) -> list[dict[str, Any]]:
+    """For each verdict: print it, and write its folder ``NN-<fingerprint>`` under ``base``
+    (numbered from ``first``): ``report.json`` (docs/report-format.md, ``machine``
+    "scheduler": the shape instead of a configuration) and ``trace.txt``.  ``report_base``
+    gives the fields every report of the run shares for an outcome status (target, command,
+    ...).  No timeline picture: testing/timeline.py replays block-manager traces only.  The
+    index entries of the run's summary."""
+    entries = []
+    total = len(run.search.found)
+    for n, found in enumerate(run.search.found, first):
+        o = found.outcome
+        out.rule(f"scheduler verdict {n - first + 1} of {total}: {found.fingerprint.describe()}")
+        print_verdict(o, found.known)
+        where = base / f"{n:02d}-{found.fingerprint.slug()}"
+        shared = report_base()
+        report = build_report(
+            outcome=o.status,
+            impl=SCHEDULER_IMPL,
+            implementation_name=run.implementation_name or SCHEDULER_IMPL,
+            target=shared.pop("target"),
+            config=None,
+            run={
+                "seed": run.summary.seed,
+                "examples_run": o.examples,
+                "operations_run": o.operations,
+                "seconds": round(o.seconds, 2),
+                "focus": None,
+            },
+            trace=o.trace,
+            violations=o.violations,
+            error=o.error,
+            reproducer={
+                "status": "not-available",
+                "reason": "no standalone reproducer for the scheduler machine; `kvspec replay` re-runs the report",
+                "path": None,
+            },
+            command=shared.pop("command"),
+        )
+        report.update(shared)
+        report.update(
+            machine="scheduler",
+            shape=attrs.asdict(o.shape) if o.shape is not None else None,
+            differential_mode=DIFFERENTIAL_MODE.value,
+            verdict=verdict_json(found),
+        )
+        if o.difference is not None:
+            report["policy_difference"] = difference_json(o.difference)
+        crash = o.trace[-1].crash if o.trace else None
+        if crash is not None:
+            report["crash"] = {**crash.to_json(), "step": len(o.trace), "traceback": o.traceback}
+        path = write_report(where / "report.json", report)
+        write_atomic(where / "trace.txt", "\n".join(report["trace_text"]) + "\n")
+        out.print(f"report: {path}", markup=False, soft_wrap=True)
+        out.print(
+            "[yellow]no timeline picture[/]: testing/timeline.py draws block-manager traces only; "
+            f"the trace is in {escape(str(where / 'trace.txt'))}",
+            soft_wrap=True,
+        )
+        out.print(f"replay: kvspec replay {path}{replay_hint}", markup=False, soft_wrap=True)
+        entries.append({**verdict_json(found), "report": str(path)})
+    print_found(run.search, setting=lambda f: f.outcome.shape.describe() if f.outcome.shape else "-",
+                title="Distinct scheduler verdicts")
+    print_known(run.search)
+    return entries

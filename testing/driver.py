@@ -79,6 +79,53 @@ class SpecViolation(AssertionError):
         super().__init__("\n".join(lines))
 
 
+_TRACE_ARG = {"seq_id": "seq", "parent_id": "parent", "child_id": "child"}
+
+
+def record_crash(
+    trace: list[TraceStep],
+    mark: int,
+    op: str,
+    args: dict[str, Any],
+    crash: Crash,
+    error: BaseException,
+    config: Any,
+) -> TraceStep:
+    """Record in ``trace`` the operation that crashed (it began when the trace held ``mark``
+    steps): the step it recorded, its answer so far kept, or a new one when it crashed before
+    recording; anything recorded after is dropped.  A guard's trip carries the trace and the
+    configuration (``config``) out of the search."""
+    if len(trace) > mark:
+        recorded = trace[mark]
+        said = "" if recorded.outcome in ("", "ok") else f"{recorded.outcome}; then "
+        step = attrs.evolve(recorded, outcome=f"{said}{crash.describe()}", crash=crash)
+        del trace[mark:]
+    else:
+        step = TraceStep(op, args, crash.describe(), crash)
+    trace.append(step)
+    if isinstance(error, GuardTripped):
+        error.trace = list(trace)
+        error.config = config
+    return step
+
+
+def trace_args(signature: inspect.Signature, args: tuple, kw: dict[str, Any]) -> dict[str, Any]:
+    """An operation's arguments as a trace step records them (JSON-ready; ids under their
+    trace names, bytes in hex, an empty request domain left out)."""
+    bound = signature.bind(*args, **kw)
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    for k, v in list(bound.arguments.items())[1:]:
+        if k == "extra":
+            if v:
+                out["extra"] = as_extra(v).to_json()
+            continue
+        out[_TRACE_ARG.get(k, k)] = list(v) if k == "tokens" and not isinstance(v, bytes) else (
+            v.hex() if isinstance(v, bytes) else v
+        )
+    return out
+
+
 class _Target:
     """The implementation as the driver calls it: remembers which call an exception escaped,
     so that a crash of the target is told apart from the driver failing to apply a step."""
@@ -104,9 +151,6 @@ class _Target:
         return call
 
 
-_TRACE_ARG = {"seq_id": "seq", "parent_id": "parent", "child_id": "child"}
-
-
 def _operation(method: Callable[..., Any]) -> Callable[..., Any]:
     """A driver operation whose implementation may crash: the crashing step is recorded as
     crashed (the call, the exception, the target's file:line), and nothing after it."""
@@ -121,16 +165,7 @@ def _operation(method: Callable[..., Any]) -> Callable[..., Any]:
         except BaseException as error:
             escaped = self.impl.escaped
             if self.crash is None and escaped is not None and escaped[1] is error:
-                bound = signature.bind(self, *args, **kw)
-                bound.apply_defaults()
-                step_args = {
-                    _TRACE_ARG.get(k, k): list(v) if k == "tokens" else v
-                    for k, v in list(bound.arguments.items())[1:]
-                    if k != "extra"
-                }
-                extra = bound.arguments.get("extra")
-                if extra:
-                    step_args["extra"] = as_extra(extra).to_json()
+                step_args = trace_args(signature, (self, *args), kw)
                 self._crashed(mark, method.__name__, step_args, escaped[0], error)
             raise
 
@@ -464,20 +499,8 @@ class Driver:
     ) -> None:
         """Record the step that crashed: the one the operation recorded (its answer so far kept),
         or a new one when it crashed before recording; drop anything recorded after."""
-        crash = Crash.of(call, error)
-        self.crash = crash
-        if len(self.trace) > mark:
-            recorded = self.trace[mark]
-            said = "" if recorded.outcome in ("", "ok") else f"{recorded.outcome}; then "
-            step = attrs.evolve(recorded, outcome=f"{said}{crash.describe()}", crash=crash)
-            del self.trace[mark:]
-        else:
-            step = TraceStep(op, args, crash.describe(), crash)
-        self.trace.append(step)
-        self.log(step.describe())
-        if isinstance(error, GuardTripped):
-            error.trace = list(self.trace)
-            error.config = self.config
+        self.crash = Crash.of(call, error)
+        self.log(record_crash(self.trace, mark, op, args, self.crash, error, self.config).describe())
 
     def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
         step = TraceStep(op, args, outcome)

@@ -6,6 +6,7 @@ raises where no scheduler expects it.  The guard turns each of these into an out
 command line reports with the trace up to the operation that misbehaved:
 
 * a call that runs longer than ``Limits.op_timeout`` raises ``TargetHung`` inside the target
+  (time spent importing modules excepted, up to ``IMPORT_ALLOWANCE``: vLLM imports lazily)
   (``SIGALRM`` from an interval timer; the handler raises between two bytecodes of whatever
   Python code the target is running);
 * a run whose resident memory grows past ``Limits.memory_cap_gib`` beyond what the process held
@@ -30,6 +31,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -42,6 +44,11 @@ from kvspec.spec.errors import Rejected, Unsupported
 
 GIB = 1024**3
 DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
+# A call that is importing modules is not hung: vLLM imports lazily (the first scheduler
+# construction imports vLLM and torch, an EAGLE shape's imports the speculative config's chain),
+# which took 71-114 s on a loaded two-core machine.  The time limit counts from the call's start
+# or the last module it imported, and a call may import for at most this much longer.
+IMPORT_ALLOWANCE = 600.0
 DEFAULT_MEMORY_CAP_GIB = 4.0
 TICK = 0.05  # seconds between samples while a call runs
 MEMORY_CHECK_EVERY = 8  # calls between two checks of the memory a run has added
@@ -143,6 +150,34 @@ def crash_site(error: BaseException) -> str:
     return f"{path}:{line}"
 
 
+# Whose code an exception escaped from (``raised_in_kvspec``): module prefixes of kvspec's own
+# code (the adapters, the machines and drivers, observation, hash learning), less kvspec's own
+# implementations under test in reference/ (targets when checked; ``reference/misbehaving.py``
+# raises on purpose).
+KVSPEC_MODULES = ("kvspec",)
+TARGET_MODULES = ("kvspec.reference",)
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def raised_in_kvspec(error: BaseException) -> bool:
+    """Whether ``error`` is a bug of kvspec rather than a crash of the target: the raising
+    frame (the innermost frame of its traceback outside the standard library, whose frames
+    belong to their caller) is kvspec's own code (``KVSPEC_MODULES`` less ``TARGET_MODULES``).
+    Any other raising frame is the target's: vLLM's, or that of an implementation defined
+    outside kvspec.  A limit the guard enforces (``GuardTripped``) is the target's."""
+    if isinstance(error, GuardTripped):
+        return False
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        module = str(frame.f_globals.get("__name__") or "")
+        if module.partition(".")[0] in sys.stdlib_module_names:
+            continue
+        return _under(module, KVSPEC_MODULES) and not _under(module, TARGET_MODULES)
+    return False
+
+
 def _module_path(frame: Any) -> str:
     """A path readable across installations: the frame's module as a file path."""
     module = frame.f_globals.get("__name__")
@@ -153,18 +188,18 @@ def _module_path(frame: Any) -> str:
     return f"{stem}/__init__.py" if filename.endswith("__init__.py") else f"{stem}.py"
 
 
-def crash_traceback(error: BaseException, limit: int = 12) -> list[str]:
+def crash_traceback(error: BaseException, limit: int | None = 12) -> list[str]:
     """The target's frames (those below the driver's and the guard's call into it), innermost
-    ``limit``, and the exception line, as text lines; without hypothesis' notes (the trace is
-    reported on its own)."""
+    ``limit`` (None: every frame, the callers' too: a bug of kvspec's own is in them), and the
+    exception line, as text lines; without hypothesis' notes (the trace is reported on its own)."""
     walked = list(traceback.walk_tb(error.__traceback__))
     cut = 0
     for i, (frame, _) in enumerate(walked):
-        if frame.f_globals.get("__name__") in _CALLERS:
+        if limit is not None and frame.f_globals.get("__name__") in _CALLERS:
             cut = i + 1
     summary = traceback.extract_tb(error.__traceback__)
     kept = summary[cut:] if cut < len(summary) else summary
-    frames = traceback.format_list(kept[-limit:])
+    frames = traceback.format_list(kept[-limit:] if limit is not None else kept)
     last = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
     head = last[:1] if last else [type(error).__name__]
     return [ln for chunk in frames for ln in chunk.rstrip("\n").splitlines()] + head
@@ -215,6 +250,8 @@ class Guard:
         self.notes: list[str] = []
         self._op: str | None = None
         self._start = 0.0
+        self._progress = 0.0  # when the running call last imported a module (or started)
+        self._modules = 0  # len(sys.modules) then
         self._baseline = 0
         self._armed = False
         self._timer = False
@@ -301,9 +338,14 @@ class Guard:
         if self.tripped is not None:
             raise self.tripped  # the target swallowed it (a bare except): raised again until it lets go
         timeout = self.limits.op_timeout
-        elapsed = time.monotonic() - self._start
-        if timeout is not None and elapsed >= timeout:
-            self._trip(TargetHung(op, timeout))
+        now = time.monotonic()
+        if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
+            self._modules, self._progress = len(sys.modules), now
+        if timeout is not None:
+            elapsed = now - self._start
+            idle = now - self._progress
+            if idle >= timeout or elapsed >= timeout + IMPORT_ALLOWANCE:
+                self._trip(TargetHung(op, timeout if idle >= timeout else elapsed))
         cap = self.limits.memory_cap_gib
         if cap is not None:
             grown = self.grown()
@@ -325,7 +367,8 @@ class Guard:
             raise self.tripped  # the target is abandoned: it is in no state to be called again
         if not self._armed:
             return fn(*args, **kw)
-        self._start = time.monotonic()
+        self._start = self._progress = time.monotonic()
+        self._modules = len(sys.modules)
         self._op = op
         try:
             result = fn(*args, **kw)
@@ -402,4 +445,5 @@ __all__ = [
     "TargetHung",
     "crash_site",
     "crash_traceback",
+    "raised_in_kvspec",
 ]

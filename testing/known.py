@@ -17,6 +17,7 @@ behind it.  The file is read with the standard library (``tomllib``).
 from __future__ import annotations
 
 import inspect
+import re
 import tomllib
 import traceback
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -29,10 +30,15 @@ from kvspec.spec.config import Config
 from kvspec.targets.registry import release_key
 
 from .driver import Driver, SpecViolation, TraceStep
+from .scheduler_driver import SchedulerDriver
+from .scheduler_machine import PolicyDifference
 
 SHIPPED = Path(__file__).with_name("known_findings.toml")
 UPSTREAM_DOCS = Path(__file__).resolve().parents[1] / "docs" / "upstream"  # <id>.md: ready-to-file write-ups
 CRASH = "crash"  # the invariant field of a target's exception
+# The invariant field of a scheduler that differs from its release's declared policy
+# (testing/scheduler_machine.py ``PolicyDifference``): no invariant is violated.
+DIFFERS = "differs"
 
 # Driver methods whose frames name the operation a crash happened in ("_swap" reads it from
 # its ``op`` argument; ``free_all`` frees one sequence at a time through ``free``).
@@ -44,6 +50,11 @@ _OP_CODES: dict[CodeType, str] = {
     inspect.unwrap(Driver.preempt).__code__: "preempt",
     inspect.unwrap(Driver.reset_prefix_cache).__code__: "reset_prefix_cache",
     Driver._swap.__code__: "_swap",
+    # The scheduler machine's driver (testing/scheduler_driver.py).
+    inspect.unwrap(SchedulerDriver.arrive).__code__: "arrive",
+    inspect.unwrap(SchedulerDriver.abort).__code__: "abort",
+    inspect.unwrap(SchedulerDriver.step).__code__: "step",
+    inspect.unwrap(SchedulerDriver.drain).__code__: "drain",
 }
 
 
@@ -55,12 +66,15 @@ class KnownFindingsError(ValueError):
 class Fingerprint:
     """What makes two failures the same bug."""
 
-    invariant: str  # an invariant ID, or "crash"
+    invariant: str  # an invariant ID, "crash" or "differs" (``DIFFERS``)
     operation: str  # the driver operation: admit, step, fork, free, preempt, swap_out, ...
-    exception: str = ""  # a crash's exception type name
-    location: str = ""  # a crash's innermost frame: "vllm/core/block/common.py:init_block"
+    exception: str = ""  # a crash's exception type name; what a policy difference compared
+    location: str = ""  # a crash's innermost frame ("vllm/core/block/common.py:init_block"); a
+    # policy difference's declared policy ID (reference/policies.py)
 
     def describe(self) -> str:
+        if self.invariant == DIFFERS:
+            return f"differs from declared policy {self.location}: {self.exception} in {self.operation}"
         where = f" {self.exception} at {self.location}" if self.exception else ""
         return f"{self.invariant} in {self.operation}{where}"
 
@@ -68,9 +82,10 @@ class Fingerprint:
         return attrs.asdict(self)
 
     def slug(self) -> str:
-        """A folder name: invariant and operation (and exception type)."""
+        """A folder name: invariant and operation (and exception type, or what a policy
+        difference compared), in letters, digits and dashes."""
         parts = [self.invariant, self.operation, self.exception]
-        return "-".join(p for p in parts if p).replace("_", "-").lower()
+        return re.sub(r"[^a-z0-9.]+", "-", "-".join(p for p in parts if p).lower()).strip("-")
 
 
 def _where(filename: str) -> str:
@@ -102,11 +117,15 @@ def crash_site(error: BaseException) -> tuple[str, str]:
 
 def fingerprint(error: BaseException, trace: Sequence[TraceStep] = ()) -> Fingerprint:
     """The fingerprint of a failing example's exception: a SpecViolation is its first
-    violation's invariant after the trace's last operation; anything else is a crash."""
+    violation's invariant after the trace's last operation; a PolicyDifference is what it
+    compared, after that operation, under the declared policy; anything else is a crash."""
     if isinstance(error, SpecViolation):
         steps = error.trace or list(trace)
         primary = error.violations[0].invariant if error.violations else "?"
         return Fingerprint(primary, steps[-1].op if steps else "teardown")
+    if isinstance(error, PolicyDifference):
+        steps = error.trace or list(trace)
+        return Fingerprint(DIFFERS, steps[-1].op if steps else "teardown", error.comparison.value, error.policy)
     operation, location = crash_site(error)
     return Fingerprint(CRASH, operation, type(error).__name__, location)
 
@@ -114,6 +133,8 @@ def fingerprint(error: BaseException, trace: Sequence[TraceStep] = ()) -> Finger
 def message_of(error: BaseException) -> str:
     if isinstance(error, SpecViolation):
         return "\n".join(str(v) for v in error.violations)
+    if isinstance(error, PolicyDifference):
+        return str(error)
     return f"{type(error).__name__}: {error}"
 
 

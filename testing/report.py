@@ -139,6 +139,8 @@ def load_report(path: Path) -> dict[str, Any]:
     for field in ("impl", "config", "trace"):
         if field not in data:
             raise ReportError(f"{path}: the report has no {field!r} field")
-    if data["config"] is None:
-        raise ReportError(f"{path}: the report records no configuration")
+    # A scheduler verdict (``machine`` "scheduler") records the scheduler's shape instead.
+    setting = "shape" if data.get("machine") == "scheduler" else "config"
+    if data.get(setting) is None:
+        raise ReportError(f"{path}: the report records no {'shape' if setting == 'shape' else 'configuration'}")
     return data

@@ -1,7 +1,8 @@
 """Re-running a recorded trace and comparing it with the record: what ``kvspec replay`` reports,
 and how a run names the operation a nondeterministic target answered differently.
 
-A re-run ends at the first check that finds a violation, at a crash of the target (the driver
+A re-run ends at the first check that finds a violation (or a policy difference, on the
+scheduler machine), at a crash of the target (the driver
 records the crashed step), or at a step the driver cannot apply because the target answered an
 earlier step differently (the trace diverged); otherwise it frees every sequence and checks.
 """
@@ -9,7 +10,7 @@ earlier step differently (the trace diverged); otherwise it frees every sequence
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from kvspec.spec.config import Config
@@ -29,21 +30,68 @@ class Rerun:
     crash: Crash | None = None  # the target crashed (at step ``len(trace)``; 0: while building)
     error: BaseException | None = None  # the exception of the crash, or of the unapplied step
     unapplied: str | None = None  # a step the driver could not apply: the trace diverged
+    # The scheduler machine's target differed from its release's declared policy, every
+    # invariant holding (testing/scheduler_machine.py ``PolicyDifference``).
+    difference: Exception | None = None
 
     @property
     def crash_step(self) -> int | None:
         return None if self.crash is None else len(self.trace)
 
 
+class Session(Protocol):
+    """A machine's driver as a re-run uses it: ``trace`` as performed, ``crash`` once the
+    target crashed (the driver records the crashed step)."""
+
+    trace: list[TraceStep]
+    crash: Crash | None
+
+    def apply(self, step: TraceStep) -> None: ...
+    def check(self) -> list[Violation]: ...
+    def finish(self) -> list[Violation]: ...
+
+
+class DriverSession:
+    """The block-manager driver (testing/driver.py) as a re-run's session: the trace ends by
+    freeing every sequence."""
+
+    def __init__(self, impl: Any, focus: Iterable[str] | None) -> None:
+        self.driver = Driver(impl, focus=focus)
+
+    @property
+    def trace(self) -> list[TraceStep]:
+        return self.driver.trace
+
+    @property
+    def crash(self) -> Crash | None:
+        return self.driver.crash
+
+    def apply(self, step: TraceStep) -> None:
+        apply_step(self.driver, step)
+
+    def check(self) -> list[Violation]:
+        return self.driver.check()
+
+    def finish(self) -> list[Violation]:
+        return self.driver.free_all()
+
+
+SessionFactory = Callable[[Any, Iterable[str] | None], Session]
+"""The implementation and the watched invariants -> a session (it observes the target first)."""
+
+
 def rerun(
-    factory: Callable[[Config], Any],
-    config: Config,
+    factory: Callable[[Any], Any],
+    config: Any,
     trace: Iterable[TraceStep],
     *,
     focus: Iterable[str] | None = None,
+    session: SessionFactory = DriverSession,
 ) -> Rerun:
-    """Build the implementation and run ``trace`` through the driver, checking after every step.
-    A configuration the target refuses (ConfigError, Unsupported) is raised to the caller."""
+    """Build the implementation and run ``trace`` through a session of its machine's driver
+    (the block manager's by default; the scheduler's: testing/scheduler_replay.py), checking
+    after every step.  A configuration the target refuses (ConfigError, Unsupported) is raised
+    to the caller."""
     try:
         impl = factory(config)
     except (ConfigError, Unsupported, KeyboardInterrupt):
@@ -51,31 +99,31 @@ def rerun(
     except BaseException as error:
         return Rerun([], crash=Crash.of("construct", error), error=error)
     try:
-        driver = Driver(impl, focus=focus)
+        driver = session(impl, focus)
     except KeyboardInterrupt:
         raise
     except BaseException as error:
         return Rerun([], crash=Crash.of("observe", error), error=error)
     for i, step in enumerate(trace, 1):
         try:
-            apply_step(driver, step)
+            driver.apply(step)
         except KeyboardInterrupt:
             raise
         except BaseException as error:
             return _stopped(driver, error, f"step {i} ({step.op})")
         found = driver.check()
-        if found:
-            return Rerun(list(driver.trace), found)
+        if found or getattr(driver, "difference", None) is not None:
+            return Rerun(list(driver.trace), found, difference=getattr(driver, "difference", None))
     try:
-        found = driver.free_all()
+        found = driver.finish()
     except KeyboardInterrupt:
         raise
     except BaseException as error:
-        return _stopped(driver, error, "freeing every sequence at the end")
-    return Rerun(list(driver.trace), found)
+        return _stopped(driver, error, "finishing every request at the end")
+    return Rerun(list(driver.trace), found, difference=getattr(driver, "difference", None))
 
 
-def _stopped(driver: Driver, error: BaseException, where: str) -> Rerun:
+def _stopped(driver: Session, error: BaseException, where: str) -> Rerun:
     if driver.crash is not None:
         return Rerun(list(driver.trace), crash=driver.crash, error=error)
     detail = str(error).strip().splitlines()[0] if str(error).strip() else ""

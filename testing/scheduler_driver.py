@@ -19,11 +19,13 @@ with its on-device count), not at the scheduler's optimistic ``num_computed_toke
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
+from hypothesis.errors import HypothesisException
 from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, GroupState, HybridState, check_hybrid, group_state, pool_state
 from kvspec.spec.invariants import Violation, admission_soundness, immutability
@@ -38,7 +40,8 @@ from kvspec.spec.kv_memory import (
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
 
-from .driver import TraceStep
+from .driver import TraceStep, _Target, record_crash, trace_args
+from .guard import Crash
 
 DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
 
@@ -79,13 +82,25 @@ class ShapeCounts:
 
 
 def _marks_crash(method: Callable) -> Callable:
+    """A driver operation whose target may crash: the operation is recorded as crashed (the
+    target's call, the exception, its file:line; ``driver.record_crash``), and nothing after."""
+    signature = inspect.signature(method)
+
     @functools.wraps(method)
     def wrapped(self: SchedulerDriver, *args: Any, **kwargs: Any) -> Any:
+        mark = len(self.trace)
+        self.target.escaped = None
         try:
             return method(self, *args, **kwargs)
-        except Exception as error:
-            if self.crashed is None:
+        except BaseException as error:
+            if self.crashed is None and not isinstance(error, HypothesisException | KeyboardInterrupt):
                 self.crashed = error
+                escaped = self.target.escaped
+                call = escaped[0] if escaped is not None and escaped[1] is error else method.__name__
+                step_args = trace_args(signature, (self, *args), kwargs)
+                crash = self.crash = Crash.of(call, error)
+                step = record_crash(self.trace, mark, method.__name__, step_args, crash, error, self.config)
+                self.log(step.describe())
             raise
 
     return wrapped
@@ -99,7 +114,8 @@ class SchedulerDriver:
         async_depth: int = 0,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self.target = target
+        # The target as the driver calls it: which call an exception escaped is remembered.
+        self.target = _Target(target)
         self.config = target.config
         self.async_depth = async_depth  # steps whose output is still in flight after a step
         self.log = log or (lambda _m: None)
@@ -116,7 +132,8 @@ class SchedulerDriver:
         self.counts: Counter = Counter()  # drafts, rejected, preempted, chunked, ...
         # The exception a target call raised (the run stops there: no teardown on a state the
         # target left half-updated, whose checks would only hide the crash).
-        self.crashed: Exception | None = None
+        self.crashed: BaseException | None = None
+        self.crash: Crash | None = None  # what escaped, as the crashed step records it
         self.partials: Counter = Counter()  # partial tails cached, promoted, retired
 
     # ------------------------------------------------------------ operations

@@ -46,6 +46,7 @@ import attrs
 from hypothesis import note, reject
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvspec.reference.policies import REFERENCE_OWN, Comparison, SchedulerPolicy, declared_for
 from kvspec.reference.scheduler import ReferenceScheduler
@@ -58,6 +59,7 @@ from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from .driver import SpecViolation, TraceStep
 from .generator_rules import block_relative, spare_blocks
 from .generator_rules import token as rule_token
+from .machine import StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
 from .strategies import admission_bytes, extra_from, prompt_from
@@ -432,8 +434,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         differential: Mode | None = None,
         diff_counts: DiffCounts | None = None,
         known: tuple[Divergence, ...] = SCHEDULER_KNOWN,
+        step_past: StepPast | None = None,
     ) -> None:
         super().__init__()
+        # Whether a failing example is discarded (True) rather than reported: cli/search.py's
+        # rounds step past what earlier rounds found (testing/machine.py ``StepPast``).
+        self.step_past = step_past
         self.differential = differential
         self.diff_counts = diff_counts if diff_counts is not None else DiffCounts()
         self.known = known
@@ -454,10 +460,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         shape = data.draw(self.shape_strategy, label="shape")
         note(f"shape: {shape!r}")
         try:
-            target = self.factory(shape)
+            self.start(shape)
         except ConfigError as err:
             note(f"shape not supported by the target: {err}")
             reject()
+
+    def start(self, shape: Shape) -> None:
+        """Build the target in ``shape`` (a ConfigError: the target refuses it) and its driver,
+        in lockstep with the reference scheduler when the differential is on.  ``build`` draws
+        the shape; a replay (testing/scheduler_replay.py) gives the recorded one."""
+        target = self.factory(shape)
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
         # Against vLLM, Mamba shapes run no differential: the reference scheduler does not cut
@@ -525,8 +537,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         difference = self.lockstep.compare_states()
         watched = found if self.focus is None else [v for v in found if v.invariant in self.focus]
         if difference is not None and not watched and self.focus is None:
-            self.failed = True
             difference.trace = list(self.d.trace)
+            self._failing(difference)
             raise difference
         return found
 
@@ -534,8 +546,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.focus is not None:
             found = [v for v in found if v.invariant in self.focus]
         if found:
-            self.failed = True
-            raise SpecViolation(found, self.d.trace)
+            error = SpecViolation(found, self.d.trace)
+            self._failing(error)
+            raise error
+
+    def _failing(self, error: BaseException) -> None:
+        """A failure: the step-past policy may discard the example instead (one it would go
+        on past, ``CONTINUE``, is discarded too: the scheduler machine does not go on)."""
+        self.failed = True
+        if self.step_past is not None and self.step_past(error, self.d):
+            reject()
 
     def teardown(self):
         if self.driver is None or self.shape is None:
@@ -543,11 +563,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.counts.add(self.shape.tags(), len(self.d.trace), self.d.cache_counts())
         if self.lockstep is not None:
             self.diff_counts.add(self.lockstep)
+        raised = sys.exc_info()[1]  # hypothesis tears down in a ``finally``: a rule that raised
+        verdicts = SpecViolation | PolicyDifference | HypothesisException
+        if isinstance(raised, Exception) and not isinstance(raised, verdicts):
+            if not self.failed:
+                self._failing(raised)  # a crash: the step-past policy sees it too
+            return
         if self.failed or self.d.crashed is not None:
             return  # a violation or a crash ended the example: its state is not a finished one
         # Not when hypothesis is abandoning the example (StopTest, a rejection): no verdict.
         abandoned = sys.exc_info()[1] is not None
-        if not abandoned and (self.focus is None or "progress" in self.focus):
-            # progress: with no new arrivals, the target's own loop finishes every request.
-            self._raise(drain(self.d, self._checks))
-        self._raise(self.d.finish())
+        try:
+            if not abandoned and (self.focus is None or "progress" in self.focus):
+                # progress: with no new arrivals, the target's own loop finishes every request.
+                self._raise(drain(self.d, self._checks))
+            self._raise(self.d.finish())
+        except (SpecViolation, PolicyDifference, HypothesisException):
+            raise
+        except Exception as error:  # a target crash in the drain: the step-past policy sees it too
+            self._failing(error)
+            raise

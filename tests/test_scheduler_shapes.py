@@ -90,20 +90,22 @@ def test_only_progress_sees_a_scheduler_that_waits_forever():
 
 
 def test_a_stalled_request_of_0_33_is_labelled_c3():
-    """``kvspec check`` labels a shapes-run violation by the shipped known findings of the
-    scheduler target: a lone request preempted at the startup minimum on 0.33.0 is C3."""
-    from kvspec.cli.shapes import SCHEDULER_IMPL, ShapesOutcome, label_known
+    """``kvspec check`` labels a scheduler verdict by the shipped known findings of the
+    scheduler target (the search's fingerprint and match, cli/search.py ``Sieve``): a lone
+    request preempted at the startup minimum on 0.33.0 is C3."""
+    from kvspec.cli.shapes import SCHEDULER_IMPL
     from kvspec.spec.invariants import Violation
     from kvspec.testing.driver import TraceStep
-    from kvspec.testing.known import SHIPPED, load_known
+    from kvspec.testing.known import SHIPPED, fingerprint, load_known, message_of, which_known
 
-    o = ShapesOutcome(
-        "violated",
-        ShapeCounts(),
-        violations=[Violation("progress", "seq 0 was preempted while no other sequence held a block, ...")],
-        trace=[TraceStep("arrive", {"seq": 0}), TraceStep("step", {})],
-    )
+    trace = [TraceStep("arrive", {"seq": 0}), TraceStep("step", {})]
+    stalled = Violation("progress", "seq 0 was preempted while no other sequence held a block, ...")
+    error = SpecViolation([stalled], trace)
     known = load_known([SHIPPED])
-    found = label_known(o, [k for k in known if k.concerns(SCHEDULER_IMPL, "0.33.0")])
-    assert found is not None and found.id == "C3"
-    assert label_known(o, [k for k in known if k.concerns(SCHEDULER_IMPL, "0.12.0")]) is None
+
+    def label(version: str):
+        concern = [k for k in known if k.concerns(SCHEDULER_IMPL, version)]
+        return which_known(concern, fingerprint(error), message_of(error), None, {s.op for s in trace})
+
+    assert label("0.33.0") is not None and label("0.33.0").id == "C3"
+    assert label("0.12.0") is None

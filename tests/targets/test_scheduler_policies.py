@@ -79,3 +79,53 @@ def test_the_declared_policy_plans_as_vllm_0_30_0_does():
     found = _run(EAGLE, "0.12.0", [([0], 2)]).difference
     assert found is not None and found.comparison == Comparison.HELD_BLOCKS, found
     assert (found.seq, found.group, found.target, found.reference) == (0, "full", 2, 1), found
+
+
+@requires_vllm("0.30.0", "0.30.0", pin="0.30.0")
+def test_a_policy_difference_is_reported_in_its_folder_and_replays(monkeypatch, tmp_path, capsys):
+    """``kvspec check``'s scheduler search (cli/shapes.py) on 0.30.0's scheduler with the
+    reference following 0.12.0's declared policy (no lookahead slots at admission): the
+    difference is a verdict of its own (kind ``differential``, exit 1), with a report folder
+    whose ``policy_difference`` names both releases' answers, and the report replays to the
+    same difference; under 0.30.0's own policy the same trace shows none."""
+    import json
+
+    from hypothesis import strategies as st
+    from kvspec.cli.common import EXIT_FOUND, EXIT_OK
+    from kvspec.cli.failures import replay_verdict
+    from kvspec.cli.shapes import run_scheduler_search, scheduler_factory, shapes_exit, write_scheduler_reports
+    from kvspec.testing import scheduler_machine
+    from kvspec.testing.report import trace_from_json
+    from kvspec.testing.rerun import rerun
+    from kvspec.testing.scheduler_replay import in_context, scheduler_session
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    other = declared_for("0.12.0")
+    monkeypatch.setattr(scheduler_machine, "declared_for", lambda _release: other)
+    factory = scheduler_factory()
+    run = run_scheduler_search(
+        factory, profile="ci", examples=20, steps=None, seed=1, focus=None, shape_strategy=st.just(EAGLE)
+    )
+    differs = [f for f in run.search.found if f.outcome.status == "differs"]
+    assert differs, [f.fingerprint for f in run.search.found]
+    assert shapes_exit(0, run) == EXIT_FOUND
+    entries = write_scheduler_reports(run, tmp_path, 1, lambda: {"target": {}, "command": [], "limits": {}}, "")
+    printed = capsys.readouterr().out
+    assert "differs from vLLM 0.30.0's declared policy" in printed and "VIOLATED" not in printed
+    entry = entries[run.search.found.index(differs[0])]
+    assert entry["kind"] == "differential" and entry["fingerprint"]["invariant"] == "differs"
+    report = json.loads(open(entry["report"]).read())
+    pd = report["policy_difference"]
+    assert report["outcome"] == "differs" and report["violations"] == []
+    assert (pd["release"], pd["policy"]) == ("0.30.0", other.id), pd
+    assert (tmp_path / entry["report"]).parent.joinpath("trace.txt").exists()
+    shape, trace = Shape(**report["shape"]), trace_from_json(report["trace"])
+    session = scheduler_session(shape, Mode(report["differential_mode"]))
+    again = in_context(lambda: rerun(factory, shape, trace, session=session))
+    assert again.difference is not None and str(again.difference) == pd["message"], again
+    assert replay_verdict(report, trace, again, True) == EXIT_FOUND
+    assert "the recorded difference reproduces" in capsys.readouterr().out
+    monkeypatch.undo()
+    own = in_context(lambda: rerun(factory, shape, trace, session=session))
+    assert own.difference is None and not own.violations, own
+    assert replay_verdict(report, trace, own, False) == EXIT_OK

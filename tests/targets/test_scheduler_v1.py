@@ -132,31 +132,66 @@ def test_091_v1_s4a_window_crash_is_found_from_scratch(adapter):
     assert where.path.name == "block_pool.py" and "cache_full_blocks" in str(where.name), crash
 
 
+# FINDINGS V1-S2a's neighbourhood: full attention + a sliding window, both B=2, async
+# scheduling with EAGLE drafts, no prefix caching.
+V1_S2A_NEIGHBOURHOOD = st.builds(
+    Shape,
+    block_size=st.just(2),
+    swa_block_size=st.just(2),
+    sliding_window=st.integers(2, 5),
+    extra_blocks=st.sampled_from([0, 4]),
+    prefix_caching=st.just(False),
+    num_spec_tokens=st.integers(1, 3),
+    async_scheduling=st.just(True),
+    max_num_batched_tokens=st.just(16),
+    max_model_len=st.just(16),
+    full_sequence_must_fit=st.just(False),
+    max_tokens=st.sampled_from([4, 8]),
+    eagle=st.just(True),
+)
+
+
 @on_012
 def test_012_v1_s2a_async_drafts_free_window_blocks_still_read(adapter):
     """FINDINGS V1-S2a: under async scheduling with EAGLE drafts, 0.12.0 frees a sliding
     window's blocks by the scheduler's optimistic count (drafts in flight counted as accepted,
     kv_cache_manager.py:265); when the drafts are rejected the next token's window reaches back
     into a freed block.  Fixed upstream by vllm#47728 (frees on the processed-token basis)."""
-    within = st.builds(
-        Shape,
-        block_size=st.just(2),
-        swa_block_size=st.just(2),
-        sliding_window=st.integers(2, 5),
-        extra_blocks=st.sampled_from([0, 4]),
-        prefix_caching=st.just(False),
-        num_spec_tokens=st.integers(1, 3),
-        async_scheduling=st.just(True),
-        max_num_batched_tokens=st.just(16),
-        max_model_len=st.just(16),
-        full_sequence_must_fit=st.just(False),
-        max_tokens=st.sampled_from([4, 8]),
-        eagle=st.just(True),
-    )
     with pytest.raises(SpecViolation) as caught:
-        run_state_machine_as_test(lambda: SchedulerMachine(adapter, within), settings=_settings(60))
+        run_state_machine_as_test(lambda: SchedulerMachine(adapter, V1_S2A_NEIGHBOURHOOD), settings=_settings(60))
     found = {v.invariant for v in caught.value.violations}
     assert "kv-readback" in found, caught.value
+
+
+@on_012
+def test_012_v1_s2a_is_reported_by_its_known_finding_and_replays(adapter, tmp_path, capsys):
+    """``kvspec check``'s scheduler search (cli/shapes.py) in V1-S2a's neighbourhood on 0.12.0:
+    the shipped fingerprint steps it past, then reports it as V1-S2a with its own shrunk trace
+    and a report that ``kvspec replay``'s loop reproduces on 0.12.0's scheduler."""
+    import json
+
+    from kvspec.cli.shapes import SCHEDULER_IMPL, run_scheduler_search, write_scheduler_reports
+    from kvspec.testing.differential import Mode
+    from kvspec.testing.known import SHIPPED, load_known
+    from kvspec.testing.report import trace_from_json
+    from kvspec.testing.rerun import rerun
+    from kvspec.testing.scheduler_replay import in_context, scheduler_session
+
+    known = [k for k in load_known([SHIPPED]) if k.concerns(SCHEDULER_IMPL, "0.12.0")]
+    run = run_scheduler_search(
+        adapter, known=known, profile="ci", examples=60, steps=None, seed=1, focus=None,
+        shape_strategy=V1_S2A_NEIGHBOURHOOD,
+    )
+    assert run.search.fired["V1-S2a"] > 0
+    s2a = [f for f in run.search.found if f.known is not None and f.known.id == "V1-S2a"]
+    assert s2a, [f.fingerprint for f in run.search.found]
+    entries = write_scheduler_reports(run, tmp_path, 1, lambda: {"target": {}, "command": [], "limits": {}}, "")
+    report = json.loads(open(entries[run.search.found.index(s2a[0])]["report"]).read())
+    assert report["verdict"]["known_finding"] == "V1-S2a"
+    shape, trace = Shape(**report["shape"]), trace_from_json(report["trace"])
+    session = scheduler_session(shape, Mode(report["differential_mode"]))
+    again = in_context(lambda: rerun(adapter, shape, trace, session=session))
+    assert "kv-readback" in {v.invariant for v in again.violations}, again
 
 
 # FINDINGS V1-S2b: full attention + chunked-local C=2, both B=2, prefix caching, async
