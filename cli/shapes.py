@@ -306,7 +306,8 @@ def differential_line(d: DiffCounts) -> str:
     return (
         f"differential vs the reference scheduler ({DIFFERENTIAL_MODE.value}{policy}): {d.examples} "
         f"examples, {d.steps} steps and {d.states} states compared; divergences allowed: "
-        f"{allowed}; compared to the end in {d.examples - ended} examples"
+        f"{allowed}; compared to the end in {d.to_end} of {d.examples} examples ({d.hit_examples_to_end} of the "
+        f"{d.hit_examples} with a prefix hit; {d.hits} hits compared)"
         + (f", ended early in {ended} ({why})" if ended else "")
     )
 
@@ -385,6 +386,8 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
             "states_compared": o.differential.states,
             "divergences_allowed": dict(sorted(o.differential.allowed.items())),
             "ended_early": dict(sorted(o.differential.ended.items())),
+            "compared_to_end": o.differential.to_end,
+            "prefix_hits_compared": o.differential.hits,
             "policy": None if o.differential.policy is None else o.differential.policy.id,
             "undeclared": o.differential.undeclared,
             "not_compared": not_compared_lines(o.differential),

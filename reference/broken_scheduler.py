@@ -219,6 +219,27 @@ class OverReserve(ReferenceScheduler):
         return super()._slots_for(req, end, group) + (group == self.group_specs[0])
 
 
+class EvictsNewestFirst(ReferenceScheduler):
+    """Prefix caching: every freed block goes to the head of the free queue, so the allocator
+    evicts the most recently freed cached content first instead of the least recently used.
+    A legitimate cache -- every hit it finds is real, every state sound -- that keeps other
+    blocks cached than the reference (and vLLM) do, and so misses hits they find, or finds hits
+    they miss.  Only the differential past a prefix hit sees it."""
+
+    name = "evicts-newest-first"
+
+    def _free(self, blocks) -> None:
+        queued = set(self.free)
+        super()._free(blocks)
+        freed = [b for b in self.free if b not in queued]
+        self.free = freed + [b for b in self.free if b in queued]
+
+
+PREFIX_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {EvictsNewestFirst.name: EvictsNewestFirst}
+"""Broken prefix caches no invariant catches and the differential does, once it compares past
+prefix hits: what differs first (a hit's start, the requests a step fits, the blocks held) is
+the first step their caches part on."""
+
 DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
     SerialAdmission.name: (SerialAdmission, Comparison.SCHEDULED),
     OverReserve.name: (OverReserve, Comparison.HELD_BLOCKS),
@@ -226,4 +247,4 @@ DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
 """Broken schedulers no invariant catches and the differential does (as a difference from the
 reference's own policy), with what it compares when it finds them."""
 
-__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "BrokenScheduler"]
+__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "PREFIX_CACHE_ONLY", "BrokenScheduler"]

@@ -80,6 +80,28 @@ class SchedulerPolicy:
     # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two);
     # False: plus one batch's.
     admission_cap_all_batches: Choice
+    # With prefix caching: a freed block that holds no cached content goes to the head of the
+    # free queue, to be reused first (False: to its tail, as a cached one does).
+    uncached_freed_first: Choice
+    # With prefix caching and a second group of sliding-window layers: such a group caches only
+    # the blocks a hit at a multiple of the scheduler's block size can use, the window's blocks
+    # before each multiple (False: every full block).  That is the dense retention
+    # (``KVCacheConfig.prefix_cache_retention_interval`` None) the scheduler adapter configures
+    # (adapters/v1_scheduler.py builds the KVCacheConfig with its default); the engine passes
+    # ``CacheConfig``'s 0 instead (0.33.0 kv_cache_planning.py:665-667), which keeps only the
+    # replay boundary's blocks, and the reference does not model that.
+    sparse_window_cache: Choice
+    # With prefix caching, an EAGLE head that drops a hit's last block, and two groups: each
+    # group's lookup reaches one block past the candidate hit before dropping the block (False:
+    # it looks up to the candidate, then drops).
+    # With prefix caching and two groups: each group caches the blocks of the computed tokens
+    # rounded down to the scheduler's block size, the length every hit is a multiple of (with an
+    # EAGLE drop, a block more); False: the blocks of every computed token.
+    hybrid_caches_aligned: Choice
+    eagle_looks_further: Choice
+    # ... and that reach may pass the request's tokens less one (up to its last full block);
+    # False: it stops there.
+    eagle_looks_past_hit_limit: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -99,6 +121,11 @@ class SchedulerPolicy:
             "pad_admissions": self.pad_admissions,
             "free_by_processed": self.free_by_processed,
             "admission_cap_all_batches": self.admission_cap_all_batches,
+            "uncached_freed_first": self.uncached_freed_first,
+            "sparse_window_cache": self.sparse_window_cache,
+            "hybrid_caches_aligned": self.hybrid_caches_aligned,
+            "eagle_looks_further": self.eagle_looks_further,
+            "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
         }
 
     def span(self) -> str:
@@ -107,6 +134,9 @@ class SchedulerPolicy:
 
 _SCHED = "vllm/v1/core/sched/scheduler.py"
 _KVM = "vllm/v1/core/kv_cache_manager.py"
+_POOL = "vllm/v1/core/block_pool.py"
+_SINGLE = "vllm/v1/core/single_type_kv_cache_manager.py"
+_COORD = "vllm/v1/core/kv_cache_coordinator.py"
 
 DECLARED: tuple[SchedulerPolicy, ...] = (
     SchedulerPolicy(
@@ -122,6 +152,14 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
         # refuses full_sequence_must_fit shapes on this release), so the cap never applies.
         admission_cap_all_batches=Choice(False, "vllm/config/scheduler.py:28-50"),
+        # free_blocks appends every block whose refcount drops to 0 to the queue's tail.
+        uncached_freed_first=Choice(False, f"{_POOL}:384-398"),
+        # cache_blocks caches every full block (num_tokens // block_size) of every group.
+        sparse_window_cache=Choice(False, f"{_SINGLE}:147-171"),
+        hybrid_caches_aligned=Choice(False, f"{_COORD}:147-158"),
+        # The full group looks up to max_cache_hit_length, the other group up to its hit.
+        eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:470-500"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -134,6 +172,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
         # likewise, :388-392), passed in by single_type_kv_cache_manager.py:1159-1164.
         admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
+        uncached_freed_first=Choice(False, f"{_POOL}:408-422"),
+        sparse_window_cache=Choice(False, f"{_SINGLE}:273-297"),
+        hybrid_caches_aligned=Choice(False, f"{_COORD}:187-198"),
+        # min(curr_hit_length + spec.block_size, max_cache_hit_length).
+        eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -147,6 +191,14 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
         # kv_cache_interface.py:835-842 adds to the window.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:602-610"),
+        # Uncached blocks are prepended (LIFO reuse), cached ones appended (LRU eviction).
+        uncached_freed_first=Choice(True, f"{_POOL}:779-798"),
+        # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
+        # cache_full_blocks: only the needed blocks before each aligned boundary.
+        sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
+        hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
+        eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
+        eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -157,6 +209,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         free_by_processed=Choice(True, f"{_KVM}:564-568"),
         # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
+        uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
+        sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
+        hybrid_caches_aligned=Choice(True, f"{_COORD}:777-803"),
+        # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
+        eagle_looks_further=Choice(True, f"{_COORD}:869-887"),
+        eagle_looks_past_hit_limit=Choice(True, f"{_COORD}:869-887"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

@@ -8,21 +8,42 @@ budget per step, preemption by recompute of the newest running request, draft to
 every decode step, output placeholders under async scheduling, one table per (request,
 group), sliding-window groups dropping the blocks before the window of the worker's
 processed position, and recurrent-state (Mamba) groups holding the block of the processed
-state and the block each step leaves its state in.  No prefix caching (a hit is the manager's business, and
-reference/manager.py models it): ``Shape.prefix_caching`` is ignored here.
+state and the block each step leaves its state in.
+
+With ``Shape.prefix_caching`` (attention groups only; a Mamba shape caches nothing here), full
+blocks are cached under their keys per group as they are computed (reference/prefix_cache.py),
+a request admitted with nothing computed starts at its longest hit (every group agreeing on
+one length, a multiple of the scheduler's block size, at most the prompt less one token), and
+the free queue is vLLM's: the allocator takes its head and forgets the key of a cached block it
+takes, a freed block goes to its tail (an uncached one to its head under ``uncached_freed_first``),
+a hit takes its blocks back out of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.groups import GroupSpec, GroupState, HybridState, Plan, Scheduled, Shape
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
 from kvspec.spec.state import Device, PoolView, TableView
-from kvspec.spec.window import blocks_for_tokens
+from kvspec.spec.window import blocks_for_tokens, ceil_div
 
 from .policies import REFERENCE_OWN, SchedulerPolicy
+from .prefix_cache import PrefixCache, block_key, chunk_hit, full_hit, sparse_window_mask, window_hit
+
+
+@attrs.frozen
+class Hit:
+    """A waiting request's prefix hit: its length in tokens and, per group, the table it
+    starts with (None: a block the group's layers no longer read)."""
+
+    length: int
+    tables: tuple[tuple[int | None, ...], ...]
+
+
+NO_HIT = Hit(0, ())
 
 
 @attrs.define
@@ -39,6 +60,9 @@ class _Req:
     running: bool = False
     preemptions: int = 0  # output of a step planned before a preemption is stale: dropped
     prefill_chunk: bool = False  # its last step left prompt to compute
+    extra: ExtraKeys = NO_EXTRA  # its domain (cache salt, LoRA adapter): part of every block key
+    cached: list[int] = attrs.Factory(list)  # per group: table slots already cached (or skipped)
+    hit: Hit | None = None  # the prefix hit its admission is adopting (``_grow`` takes it)
 
     def known(self) -> int:
         return len(self.tokens) + self.placeholders
@@ -46,6 +70,7 @@ class _Req:
 
 class NoRoom(Exception):
     """The pool cannot hold a step's blocks."""
+
 
 
 class ReferenceScheduler:
@@ -59,6 +84,8 @@ class ReferenceScheduler:
         max_num_seqs: int | None = None,
         num_lookahead_tokens: int | None = None,
         policy: SchedulerPolicy = REFERENCE_OWN,
+        drop_eagle_block: bool | None = None,
+        hash_lookahead: int | None = None,
     ) -> None:
         """``num_blocks``, ``max_num_seqs`` (running requests at most) and
         ``num_lookahead_tokens`` are those of a target the reference runs beside (the
@@ -67,8 +94,12 @@ class ReferenceScheduler:
         its pool itself, runs any number of requests and reserves as 0.33.0 does.  ``policy``:
         the scheduling choices of the release it stands for (reference/policies.py: lookahead
         slots at admission, uniform-decode padding, the count out-of-window blocks are dropped
-        by, the batches in flight the admission cap counts); alone, its own (the newest declared
-        release's)."""
+        by, the batches in flight the admission cap counts, where freed blocks go in the free
+        queue, which sliding-window blocks are cached); alone, its own (the newest declared
+        release's).  ``drop_eagle_block`` (every prefix hit loses its last block to the EAGLE
+        head) and ``hash_lookahead`` (tokens after a block its key also covers) are the
+        target's configuration, as ``num_lookahead_tokens``; alone, as 0.33.0 configures an
+        EAGLE head (``Shape.lookahead_hashes`` chooses)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -91,10 +122,19 @@ class ReferenceScheduler:
         self.pad_admissions = policy.pad_admissions.value
         self.free_by_processed = policy.free_by_processed.value
         self.admission_cap_all_batches = policy.admission_cap_all_batches.value
+        eagle = shape.eagle and shape.num_spec_tokens > 0
+        self.drop_eagle_block = eagle and not shape.lookahead_hashes if drop_eagle_block is None else drop_eagle_block
+        self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
+        # Mamba groups cache states at chunk ends the reference does not cut: no cache there.
+        self.cache = PrefixCache() if shape.prefix_caching and not shape.mamba else None
+        # Hits are whole multiples of every group's block size (vLLM: the scheduler block size).
+        self.alignment = shape.scheduler_block_size
+        self.extra_kinds = frozenset({"cache_salt", "lora"}) if self.cache is not None else frozenset()
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
         self.reqs: dict[int, _Req] = {}
+        self.hits = 0  # admissions that started at a prefix hit
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._step = 0
@@ -111,8 +151,8 @@ class ReferenceScheduler:
 
     # ------------------------------------------------------------ requests
 
-    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int) -> None:
-        self.reqs[seq_id] = _Req(seq_id, list(tokens), max_tokens)
+    def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA) -> None:
+        self.reqs[seq_id] = _Req(seq_id, list(tokens), max_tokens, extra=extra)
         self.waiting.append(seq_id)
 
     def abort(self, seq_id: int) -> None:
@@ -139,21 +179,32 @@ class ReferenceScheduler:
         if not self.free:
             raise NoRoom
         block = self.free.pop(0)
+        if self.cache is not None:
+            self.cache.evict(block)
         self.refcounts[block] = 1
         self.epochs[block] += 1
         return block
 
-    def _decref(self, block: int) -> None:
-        self.refcounts[block] -= 1
-        if self.refcounts[block] == 0:
-            self.free.append(block)
+    def _free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each of ``blocks``, in eviction order (the first to go first).
+        The unreferenced ones join the free queue's tail; the uncached ones its head instead
+        under ``uncached_freed_first`` (they can never be hit, so they are reused first)."""
+        first: list[int] = []
+        last: list[int] = []
+        for block in blocks:
+            self.refcounts[block] -= 1
+            if self.refcounts[block] == 0:
+                cached = self.cache is not None and self.cache.holds(block)
+                (last if cached or not self.policy.uncached_freed_first.value else first).append(block)
+        self.free[:0] = first
+        self.free.extend(last)
 
     def _release(self, req: _Req) -> None:
+        # Each group's blocks last to first: the tail of a sequence is the least likely to be hit.
         for table in req.tables:
-            for block in reversed(table):
-                if block is not None:
-                    self._decref(block)
+            self._free([b for b in reversed(table) if b is not None])
         req.tables = []
+        req.cached = []
 
     def _first_needed(self, req: _Req, group: GroupSpec) -> int:
         """The first position the worker still reads: the window (or the attention chunk) of
@@ -169,11 +220,21 @@ class ReferenceScheduler:
             req.tables = [[] for _ in self.group_specs]
         for table, group in zip(req.tables, self.group_specs, strict=True):
             if group.local:
+                # Last to first, down to the first slot already dropped (a state group's table
+                # has null slots between its blocks: all of them are passed).
                 first = self._first_needed(req, group) // group.block_size
-                for i in range(min(first, len(table))):
+                dropped = []
+                for i in range(min(first, len(table)) - 1, -1, -1):
+                    if table[i] is None and not group.state:
+                        break
                     if table[i] is not None:
-                        self._decref(table[i])
+                        dropped.append(table[i])
                         table[i] = None
+                self._free(dropped)
+        hit, req.hit = req.hit, None
+        if hit is not None:
+            self._adopt(req, end, hit)
+            return
         need = sum(
             min(1, max(0, self._slots_for(req, end, g) - len(t)))
             if g.state
@@ -191,6 +252,141 @@ class ReferenceScheduler:
                 table.append(self._allocate())
             while len(table) < slots:
                 table.append(self._allocate())
+
+    def _decref(self, block: int) -> None:
+        self._free([block])
+
+    # ------------------------------------------------------------ prefix cache
+
+    def _lookup(self, req: _Req, gi: int) -> Callable[[int], int | None]:
+        """Group ``gi``'s cached block for block ``i`` of the request's tokens."""
+        cache = self.cache
+        assert cache is not None
+        size = self.group_specs[gi].block_size
+
+        def lookup(i: int) -> int | None:
+            key = block_key(req.tokens, (i + 1) * size, req.extra, self.hash_lookahead)
+            return None if key is None else cache.lookup(gi, key)
+
+        return lookup
+
+    def _hashed_tokens(self, req: _Req) -> int:
+        """Tokens covered by the request's block keys: whole blocks of the smallest block size,
+        each with its ``hash_lookahead`` tokens after it known."""
+        size = min(g.block_size for g in self.group_specs)
+        return (len(req.tokens) - self.hash_lookahead) // size * size
+
+    def _find_hit(self, req: _Req) -> Hit:
+        """The longest prefix every group has cached, at most the request's tokens less one (its
+        last token is computed for the logits), a multiple of ``alignment``.  Full attention
+        looks first; the second group looks up to the full group's hit and sets the length;
+        the full group's blocks are cut to it.  An EAGLE drop takes one block off each group's
+        run; with two groups, under ``eagle_looks_further``, each looks one block further first
+        (up to the request's last full block under ``eagle_looks_past_hit_limit``, else up to
+        its tokens less one)."""
+        if self.cache is None or req.computed:
+            return NO_HIT
+        groups = self.group_specs
+        full = groups[0]
+        drop = self.drop_eagle_block
+        limit = len(req.tokens) - 1
+        further = drop and len(groups) > 1 and self.policy.eagle_looks_further.value
+        cap = self._hashed_tokens(req) if self.policy.eagle_looks_past_hit_limit.value else limit
+        if further:
+            limit = min(limit + full.block_size, cap)
+        blocks: list[int | None] = list(full_hit(self._lookup(req, 0), limit // full.block_size))
+        length = len(blocks) * full.block_size
+        if drop and length:
+            length -= min(self.alignment, full.block_size)
+        length -= length % self.alignment
+        tables: list[tuple[int | None, ...]] = [()] * len(groups)
+        for gi, group in enumerate(groups[1:], start=1):
+            limit = min(length + group.block_size, cap) if further else length
+            lookup = self._lookup(req, gi)
+            if group.sliding_window is not None:
+                found = window_hit(
+                    lookup, limit // group.block_size, group.block_size, group.sliding_window, self.alignment, drop
+                )
+            else:
+                chunk = group.attention_chunk_size
+                assert chunk is not None
+                found = chunk_hit(lookup, limit // group.block_size, limit // chunk * chunk // group.block_size)
+            length = len(found) * group.block_size
+            tables[gi] = tuple(found)
+        tables[0] = tuple(blocks[: ceil_div(length, full.block_size)])
+        return Hit(length, tuple(tables)) if length else NO_HIT
+
+    def _skipped_blocks(self, computed: int, group: GroupSpec) -> int:
+        return group.first_attended(computed) // group.block_size if group.local else 0
+
+    def _hit_need(self, hit: Hit, slots: int, gi: int) -> int:
+        """Free blocks a hit's admission takes in group ``gi`` to hold ``slots`` table slots: the
+        new blocks past the hit's (or past the blocks its window skips), and the hit blocks it
+        takes back out of the free queue."""
+        group = self.group_specs[gi]
+        table = hit.tables[gi] if hit.tables else ()
+        skipped = self._skipped_blocks(hit.length, group)
+        new = max(slots - max(skipped, len(table)), 0)
+        return new + sum(b is not None and self.refcounts[b] == 0 for b in table[skipped:])
+
+    def _adopt(self, req: _Req, end: int, hit: Hit) -> None:
+        """Admit ``req`` with ``hit``: all or nothing, its hit blocks (those its windows still
+        read) taken from the free queue first, then new blocks up to ``end``."""
+        slots = [self._slots_for(req, end, g) for g in self.group_specs]
+        if sum(self._hit_need(hit, n, gi) for gi, n in enumerate(slots)) > len(self.free):
+            raise NoRoom
+        for gi, (table, group) in enumerate(zip(req.tables, self.group_specs, strict=True)):
+            found = hit.tables[gi]
+            skipped = self._skipped_blocks(hit.length, group)
+            table[:] = [None] * skipped + list(found[skipped:])
+            for block in table:
+                if block is None:
+                    continue
+                if self.refcounts[block] == 0:
+                    self.free.remove(block)
+                self.refcounts[block] += 1
+            req.cached.append(len(table))
+        for table, n in zip(req.tables, slots, strict=True):
+            while len(table) < n:
+                table.append(self._allocate())
+
+    def _cacheable(self, tokens: int, group: GroupSpec) -> int:
+        """Tokens ``group`` caches the blocks of: under ``hybrid_caches_aligned``, with two groups,
+        those before the last multiple of ``alignment`` (hits are such multiples), and one block
+        more for an EAGLE drop (which looks a block past the hit)."""
+        if len(self.group_specs) == 1 or not self.policy.hybrid_caches_aligned.value:
+            return tokens
+        aligned = tokens - tokens % self.alignment
+        if self.drop_eagle_block and aligned:
+            return min(tokens, aligned + group.block_size)
+        return aligned
+
+    def _cache_blocks(self, req: _Req, tokens: int) -> None:
+        """Cache the request's full blocks of its first ``tokens`` tokens (computed, no drafts),
+        group by group, past those already cached; a sliding-window group under
+        ``sparse_window_cache`` caches only the blocks a hit can use."""
+        cache = self.cache
+        if cache is None:
+            return
+        if not req.cached:
+            req.cached = [0] * len(self.group_specs)
+        hashed = self._hashed_tokens(req)
+        for gi, (table, group) in enumerate(zip(req.tables, self.group_specs, strict=True)):
+            full = min(self._cacheable(tokens, group), hashed) // group.block_size
+            start = req.cached[gi]
+            if start >= full:
+                continue
+            mask = [True] * (full - start)
+            if group.sliding_window is not None and len(self.group_specs) > 1 and self.policy.sparse_window_cache.value:
+                mask = sparse_window_mask(
+                    start, full, group.block_size, group.sliding_window, self.alignment, self.drop_eagle_block
+                )
+            for i, keep in zip(range(start, full), mask, strict=True):
+                block = table[i]
+                key = block_key(req.tokens, (i + 1) * group.block_size, req.extra, self.hash_lookahead)
+                if block is not None and keep and key is not None:
+                    cache.insert(gi, key, block)
+            req.cached[gi] = full
 
     # ------------------------------------------------------------ a step
 
@@ -217,30 +413,48 @@ class ReferenceScheduler:
         prompt = len(req.tokens) - req.outputs
         return req.placeholders > 0 and req.computed + 2 - req.placeholders >= prompt + req.max_tokens
 
-    def _padded(self, req: _Req, budget: int, running_scheduled: bool) -> tuple[int, tuple[int, ...]] | None:
+    def _padded(
+        self, req: _Req, budget: int, running_scheduled: bool, hit: int = 0
+    ) -> tuple[int, tuple[int, ...]] | None:
         """A request admitted with one token to compute while others decode is padded with
         ``num_spec_tokens`` placeholder drafts, so the batch decodes uniformly (vLLM 0.33.0
         scheduler.py:1308-1330: not beside a prefill chunk, only within max_model_len).  ``(0,
         ())`` when the padded step does not fit the budget (vLLM then admits nobody more);
-        None when no padding applies."""
+        None when no padding applies.  ``hit``: the prefix hit it is admitted with."""
         k = self.shape.num_spec_tokens if self.pad_admissions else 0
-        if not k or req.known() - req.computed != 1 or not (running_scheduled or req.computed):
+        computed = req.computed + hit
+        if not k or req.known() - computed != 1 or not (running_scheduled or computed):
             return None
-        if req.computed + 1 + k + 1 > self.shape.max_model_len:
+        if computed + 1 + k + 1 > self.shape.max_model_len:
             return None
         return (0, ()) if 1 + k > budget else (1 + k, (-1,) * k)
 
     def _schedule_one(
-        self, req: _Req, budget: int, planned: tuple[int, tuple[int, ...]] | None = None
+        self,
+        req: _Req,
+        budget: int,
+        planned: tuple[int, tuple[int, ...]] | None = None,
+        hit: Hit = NO_HIT,
     ) -> Scheduled | None:
-        n, drafts = self._tokens_for(req, budget) if planned is None else planned
-        if n < 1:
-            return None
         fresh = req.computed == 0
-        lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
-        # Slots beyond max_model_len are never reserved, lookahead included (vLLM caps the tokens
-        # needing a slot there: kv_cache_manager.py:272-275 in 0.12.0, :551-553 in 0.33.0).
-        self._grow(req, min(req.computed + n + lookahead, self.shape.max_model_len))
+        req.computed += hit.length
+        try:
+            n, drafts = self._tokens_for(req, budget) if planned is None else planned
+            if n < 1:
+                req.computed -= hit.length
+                return None
+            lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
+            # Slots beyond max_model_len are never reserved, lookahead included (vLLM caps the
+            # tokens needing a slot there: kv_cache_manager.py:272-275 in 0.12.0, :551-553 in 0.33.0).
+            req.hit = hit if hit.length else None
+            self._grow(req, min(req.computed + n + lookahead, self.shape.max_model_len))
+        except NoRoom:
+            req.computed -= hit.length
+            req.hit = None
+            raise
+        self.hits += hit.length > 0
+        # Only the tokens the request knows are cached, not drafts or placeholders.
+        self._cache_blocks(req, min(req.computed + n, len(req.tokens)))
         start = req.computed
         req.computed += n
         req.in_flight += n
@@ -250,17 +464,24 @@ class ReferenceScheduler:
         req.drafts = []
         return Scheduled(req.seq_id, start, n, len(drafts), drafts)
 
-    def _admissible(self, req: _Req) -> bool:
+    def _admissible(self, req: _Req, hit: Hit = NO_HIT) -> bool:
         """``full_sequence_must_fit`` (``scheduler_reserve_full_isl``): a waiting request is
         admitted only if the pool's free blocks hold its whole sequence so far
         (spec/admission.py ``AdmissionPolicy``; vLLM 0.33.0 kv_cache_manager.py:531-548).  A
         local group's share is capped at what it can hold at its peak: the window (or chunk)
         plus every token in flight, as vLLM's startup sizing counts it
-        (kv_cache_interface.py ``max_admission_blocks_per_request``, :864-881, :918-943)."""
+        (kv_cache_interface.py ``max_admission_blocks_per_request``, :864-881, :918-943).  A
+        prefix hit's blocks count as held, but those it takes out of the free queue as taken."""
         if not self.shape.full_sequence_must_fit:
             return True
         tokens = min(len(req.tokens), self.shape.max_model_len)
-        return sum(self._admission_blocks(tokens, g) for g in self.group_specs) <= len(self.free)
+        if hit.length:
+            need = sum(
+                self._hit_need(hit, self._admission_blocks(tokens, g), gi) for gi, g in enumerate(self.group_specs)
+            )
+        else:
+            need = sum(self._admission_blocks(tokens, g) for g in self.group_specs)
+        return need <= len(self.free)
 
     def _admission_blocks(self, tokens: int, group: GroupSpec) -> int:
         blocks = blocks_for_tokens(tokens, group.block_size)
@@ -318,11 +539,12 @@ class ReferenceScheduler:
         running_scheduled = bool(scheduled)
         while self.waiting and budget > 0 and not preempted and not self._full():
             req = self.reqs[self.waiting[0]]
-            padded = None if prefill_scheduled else self._padded(req, budget, running_scheduled)
-            if padded == (0, ()) or not self._admissible(req):
+            hit = self._find_hit(req)
+            padded = None if prefill_scheduled else self._padded(req, budget, running_scheduled, hit.length)
+            if padded == (0, ()) or not self._admissible(req, hit):
                 break
             try:
-                s = self._schedule_one(req, budget, padded)
+                s = self._schedule_one(req, budget, padded, hit)
             except NoRoom:
                 break
             self.waiting.pop(0)
@@ -379,10 +601,15 @@ class ReferenceScheduler:
 
     def observe(self) -> HybridState:
         ids = tuple(range(self.num_blocks))
+        cached = self.cache.entries() if self.cache is not None else ()
+        held = frozenset(b for _, b in cached)
         pool = PoolView(
             ids=ids,
             refcounts=dict(self.refcounts),
-            free=tuple(self.free),
+            free=tuple(b for b in self.free if b not in held),
+            evictable=tuple(b for b in self.free if b in held),
+            cached=cached,
+            computed=held,
             epochs=dict(self.epochs),
         )
         groups = []
@@ -392,7 +619,7 @@ class ReferenceScheduler:
                 for r in self.reqs.values()
                 if r.tables
             }
-            groups.append(GroupState(spec, tables))
+            groups.append(GroupState(spec, tables, self.cache.entries(gi) if self.cache is not None else ()))
         return HybridState(pool, tuple(groups))
 
 

@@ -29,11 +29,10 @@ target differs from its release's declared policy), after the invariants, which 
 
 A difference a known divergence (``divergences.SCHEDULER_KNOWN``) explains is allowed and
 counted; from there the two schedulers no longer plan from the same state, so the comparison
-ends for the example.  With prefix caching on, the comparison also ends at the first step where
-the target may hit (a waiting request's prompt starts with a key it has cached, or it admits a
-request past position 0): the reference scheduler has no prefix cache (hits are judged per lookup by
-``hit-completeness`` in the block-manager machines), so it is not an oracle past a hit.
-Either way the run counts the steps compared and why comparisons ended (``DiffCounts``).
+ends for the example.  With prefix caching on, the reference scheduler keeps its own prefix cache
+(reference/prefix_cache.py) over the requests' domains (cache salt, LoRA adapter), so hits,
+what they share and what eviction keeps are compared like any other step.  The run counts the
+steps compared, the examples compared to their end, and why comparisons ended (``DiffCounts``).
 """
 
 from __future__ import annotations
@@ -174,9 +173,17 @@ class DiffCounts:
     states: int = 0  # observed states compared (after every rule)
     allowed: Counter = attrs.Factory(Counter)  # allowed divergences by ID
     ended: Counter = attrs.Factory(Counter)  # why comparisons ended before the example did
+    hits: int = 0  # admissions at a prefix hit in the steps compared
+    hit_examples: int = 0  # examples with such an admission
+    hit_examples_to_end: int = 0  # ... and compared to their end
     not_run: Counter = attrs.Factory(Counter)  # examples run without the differential, by why
     policy: SchedulerPolicy | None = None  # the declared policy the reference followed
     undeclared: str | None = None  # the target's release, when no policy is declared for it
+
+    @property
+    def to_end(self) -> int:
+        """Examples compared to their end."""
+        return self.examples - sum(self.ended.values())
 
     def add(self, lockstep: SchedulerLockstep) -> None:
         self.examples += 1
@@ -185,6 +192,10 @@ class DiffCounts:
         self.states += lockstep.states
         for _, why in lockstep.allowed:
             self.allowed[why.id] += 1
+        hits = getattr(lockstep.reference, "hits", 0)
+        self.hits += hits
+        self.hit_examples += hits > 0
+        self.hit_examples_to_end += hits > 0 and lockstep.ended is None
         if lockstep.ended is not None:
             self.ended[lockstep.ended] += 1
 
@@ -221,8 +232,6 @@ class SchedulerLockstep:
         self.difference: PolicyDifference | None = None
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
-        self._running: set[int] = set()  # requests the target runs (scheduled since admission)
-        self._tokens: dict[int, tuple[int, ...]] = {}  # request -> its prompt
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
@@ -242,37 +251,28 @@ class SchedulerLockstep:
     # ------------------------------------------------ the SchedulerTarget surface
 
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
-        # A request's domain (``extra``) goes to the target only: a cache salt or a LoRA
-        # adapter matters to prefix hits alone (the reference has no prefix cache; LoRA counts
+        # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
         # against max_loras only under a LoRA config, which the scheduler adapter builds none
         # of).  Multimodal inputs are scheduled against the encoder budget (vllm/v1/core/sched/
         # scheduler.py _try_schedule_encoder_inputs), which the reference does not model: the
         # comparison ends there.
         self.target.add(seq_id, tokens, max_tokens, *extra)
-        self._tokens[seq_id] = tuple(tokens)
         if self.comparing and any(getattr(e, "mm", ()) for e in extra):
             self._end("multimodal request")
         if self.comparing:
-            self.reference.add(seq_id, tokens, max_tokens)
+            self.reference.add(seq_id, tokens, max_tokens, *extra)
 
     def abort(self, seq_id: int) -> None:
         self.target.abort(seq_id)
-        self._running.discard(seq_id)
         if self.comparing and self.reference.live(seq_id):
             self.reference.abort(seq_id)
 
     def schedule(self) -> Plan:
         plan = self.target.schedule()
         if self.comparing:
-            if self.caching and (self._hit(plan) or self._hit_possible()):
-                self._end("prefix hit")
-            else:
-                ref = self.reference.schedule()
-                self._pairs[id(plan)] = ref
-                self._compare_plans(plan, ref)
-        for seq_id in plan.preempted:
-            self._running.discard(seq_id)
-        self._running.update(s.seq_id for s in plan.scheduled)
+            ref = self.reference.schedule()
+            self._pairs[id(plan)] = ref
+            self._compare_plans(plan, ref)
         return plan
 
     def update(
@@ -282,22 +282,6 @@ class SchedulerLockstep:
         ref = self._pairs.pop(id(plan), None)
         if ref is not None and self.comparing:
             self.reference.update(ref, sampled, drafts)
-        self._running = {s for s in self._running if self.target.live(s)}
-
-    def _hit(self, plan: Plan) -> bool:
-        """The target starts a request it admits (or readmits) past position 0: a prefix hit."""
-        return any(s.start > 0 and s.seq_id not in self._running for s in plan.scheduled)
-
-    def _hit_possible(self) -> bool:
-        """A waiting request's prompt starts with a key the target has cached: its admission
-        (and what fits beside it) may turn on the hit, which the reference cannot have."""
-        chains = {key.chain for key, _ in self.target.observe().pool.cached}
-        return any(
-            tokens[: len(chain)] == chain
-            for seq, tokens in self._tokens.items()
-            if seq not in self._running and self.target.live(seq)
-            for chain in chains
-        )
 
     # ------------------------------------------------ comparing
 
@@ -426,14 +410,16 @@ def policy_beside(target: SchedulerTarget) -> SchedulerPolicy | None:
 
 
 def reference_beside(target: SchedulerTarget, shape: Shape, policy: SchedulerPolicy) -> ReferenceScheduler:
-    """The reference scheduler on the target's pool, running-request cap and lookahead slots,
-    following ``policy``."""
+    """The reference scheduler on the target's pool, running-request cap, lookahead slots and
+    EAGLE hit drop (or hash lookahead), following ``policy``."""
     return ReferenceScheduler(
         shape,
         num_blocks=target.num_blocks,
         max_num_seqs=_running_cap(target),
         num_lookahead_tokens=target.num_lookahead_tokens,
         policy=policy,
+        drop_eagle_block=getattr(target, "drops_eagle_block", None),
+        hash_lookahead=getattr(getattr(target, "scheduler", None), "num_hash_lookahead_tokens", None),
     )
 
 

@@ -11,7 +11,7 @@ import logging
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
-from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY
+from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY
 from kvspec.reference.policies import declared_for
 from kvspec.testing.differential import Mode
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
@@ -58,4 +58,40 @@ def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, mo
         )
     found = caught.value
     assert found.comparison == comparison and found.release == "0.33.0", found
+    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+
+
+def _caching(shape) -> bool:
+    # vLLM's Mamba shapes run no differential (the reference does not cut chunks at Mamba blocks).
+    return shape.prefix_caching and not shape.mamba
+
+
+def test_comparison_runs_past_prefix_hits_to_the_end(adapter):
+    """With prefix caching, vLLM and the reference scheduler (with its own prefix cache) are
+    compared to the end of every example, those whose admissions start at a prefix hit
+    included: no comparison stops at a hit, and the hits are the same."""
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, shapes().filter(_caching), differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(),
+    )
+    assert counts.hit_examples > 0 and counts.hits >= counts.hit_examples, counts
+    assert counts.hit_examples_to_end == counts.hit_examples, counts
+    assert counts.to_end == counts.examples and not counts.ended, counts
+
+
+def test_a_prefix_cache_evicting_otherwise_differs_from_vllm(adapter, monkeypatch):
+    """The reference replaced by ``evicts-newest-first`` (its freed blocks, cached or not, go
+    to the head of the free queue): vLLM keeps other blocks cached, and the differential,
+    comparing past prefix hits, reports vLLM as differing from that policy."""
+    import kvspec.testing.scheduler_machine as machine
+
+    monkeypatch.setattr(machine, "ReferenceScheduler", PREFIX_CACHE_ONLY["evicts-newest-first"])
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, shapes().filter(_caching), differential=Mode.RENAMING),
+            settings=settings(_settings(), max_examples=4 * EXAMPLES),
+        )
+    found = caught.value
+    assert found.release == "0.33.0", found
     assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found

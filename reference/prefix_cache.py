@@ -1,0 +1,173 @@
+"""The reference scheduler's prefix cache: full blocks by key, per KV-cache group.
+
+Small on purpose.  A full block is cached under its ``PrefixKey`` (spec/prefix_hash.py: the
+token chain to its end and the request's domain), in the group that holds it; a block holds at
+most one key and a key may name several blocks (two requests computing one prefix side by
+side), of which a lookup takes the first cached.  The free queue stays the scheduler's
+(reference/scheduler.py): a cached block whose last holder lets go stays cached in the queue
+until the allocator hands it out again (``evict``), and a hit takes it back out (``touch``).
+
+The hit searches (``full_hit``, ``window_hit``, ``chunk_hit``) are the three attention kinds'
+rules, over a lookup function, so that each reads as the rule it is:
+
+full attention   the longest run of cached blocks from position 0;
+sliding window   from the end: the last run of ``ceil((W - 1) / B)`` consecutive cached blocks
+                 (the window of the token after the hit), the blocks before it not needed
+                 (None); a run reaching block 0 is a hit even if shorter;
+chunked local    the blocks of the last chunk (the chunk of the token after the hit) from its
+                 start, the blocks of earlier chunks not needed (None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey
+from kvspec.spec.window import ceil_div
+
+Lookup = Callable[[int], int | None]  # block index -> the cached block holding it, or None
+
+
+@attrs.frozen
+class CacheKey:
+    """What a block is cached under: its ``PrefixKey`` and the tokens after the block its key
+    also covers (an EAGLE head's lookahead hashes), which the block does not hold."""
+
+    key: PrefixKey
+    lookahead: tuple[int, ...] = ()
+
+
+class PrefixCache:
+    """Cached full blocks: (group, key) -> blocks, block -> (group, key)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[tuple[int, CacheKey], list[int]] = {}
+        self._key: dict[int, tuple[int, CacheKey]] = {}
+
+    def lookup(self, group: int, key: CacheKey) -> int | None:
+        found = self._blocks.get((group, key))
+        return found[0] if found else None
+
+    def holds(self, block: int) -> bool:
+        return block in self._key
+
+    def insert(self, group: int, key: CacheKey, block: int) -> None:
+        if block in self._key:
+            return
+        self._key[block] = (group, key)
+        self._blocks.setdefault((group, key), []).append(block)
+
+    def evict(self, block: int) -> None:
+        """Forget ``block``'s key (the allocator hands the block out for new content)."""
+        entry = self._key.pop(block, None)
+        if entry is None:
+            return
+        blocks = self._blocks[entry]
+        blocks.remove(block)
+        if not blocks:
+            del self._blocks[entry]
+
+    def entries(self, group: int | None = None) -> tuple[tuple[PrefixKey, int], ...]:
+        """(key, block) of every cached block (of one group), by block id."""
+        return tuple(
+            (key.key, block) for block, (g, key) in sorted(self._key.items()) if group is None or g == group
+        )
+
+
+def block_key(
+    tokens: Sequence[int], end: int, extra: ExtraKeys = NO_EXTRA, lookahead: int = 0
+) -> CacheKey | None:
+    """The key of the block whose chain ends at token ``end``; with ``lookahead`` tokens the key
+    also covers that many tokens after the block (None until they exist)."""
+    if end + lookahead > len(tokens):
+        return None
+    return CacheKey(PrefixKey(tuple(tokens[:end]), extra.for_chain(end)), tuple(tokens[end : end + lookahead]))
+
+
+def full_hit(lookup: Lookup, max_blocks: int) -> list[int]:
+    """The longest run of cached blocks from block 0, at most ``max_blocks``."""
+    hit: list[int] = []
+    for i in range(max_blocks):
+        block = lookup(i)
+        if block is None:
+            break
+        hit.append(block)
+    return hit
+
+
+def window_hit(
+    lookup: Lookup, max_blocks: int, block_size: int, window: int, alignment: int, drop_eagle: bool
+) -> list[int | None]:
+    """A sliding-window group's hit: searching from block ``max_blocks - 1`` down, the first run
+    of ``ceil((W - 1) / B)`` consecutive cached blocks (one more with an EAGLE drop) whose end is
+    a multiple of ``alignment`` tokens (a hit length every group can share), the blocks before
+    it None; without such a run, the run from block 0 cut back to an aligned end.  With an
+    EAGLE drop, the run's last block is then dropped (and the end aligned again)."""
+
+    def aligned(blocks: int) -> bool:
+        return blocks * block_size % alignment == 0
+
+    needed = ceil_div(window - 1, block_size) + drop_eagle
+    hit: list[int | None] = [None] * max_blocks
+    run = 0
+    found = False
+    for i in range(max_blocks - 1, -1, -1):
+        block = lookup(i)
+        if block is None:
+            run = 0
+            continue
+        if run == 0 and not aligned(i if drop_eagle else i + 1):
+            continue
+        hit[i] = block
+        run += 1
+        if run >= needed:
+            del hit[i + run :]
+            found = True
+            break
+    if not found:
+        del hit[run:]
+        while hit and not aligned(len(hit)):
+            hit.pop()
+    if drop_eagle and hit:
+        hit.pop()
+        while hit and not aligned(len(hit)):
+            hit.pop()
+    return hit
+
+
+def chunk_hit(lookup: Lookup, max_blocks: int, first_block: int) -> list[int | None]:
+    """A chunked-local group's hit: None for the blocks before ``first_block`` (the chunk of the
+    token after the hit starts there), then the run of cached blocks from it."""
+    hit: list[int | None] = [None] * first_block
+    for i in range(first_block, max_blocks):
+        block = lookup(i)
+        if block is None:
+            break
+        hit.append(block)
+    return hit
+
+
+def sparse_window_mask(start: int, end: int, block_size: int, window: int, alignment: int, eagle: bool) -> list[bool]:
+    """Which of a sliding-window group's full blocks ``start .. end - 1`` can ever serve a hit:
+    with hits only at multiples of ``alignment`` tokens, only the ``needed`` blocks before each
+    aligned boundary (one block later with an EAGLE drop).  All of them when every block is
+    such a tail."""
+    needed = ceil_div(window - 1, block_size) + eagle
+    per_segment = alignment // block_size
+    if alignment % block_size or needed >= per_segment:
+        return [True] * (end - start)
+    shift = int(eagle)
+    return [i >= shift and (i - shift) % per_segment >= per_segment - needed for i in range(start, end)]
+
+
+__all__ = [
+    "CacheKey",
+    "Lookup",
+    "PrefixCache",
+    "block_key",
+    "chunk_hit",
+    "full_hit",
+    "sparse_window_mask",
+    "window_hit",
+]
