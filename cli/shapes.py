@@ -38,8 +38,10 @@ from kvspec.testing.guard import crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.machine import StepPast
 from kvspec.testing.report import build_report, write_atomic, write_report
+from kvspec.testing.reproducer import NotReproducible, Reproducer
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler_reproducer import generate as generate_reproducer
 from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
@@ -560,19 +562,43 @@ def verdict_json(found: Found) -> dict[str, Any]:
     }
 
 
+def scheduler_reproducer(o: ShapesOutcome, vllm_version: str | None) -> Reproducer | NotReproducible:
+    """The straight-line pytest file of a scheduler verdict (testing/scheduler_reproducer.py),
+    or why there is none."""
+    if o.status == "differs":
+        return NotReproducible(
+            "a policy difference is judged against kvspec's reference scheduler, which a file "
+            "importing only vllm does not carry; `kvspec replay` re-runs the report"
+        )
+    if o.status == KVSPEC_ERROR:
+        return NotReproducible("kvspec's own code raised: the report and `kvspec replay` show it")
+    if o.shape is None:
+        return NotReproducible("no shape was recorded (the scheduler was never built)")
+    return generate_reproducer(o.shape, o.trace, o.violations, {"vllm_version": vllm_version})
+
+
+NO_REPRODUCER = {
+    "status": "not-available",
+    "reason": "not asked for (`kvspec replay` re-runs the report)",
+    "path": None,
+}
+
+
 def write_scheduler_reports(
     run: SchedulerRun,
     base: Path,
     first: int,
     report_base: Callable[[], dict[str, Any]],
     replay_hint: str,
+    reproduce: Callable[[ShapesOutcome, Path], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each verdict: print it, and write its folder ``NN-<fingerprint>`` under ``base``
     (numbered from ``first``): ``report.json`` (docs/report-format.md, ``machine``
-    "scheduler": the shape instead of a configuration) and ``trace.txt``.  ``report_base``
-    gives the fields every report of the run shares for an outcome status (target, command,
-    ...).  No timeline picture: testing/timeline.py replays block-manager traces only.  The
-    index entries of the run's summary."""
+    "scheduler": the shape instead of a configuration), ``trace.txt`` and, where
+    ``reproduce(outcome, folder)`` keeps one, the straight-line reproducer (its entry goes
+    into the report).  ``report_base`` gives the fields every report of the run shares for an
+    outcome status (target, command, ...).  No timeline picture: testing/timeline.py replays
+    block-manager traces only.  The index entries of the run's summary."""
     entries = []
     total = len(run.search.found)
     for n, found in enumerate(run.search.found, first):
@@ -580,6 +606,7 @@ def write_scheduler_reports(
         out.rule(f"scheduler verdict {n - first + 1} of {total}: {found.fingerprint.describe()}")
         print_verdict(o, found.known)
         where = base / f"{n:02d}-{found.fingerprint.slug()}"
+        reproducer = reproduce(o, where) if reproduce is not None else NO_REPRODUCER
         shared = report_base()
         report = build_report(
             outcome=o.status,
@@ -597,11 +624,7 @@ def write_scheduler_reports(
             trace=o.trace,
             violations=o.violations,
             error=o.error,
-            reproducer={
-                "status": "not-available",
-                "reason": "no standalone reproducer for the scheduler machine; `kvspec replay` re-runs the report",
-                "path": None,
-            },
+            reproducer=reproducer,
             command=shared.pop("command"),
         )
         report.update(shared)
