@@ -271,9 +271,8 @@ class VLLMV1SchedulerAdapter:
         extra = {"block_size": B, "hash_block_size": self.hash_block_size}
         # ``scheduler`` is what the protocol calls (recorded when a recorder is given);
         # ``_sched`` is what observation reads, never recorded.
-        self.scheduler = _build(
+        self.scheduler = self._construct(
             cls,
-            recorder,
             "scheduler",
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,

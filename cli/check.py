@@ -21,7 +21,7 @@ from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import TraceStep
 from kvspec.testing.guard import Guard, GuardTripped
-from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
+from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.machine import RunStats
 from kvspec.testing.reach import Measurement
 from kvspec.testing.report import (
@@ -326,8 +326,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
                 "limits": limits_from(args).to_json(),
             }
 
-        def reproduce(o: ShapesOutcome, where: Path) -> dict[str, Any]:
-            return keep_reproducer(args, scheduler_reproducer(o, here.version if here else None), where)
+        def reproduce(o: ShapesOutcome, fingerprint: Fingerprint, where: Path) -> dict[str, Any]:
+            return keep_reproducer(args, scheduler_reproducer(o, fingerprint, here.version if here else None), where)
 
         entries += write_scheduler_reports(shaped, base, len(entries) + 1, shared, replay_flags(here), reproduce)
     if entries or coverage is not None:

@@ -562,9 +562,12 @@ def verdict_json(found: Found) -> dict[str, Any]:
     }
 
 
-def scheduler_reproducer(o: ShapesOutcome, vllm_version: str | None) -> Reproducer | NotReproducible:
+def scheduler_reproducer(
+    o: ShapesOutcome, fingerprint: Fingerprint, vllm_version: str | None
+) -> Reproducer | NotReproducible:
     """The straight-line pytest file of a scheduler verdict (testing/scheduler_reproducer.py),
-    or why there is none."""
+    or why there is none.  The re-run watches the verdict's invariant alone (a crash: none), so
+    that it stops where the verdict did, not at another violation the search stepped past."""
     if o.status == "differs":
         return NotReproducible(
             "a policy difference is judged against kvspec's reference scheduler, which a file "
@@ -574,7 +577,9 @@ def scheduler_reproducer(o: ShapesOutcome, vllm_version: str | None) -> Reproduc
         return NotReproducible("kvspec's own code raised: the report and `kvspec replay` show it")
     if o.shape is None:
         return NotReproducible("no shape was recorded (the scheduler was never built)")
-    return generate_reproducer(o.shape, o.trace, o.violations, {"vllm_version": vllm_version})
+    violations = [v for v in o.violations if v.invariant == fingerprint.invariant]
+    focus = [fingerprint.invariant] if violations else [CRASH]
+    return generate_reproducer(o.shape, o.trace, violations, {"vllm_version": vllm_version, "focus": focus})
 
 
 NO_REPRODUCER = {
@@ -590,12 +595,12 @@ def write_scheduler_reports(
     first: int,
     report_base: Callable[[], dict[str, Any]],
     replay_hint: str,
-    reproduce: Callable[[ShapesOutcome, Path], dict[str, Any]] | None = None,
+    reproduce: Callable[[ShapesOutcome, Fingerprint, Path], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each verdict: print it, and write its folder ``NN-<fingerprint>`` under ``base``
     (numbered from ``first``): ``report.json`` (docs/report-format.md, ``machine``
     "scheduler": the shape instead of a configuration), ``trace.txt`` and, where
-    ``reproduce(outcome, folder)`` keeps one, the straight-line reproducer (its entry goes
+    ``reproduce(outcome, fingerprint, folder)`` keeps one, the straight-line reproducer (its entry goes
     into the report).  ``report_base`` gives the fields every report of the run shares for an
     outcome status (target, command, ...).  No timeline picture: testing/timeline.py replays
     block-manager traces only.  The index entries of the run's summary."""
@@ -606,7 +611,7 @@ def write_scheduler_reports(
         out.rule(f"scheduler verdict {n - first + 1} of {total}: {found.fingerprint.describe()}")
         print_verdict(o, found.known)
         where = base / f"{n:02d}-{found.fingerprint.slug()}"
-        reproducer = reproduce(o, where) if reproduce is not None else NO_REPRODUCER
+        reproducer = reproduce(o, found.fingerprint, where) if reproduce is not None else NO_REPRODUCER
         shared = report_base()
         report = build_report(
             outcome=o.status,
