@@ -187,6 +187,10 @@ class Recorder:
         after it depend on (a target that plans otherwise stops there)."""
         self.lines.append(Line(f"assert {owner}.{attr} == {self.render(value)}", self.op_index))
 
+    def insert(self, code: str) -> None:
+        """A line of the reproducer's own at this point (a check of what the calls so far did)."""
+        self.lines.append(Line(code, self.op_index))
+
     def note(self, fn: Callable[..., Any], *args: Any) -> None:
         """Write ``fn(*args)`` without calling it: process-wide set-up the adapter already did
         (once per process) that a fresh reproducer process must do itself."""

@@ -102,8 +102,13 @@ def record(shape: Shape, trace: Sequence[TraceStep], focus: Iterable[str] | None
         sessions.append(_Numbered(start(impl, watched), recorder))
         return sessions[0]
 
+    watched = set(focus or ()) & SLOT_CHECKS
+
     def build(s: Shape) -> VLLMV1SchedulerAdapter:
-        return VLLMV1SchedulerAdapter(s, recorder=recorder)
+        adapter = VLLMV1SchedulerAdapter(s, recorder=recorder)
+        if watched:
+            _check_slots_after_schedule(adapter, recorder, sorted(watched)[0])
+        return adapter
 
     result = in_context(lambda: rerun(build, shape, trace, focus=focus, session=session))
     if isinstance(result.error, Unrecordable):
@@ -116,6 +121,50 @@ def record(shape: Shape, trace: Sequence[TraceStep], focus: Iterable[str] | None
     return straight_line.Recording(
         recorder, tuple(result.violations), crash, recorder.op_index, sessions[0].driver, ENGINE
     )
+
+
+# Invariants whose fact is checked right after the ``schedule()`` that broke it (a request that
+# finishes in the same step frees its table before the step's end).
+SLOT_CHECKS = frozenset({"kv-readback", "admission-soundness"})
+SLOT_MARK = "# every position a step schedules lies in a block of its request's table"
+
+
+def _check_slots_after_schedule(adapter: VLLMV1SchedulerAdapter, recorder: Recorder, invariant: str) -> None:
+    """After each ``schedule()``: the first position the plan schedules that lies in no block of
+    its request's table (in a KV-cache group of one block per position) is written into the
+    file as a check at that point, once."""
+    schedule = adapter.schedule
+
+    def checked() -> Any:
+        plan = schedule()
+        if not any(line.code.startswith(SLOT_MARK) for line in recorder.lines):
+            lines = _missing_slot(adapter.observe(), plan, invariant)
+            if lines:
+                recorder.insert("\n".join([SLOT_MARK, *lines]))
+        return plan
+
+    adapter.schedule = checked  # type: ignore[method-assign]
+
+
+def _missing_slot(state: Any, plan: Any, invariant: str) -> list[str]:
+    for s in plan.scheduled:
+        for gi, group in enumerate(state.groups):
+            spec = group.spec
+            table = group.tables.get(s.seq_id)
+            if spec.state or spec.attention_chunk_size is not None or table is None:
+                continue  # a state block or a chunk: not one block per position
+            for pos in range(s.start, s.start + s.num_tokens):
+                if cell_of(table, pos, spec.block_size) is not None:
+                    continue
+                index = pos // spec.block_size
+                name = REQUEST_ID.format(s.seq_id)
+                return [
+                    f"table = block_table(scheduler, {gi}, {name!r})  # group {spec.name}, blocks of {spec.block_size}",
+                    f"if len(table) <= {index} or table[{index}] is None:",
+                    f'    pytest.fail(f"[{invariant}] seq {s.seq_id}, group {spec.name}: the step schedules position '
+                    f'{pos}: expected it in a block of the table (slot {index}), observed the table {{table}}")',
+                ]
+    return []
 
 
 def generate(
@@ -173,8 +222,9 @@ def scheduler_checks(recording: straight_line.Recording) -> tuple[list[str], lis
         if written:
             named.append(invariant)
             lines += written
-            helpers += [harness.refcounts] if "refcounts(" in "\n".join(written) else []
-            helpers += [harness.block_table] if "block_table(" in "\n".join(written) else []
+    # The readers the file's checks call, those written into the recorded lines included.
+    text = "\n".join([*lines, *(line.code for line in recording.recorder.lines)])
+    helpers += [fn for fn in (harness.refcounts, harness.block_table) if f"{fn.__name__}(" in text]
     return lines, helpers, named
 
 
@@ -206,7 +256,11 @@ def _leak(recording: straight_line.Recording, invariant: str) -> list[str]:
 
 
 def _unmapped(recording: straight_line.Recording, invariant: str) -> list[str]:
-    """The first position a live request reads or writes whose block is missing from its table."""
+    """The first position a live request reads or writes whose block is missing from its table:
+    the check written after the step's ``schedule()`` (``_check_slots_after_schedule``), else
+    one at the end of the failing operation."""
+    if any(line.code.startswith(SLOT_MARK) for line in recording.recorder.lines):
+        return ["# the slot check after the failing step's schedule() above is where it fails"]
     d = recording.driver
     for gi, group in enumerate(d.state.groups):
         spec = group.spec
