@@ -48,7 +48,7 @@ LEAK_PLANTED = LEAK.replace(
 SHORT_IDS = {"kv-readback", "admission-soundness"}
 LEAK_IDS = {"refcount-exact", "no-leak"}
 # A loaded machine builds a scheduler slowly: the hang limit is raised, not the budget.
-BUDGET = ["--profile", "ci", "--examples", "20", "--seed", "0", "--op-timeout", "600"]
+BUDGET = ["--profile", "ci", "--examples", "40", "--seed", "1", "--op-timeout", "600"]
 SOURCE = ["--source-version", "0.33.0"]
 
 
