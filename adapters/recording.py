@@ -29,6 +29,9 @@ ANSWERS = frozenset({"can_allocate", "can_append_slots", "can_swap_out", "can_sw
 # Variable names by class: s0, g0 as vLLM's own tests name sequences and groups.
 PREFIXES = {"Sequence": "s", "SequenceGroup": "g", "Request": "req"}
 
+# Names of objects a reproducer builds once: written without a number (``mgr``, ``scheduler``).
+SINGLETONS = frozenset({"mgr", "scheduler"})
+
 # Reads the adapter makes to observe or to decide; they change nothing and are not replayed.
 QUERIES = frozenset(
     {
@@ -80,7 +83,7 @@ class Recorder:
             return existing
         n = self._counters.get(prefix, 0)
         self._counters[prefix] = n + 1
-        label = prefix if prefix == "mgr" else f"{prefix}{n}"
+        label = prefix if prefix in SINGLETONS else f"{prefix}{n}"
         self.names[id(obj)] = label
         self._keep.append(obj)
         return label
@@ -115,6 +118,9 @@ class Recorder:
                 if f.init and not _is_default(f, getattr(value, f.name))
             }
             return f"{self.imported(type(value))}({self.arguments((), fields)})"
+        fields = getattr(type(value), "__struct_fields__", None)
+        if fields is not None:  # a msgspec Struct (e.g. LoRARequest): its fields by keyword
+            return f"{self.imported(type(value))}({self.arguments((), _struct_fields(value, fields))})"
         if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
             self.modules.add("torch")
             return str(value)  # torch.float16
@@ -133,10 +139,13 @@ class Recorder:
 
     # ------------------------------------------------------------ recording
 
-    def construct(self, cls: Callable[..., Any], kwargs: dict[str, Any], prefix: str) -> Recorded:
-        """``prefix<n> = cls(**kwargs)``, recorded; returns the new object's proxy."""
-        expr = f"{self.imported(cls)}({self.arguments((), kwargs)})"
-        obj = cls(**_unwrap(kwargs))
+    def construct(
+        self, cls: Callable[..., Any], kwargs: dict[str, Any], prefix: str, args: tuple[Any, ...] = ()
+    ) -> Recorded:
+        """``prefix<n> = cls(*args, **kwargs)``, recorded; returns the new object's proxy.
+        ``args``: what releases name differently but pass in one place."""
+        expr = f"{self.imported(cls)}({self.arguments(args, kwargs)})"
+        obj = cls(*_unwrap(args), **_unwrap(kwargs))
         label = self.name(obj, prefix)
         self.lines.append(Line(f"{label} = {expr}", self.op_index, target=expr))
         return Recorded(obj, self, label)
@@ -166,6 +175,21 @@ class Recorder:
                     self._keep.append(v)
             line.code = f"{label} = {expr}"
         return self.wrap(result)
+
+    def alias(self, value: Any, label: str) -> None:
+        """Write ``value`` as ``label`` wherever it is passed: a value the reproducer makes
+        itself before the recorded lines (a folder it writes a model's config.json into)."""
+        self.names[id(value)] = label
+        self._keep.append(value)
+
+    def expect(self, owner: str, attr: str, value: Any) -> None:
+        """``assert owner.attr == value``: a plan the target made that the recorded calls
+        after it depend on (a target that plans otherwise stops there)."""
+        self.lines.append(Line(f"assert {owner}.{attr} == {self.render(value)}", self.op_index))
+
+    def insert(self, code: str) -> None:
+        """A line of the reproducer's own at this point (a check of what the calls so far did)."""
+        self.lines.append(Line(code, self.op_index))
 
     def note(self, fn: Callable[..., Any], *args: Any) -> None:
         """Write ``fn(*args)`` without calling it: process-wide set-up the adapter already did
@@ -281,6 +305,21 @@ def _is_default(field: dataclasses.Field, value: Any) -> bool:
     except Exception:
         return False
     return False
+
+
+def _struct_fields(value: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """A msgspec Struct's fields other than those at their plain default value (the defaults
+    belong to the last fields, ``__struct_defaults__``)."""
+    defaults = getattr(type(value), "__struct_defaults__", ())
+    first_default = len(fields) - len(defaults)
+    out = {}
+    for i, name in enumerate(fields):
+        current = getattr(value, name)
+        default = defaults[i - first_default] if i >= first_default else None
+        plain = default is None or isinstance(default, bool | int | float | str)
+        if i < first_default or not plain or current != default:
+            out[name] = current
+    return out
 
 
 def _default_constructed(value: Any) -> bool:

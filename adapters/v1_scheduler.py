@@ -87,6 +87,7 @@ from kvspec.spec.groups import GroupState, HybridState, Plan, Scheduled, Shape
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey
 from kvspec.spec.state import Device, PoolView, TableView
 
+from .recording import Recorder, real
 from .v1 import _build, _config_default, _load_vllm, _params
 from .v1_scheduler_cache import SchedulerCacheView
 
@@ -182,8 +183,15 @@ def _tiny_model_dir() -> Path:
 class VLLMV1SchedulerAdapter:
     """vLLM's V1 scheduler over one shared block pool, one KV-cache group per attention kind."""
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Shape, recorder: Recorder | None = None) -> None:
+        """``recorder``: every construction and every call the scheduler's protocol makes is
+        written down as a line of a straight-line reproducer (adapters/recording.py); the
+        observation reads the real objects and is not written."""
         self.shape = shape
+        self._rec = recorder
+        self._model_dir = str(_tiny_model_dir())
+        if recorder is not None:
+            recorder.alias(self._model_dir, "model_dir")  # the reproducer writes its own config.json
         self._v = v = _load_vllm()
         self.vllm_version: str = v.version
         self.name = f"vllm-v1-scheduler-{v.version}"
@@ -222,18 +230,21 @@ class VLLMV1SchedulerAdapter:
             raise ConfigError(f"vLLM {v.version} refuses the shape: {str(err).splitlines()[-2:]}") from err
         specs = self._specs(shape)
         kcg = [
-            _build(v.kci.KVCacheGroupSpec, layer_names=[name], kv_cache_spec=spec)
+            _build(v.kci.KVCacheGroupSpec, recorder, "group", layer_names=[name], kv_cache_spec=spec)
             for name, spec in specs
         ]
         # vLLM's startup check at its edge: one request of max_model_len fits exactly.
         self.minimum_blocks = sum(
-            -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes) for _, spec in specs
+            -(-real(spec).max_memory_usage_bytes(real(vllm_config)) // real(spec).page_size_bytes)
+            for _, spec in specs
         )
         pool_blocks = self.minimum_blocks + shape.extra_blocks
         self.cache_view.int_event_hashes = pool_blocks % 2 == 0  # both formats across a run
         self.num_blocks = pool_blocks
         kv_cache_config = _build(
             v.kci.KVCacheConfig,
+            recorder,
+            "kv_cache_config",
             num_blocks=pool_blocks + 1,  # + vLLM's null block
             kv_cache_tensors=[],
             kv_cache_groups=kcg,
@@ -248,7 +259,7 @@ class VLLMV1SchedulerAdapter:
             except ImportError as err:
                 raise ConfigError(f"vLLM {v.version} has no AsyncScheduler") from err
         try:
-            structured = so_mod.StructuredOutputManager(vllm_config)
+            structured = _build(so_mod.StructuredOutputManager, recorder, "structured", vllm_config=vllm_config)
         except (OSError, TypeError, ValueError) as err:
             # 0.9.x builds a tokenizer here even with skip_tokenizer_init: from the tiny
             # tokenizer beside config.json, or, where ``tokenizers`` is missing, not at all.
@@ -258,7 +269,11 @@ class VLLMV1SchedulerAdapter:
         # The parameters of Scheduler.__init__ (AsyncScheduler takes *args, **kwargs).
         # Before 0.11 the Scheduler read its block size off the cache config.
         extra = {"block_size": B, "hash_block_size": self.hash_block_size}
-        self.scheduler = cls(
+        # ``scheduler`` is what the protocol calls (recorded when a recorder is given);
+        # ``_sched`` is what observation reads, never recorded.
+        self.scheduler = self._construct(
+            cls,
+            "scheduler",
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=structured,
@@ -267,9 +282,10 @@ class VLLMV1SchedulerAdapter:
             log_stats=True,
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
-        self.manager = self.scheduler.kv_cache_manager
+        self._sched = real(self.scheduler)
+        self.manager = self._sched.kv_cache_manager
         self.cache_view.watch(self.manager)
-        self.extra_kinds = self.cache_view.kinds_for(self.scheduler)
+        self.extra_kinds = self.cache_view.kinds_for(self._sched)
         self.event_hash_formats = self.cache_view.event_hash_formats
         self.group_specs = groups
         self.config = Config(
@@ -279,10 +295,10 @@ class VLLMV1SchedulerAdapter:
             prefix_caching=shape.prefix_caching,
             max_lookahead=shape.num_spec_tokens,
         )
-        self.num_lookahead_tokens: int = self.scheduler.num_lookahead_tokens
+        self.num_lookahead_tokens: int = self._sched.num_lookahead_tokens
         # Whether every prefix hit loses its last block (EAGLE): 0.33.0 scheduler.py:331-345,
         # before that the scheduler's ``use_eagle`` itself (0.12.0, 0.10.1.1, 0.9.1).
-        sched = self.scheduler
+        sched = self._sched
         self.drops_eagle_block = bool(getattr(sched, "use_eagle_block_drop", getattr(sched, "use_eagle", False)))
         self._hasher = None
         # 0.10.1+ hashes blocks on the request; before, the manager hashes with its own
@@ -295,14 +311,20 @@ class VLLMV1SchedulerAdapter:
             if not _v1._NONE_HASH_SEEDED and hasattr(v.kcu, "init_none_hash"):
                 v.kcu.init_none_hash(hash_fn)
                 _v1._NONE_HASH_SEEDED = True
+            if recorder is not None and hasattr(v.kcu, "init_none_hash"):
+                recorder.note(v.kcu.init_none_hash, hash_fn)  # a fresh process seeds it too
             # As the engine core builds it (0.33.0 engine/core.py:219-230): with EAGLE and
             # prefix caching each hash also covers the tokens after its block
             # (``num_hash_lookahead_tokens``, config/vllm.py:678-692), which the scheduler's
-            # coordinator relies on not to drop a hit block.
+            # coordinator relies on not to drop a hit block.  Positional: the block size is
+            # ``block_size`` before 0.30, ``hash_block_size`` after (kv_cache_utils.py 0.20.1
+            # :635, 0.33.0 :953), so a reproducer runs on either.
             lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
             takes = "num_hash_lookahead_tokens" in _params(v.kcu.get_request_block_hasher)
-            self._hasher = v.kcu.get_request_block_hasher(
-                self.hash_block_size, hash_fn, *((lookahead,) if takes else ())
+            hasher_args = (self.hash_block_size, hash_fn, *((lookahead,) if takes else ()))
+            hasher = v.kcu.get_request_block_hasher
+            self._hasher = (
+                recorder.construct(hasher, {}, "hasher", hasher_args) if recorder is not None else hasher(*hasher_args)
             )
         self._epochs: dict[int, int] = {}
         self._count_allocations()
@@ -319,8 +341,11 @@ class VLLMV1SchedulerAdapter:
         # vLLM's own tests/v1/core/utils.py create_scheduler passes, and no others.
         c = self._v.config
         model_fields = {f.name for f in dataclasses.fields(c.ModelConfig)}
-        model_config = c.ModelConfig(
-            model=str(_tiny_model_dir()),
+        make = self._construct
+        model_config = make(
+            c.ModelConfig,
+            "model_config",
+            model=self._model_dir,
             skip_tokenizer_init=True,
             max_model_len=shape.max_model_len,
             dtype="float16",
@@ -329,7 +354,9 @@ class VLLMV1SchedulerAdapter:
             # which an unnamed (CPU, no GPU) platform cannot answer.
             **({"use_async_output_proc": False} if "use_async_output_proc" in model_fields else {}),
         )
-        scheduler_config = c.SchedulerConfig(
+        scheduler_config = make(
+            c.SchedulerConfig,
+            "scheduler_config",
             max_num_seqs=min(MAX_NUM_SEQS, shape.max_num_batched_tokens),
             max_num_batched_tokens=shape.max_num_batched_tokens,
             max_model_len=shape.max_model_len,
@@ -342,7 +369,9 @@ class VLLMV1SchedulerAdapter:
                 else {}
             ),
         )
-        cache_config = c.CacheConfig(
+        cache_config = make(
+            c.CacheConfig,
+            "cache_config",
             block_size=shape.block_size,
             enable_prefix_caching=shape.prefix_caching,
             **(
@@ -362,40 +391,54 @@ class VLLMV1SchedulerAdapter:
             has_lookahead = "disable_lookahead_block_hashes" in spec_fields
             if shape.lookahead_hashes and not has_lookahead:
                 raise ConfigError(f"vLLM {self._v.version}: no lookahead block hashes for EAGLE")
-            speculative_config = c.SpeculativeConfig(
+            speculative_config = make(
+                c.SpeculativeConfig,
+                "speculative_config",
                 method="eagle",
-                model=str(_tiny_model_dir()),
+                model=self._model_dir,
                 num_speculative_tokens=shape.num_spec_tokens,
                 target_model_config=model_config,
-                target_parallel_config=c.ParallelConfig(),
+                target_parallel_config=make(c.ParallelConfig, "parallel_config"),
                 **({"disable_lookahead_block_hashes": not shape.lookahead_hashes} if has_lookahead else {}),
             )
         elif shape.num_spec_tokens:
-            speculative_config = c.SpeculativeConfig(
+            speculative_config = make(
+                c.SpeculativeConfig,
+                "speculative_config",
                 method="ngram",
                 num_speculative_tokens=shape.num_spec_tokens,
                 prompt_lookup_max=NGRAM_LOOKUP,
                 prompt_lookup_min=1,
             )
-        return c.VllmConfig(
+        return make(
+            c.VllmConfig,
+            "vllm_config",
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            device_config=c.DeviceConfig(device="cpu"),
+            device_config=make(c.DeviceConfig, "device_config", device="cpu"),
             speculative_config=speculative_config,
-            **self.cache_view.config_fields(),
+            **self.cache_view.config_fields(make),
         )
+
+    def _construct(self, cls: Any, prefix: str, **kwargs: Any) -> Any:
+        """``cls(**kwargs)``, written down as ``prefix<n> = cls(...)`` under a recorder."""
+        if self._rec is not None:
+            return self._rec.construct(cls, kwargs, prefix)
+        return cls(**kwargs)
 
     def _specs(self, shape: Shape) -> list[tuple[str, Any]]:
         kci, torch = self._v.kci, self._v.torch
         common = dict(num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.float16, use_mla=False)
         # One page size for every group (the hybrid allocator's precondition): a group with
         # smaller blocks takes more heads per block.
-        out = [(LAYER_FULL, _build(kci.FullAttentionSpec, block_size=shape.block_size, **common))]
+        out = [(LAYER_FULL, _build(kci.FullAttentionSpec, self._rec, "spec", block_size=shape.block_size, **common))]
         if shape.sliding_window is not None:
             scale = shape.block_size // shape.swa_block_size
             swa = _build(
                 kci.SlidingWindowSpec,
+                self._rec,
+                "spec",
                 block_size=shape.swa_block_size,
                 sliding_window=shape.sliding_window,
                 **{**common, "num_kv_heads": scale},
@@ -410,6 +453,8 @@ class VLLMV1SchedulerAdapter:
                 raise ConfigError("chunked-local groups take the scheduler's block size")
             chunked = _build(
                 spec_cls,
+                self._rec,
+                "spec",
                 block_size=shape.block_size,
                 attention_chunk_size=shape.attention_chunk_size,
                 **common,
@@ -421,6 +466,8 @@ class VLLMV1SchedulerAdapter:
             # size, the cache mode and the speculative block count (none here).
             mamba = _build(
                 kci.MambaSpec,
+                self._rec,
+                "spec",
                 block_size=shape.mamba_block,
                 shapes=((1, 1),),
                 dtypes=(torch.float32,),
@@ -462,9 +509,11 @@ class VLLMV1SchedulerAdapter:
         self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA
     ) -> None:
         v = self._v
-        sampling = v.sampling.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sampling = self._construct(v.sampling.SamplingParams, "sampling", max_tokens=max_tokens, ignore_eos=True)
         request = _build(
             v.request.Request,
+            self._rec,
+            "req",
             request_id=f"seq{seq_id}",
             prompt_token_ids=list(tokens),
             sampling_params=sampling,
@@ -475,12 +524,13 @@ class VLLMV1SchedulerAdapter:
             # cache salt, LoRA, multimodal (none: the plain domain), in the release's form
             **self.cache_view.request_fields(extra),
         )
+        self.scheduler.add_request(request)
+        request = real(request)
         self._req[seq_id] = request
         self._seq_of[request.request_id] = seq_id
         self._extra[request.request_id] = extra
         self._learn(request)
         self.cache_view.set_hash_format()
-        self.scheduler.add_request(request)
 
     def abort(self, seq_id: int) -> None:
         request = self._req[seq_id]
@@ -498,9 +548,12 @@ class VLLMV1SchedulerAdapter:
     # ------------------------------------------------------------------ a step
 
     def schedule(self) -> Plan:
-        running = [r.request_id for r in self.scheduler.running]
+        running = [r.request_id for r in self._sched.running]
         self.cache_view.set_hash_format()
-        so = self.scheduler.schedule()
+        so = real(self.scheduler.schedule())
+        if self._rec is not None:
+            # What the scheduler planned, which the recorded outputs after it answer.
+            self._rec.expect(self._rec.names[id(so)], "num_scheduled_tokens", dict(so.num_scheduled_tokens))
         scheduled = []
         starts: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
@@ -517,7 +570,7 @@ class VLLMV1SchedulerAdapter:
             ids = set(so.preempted_req_ids or ())
         else:  # before 0.11 the output does not say; the request's status does
             status = self._v.request.RequestStatus.PREEMPTED
-            ids = {r for r in running if self.scheduler.requests[r].status == status}
+            ids = {r for r in running if self._sched.requests[r].status == status}
         # Listed in the order vLLM preempted them: from the end of the running queue
         # (``self.running.pop()``, 0.33.0 sched/scheduler.py:970), not in the set's order.
         place = {r: i for i, r in enumerate(running)}
@@ -539,6 +592,8 @@ class VLLMV1SchedulerAdapter:
         req_ids = list(so.num_scheduled_tokens)
         out = _build(
             self._outputs.ModelRunnerOutput,
+            self._rec,
+            "output",
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[list(sampled.get(self._seq_of[r], ())) for r in req_ids],
@@ -550,13 +605,13 @@ class VLLMV1SchedulerAdapter:
         )
         self.cache_view.set_hash_format()
         self.scheduler.update_from_output(so, out)
-        takes_drafts = hasattr(self.scheduler, "update_draft_token_ids")
+        takes_drafts = hasattr(self._sched, "update_draft_token_ids")
         if drafts and takes_drafts and not self.shape.async_scheduling:
             ids = [self._req[s].request_id for s in drafts if self.live(s)]
             lists = [list(drafts[s]) for s in drafts if self.live(s)]
             if ids:
                 self.scheduler.update_draft_token_ids(
-                    _build(self._outputs.DraftTokenIds, req_ids=ids, draft_token_ids=lists)
+                    _build(self._outputs.DraftTokenIds, self._rec, "drafts", req_ids=ids, draft_token_ids=lists)
                 )
         for r in self._req.values():
             self._learn(r)

@@ -100,11 +100,14 @@ class SchedulerCacheView:
 
     # ------------------------------------------------------------ construction
 
-    def config_fields(self) -> dict[str, Any]:
-        """The ``VllmConfig`` arguments that turn the event stream on (none when it is off)."""
+    def config_fields(self, make: Callable[..., Any] | None = None) -> dict[str, Any]:
+        """The ``VllmConfig`` arguments that turn the event stream on (none when it is off);
+        ``make(cls, prefix, **kwargs)`` constructs (the adapter's, which may record it)."""
         if not self.emits_events:
             return {}
-        cfg = self._v.config.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        cls = self._v.config.KVEventsConfig
+        kwargs = {"enable_kv_cache_events": True, "publisher": "null"}
+        cfg = make(cls, "kv_events_config", **kwargs) if make is not None else cls(**kwargs)
         return {"kv_events_config": cfg}
 
     def watch(self, manager: Any) -> None:

@@ -21,7 +21,7 @@ from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import TraceStep
 from kvspec.testing.guard import Guard, GuardTripped
-from kvspec.testing.known import SHIPPED, KnownFinding, KnownFindingsError, load_known
+from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.machine import RunStats
 from kvspec.testing.reach import Measurement
 from kvspec.testing.report import (
@@ -61,9 +61,11 @@ from .search import aggregate, found_json, masking, print_found, print_known, ru
 from .shapes import (
     SCHEDULER_IMPL,
     SchedulerRun,
+    ShapesOutcome,
     run_v1_shapes,
     scheduler_factory,
     scheduler_json,
+    scheduler_reproducer,
     shapes_apply,
     shapes_exit,
     write_scheduler_reports,
@@ -324,7 +326,10 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
                 "limits": limits_from(args).to_json(),
             }
 
-        entries += write_scheduler_reports(shaped, base, len(entries) + 1, shared, replay_flags(here))
+        def reproduce(o: ShapesOutcome, fingerprint: Fingerprint, where: Path) -> dict[str, Any]:
+            return keep_reproducer(args, scheduler_reproducer(o, fingerprint, here.version if here else None), where)
+
+        entries += write_scheduler_reports(shaped, base, len(entries) + 1, shared, replay_flags(here), reproduce)
     if entries or coverage is not None:
         # An index of the report folders; with --coverage, written whatever the verdict.
         index = summary_json(search, [*single, *entries], overrides)
@@ -574,7 +579,12 @@ def write_reproducer(
         "vllm_version": here.version if here else None,
         "focus": list(o.focus) if o.focus is not None else None,
     }
-    made = generate(impl, o.config, o.trace, o.violations, meta)
+    return keep_reproducer(args, generate(impl, o.config, o.trace, o.violations, meta), out_dir)
+
+
+def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible, out_dir: Path) -> dict[str, Any]:
+    """Keep a generated reproducer in ``out_dir`` if it fails on this target naming its
+    invariant (unless ``--no-verify``); the report's ``reproducer`` entry either way."""
     if isinstance(made, NotReproducible):
         out.print(f"[yellow]no standalone reproducer[/]: {escape(made.reason)}")
         return {"status": "not-available", "reason": made.reason, "path": None}

@@ -7,7 +7,10 @@ order, their observations compared after each); at the first difference the spec
 HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> fix, neither ->
 behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
 call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
-behaviour change fail the PR).  ``kvspec diff A B`` is the same comparison between two releases.
+behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) HEAD's own check also
+runs vLLM's V1 scheduler (the scheduler machine, cli/shapes.py), and each scheduler verdict is
+replayed on BASE: a verdict BASE does not reproduce is a regression (``scheduler_verdicts``).
+``kvspec diff A B`` is the same comparison between two releases.
 A run that compared nothing is no verdict (exit 2).
 
 ``kvspec bisect REPORT --releases A..B`` replays a report on every provisioned release in the
@@ -343,6 +346,41 @@ def coverage_of_changes(args: argparse.Namespace, argv: list[str], base_flags: l
     summary_path.write_text(json.dumps(summary, indent=1, default=str))
 
 
+def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: list[str], root: Path) -> list[dict]:
+    """PR mode on vLLM's own V1 scheduler: HEAD's own ``kvspec check`` runs the scheduler
+    machine (cli/shapes.py, with its report folders and reproducers under ``root``/head); each
+    scheduler verdict is then replayed on BASE (``kvspec replay``).  One that does not reproduce
+    there (BASE holds, or takes another path before the violation) is a regression; one that
+    does is on both sides alike.  The verdicts, each with ``base`` (what its replay on BASE
+    gave) and ``regression``."""
+    head_flags = ["--vllm-source", args.vllm_source] if args.vllm_source else ["--vllm", args.vllm]
+    common = without(
+        argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare"
+    )
+    common = [a for a in common if a not in ("--fail-on-change", "--coverage")]
+    extra = ["--source-version", args.source_version] if args.source_version else []
+    extra += ["--venv", args.venv] if args.venv else []
+    head_out = root / "head"
+    out.rule(f"vLLM's own V1 scheduler on HEAD: {' '.join(head_flags)}")
+    _kvspec([*common, *head_flags, *extra, "--out", str(head_out)])
+    summary = head_out / "summary.json"
+    entries = json.loads(summary.read_text()).get("violations", []) if summary.is_file() else []
+    verdicts = []
+    for entry in entries:
+        if entry.get("machine") != "scheduler":
+            continue  # the block manager's verdicts are the lockstep's business
+        base = replays_on(Path(entry["report"]), base_flags)
+        verdicts.append({**entry, "base": base, "regression": base != "reproduces"})
+    out.rule("scheduler verdicts of HEAD, replayed on BASE")
+    for v in verdicts:
+        kind = "[bold red]REGRESSION[/]" if v["regression"] else "on both sides alike"
+        shown = f"{v['fingerprint']['invariant']} in {v['fingerprint']['operation']}"
+        out.print(f"{kind}: {escape(shown)} (BASE: {v['base']}): {escape(v['report'])}", soft_wrap=True)
+    if not verdicts:
+        out.print("no scheduler verdict on HEAD", markup=False)
+    return verdicts
+
+
 def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     """``kvspec check <HEAD target> --baseline BASE [flags]``: HEAD and BASE in lockstep."""
     if not (args.vllm or args.vllm_source):
@@ -355,9 +393,19 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     run = run_compare(args, head_side, base_side, root)
     if args.coverage:
         coverage_of_changes(args, argv, base_flags, root)
+    scheduler: list[dict] = []
+    if head_side.impl == "v1" and not args.no_shapes:
+        scheduler = scheduler_verdicts(args, argv, base_flags, root)
+        summary_path = root / "pr.json"
+        summary = json.loads(summary_path.read_text())
+        summary["scheduler"] = scheduler
+        summary["scheduler_regressions"] = sum(v["regression"] for v in scheduler)
+        summary["regressions"] += summary["scheduler_regressions"]
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
     regressions, changes = run.by_kind(Kind.REGRESSION), run.by_kind(Kind.CHANGE)
-    if regressions:
-        n = len(regressions)
+    scheduler_regressions = sum(v["regression"] for v in scheduler)
+    if regressions or scheduler_regressions:
+        n = len(regressions) + scheduler_regressions
         out.print(f"[bold red]HEAD regressed[/]: {n} difference(s) where HEAD violates what BASE does not")
         return EXIT_FOUND
     if changes and args.fail_on_change:

@@ -38,8 +38,10 @@ from kvspec.testing.guard import GuardTripped, crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.machine import StepPast
 from kvspec.testing.report import build_report, write_atomic, write_report
+from kvspec.testing.reproducer import NotReproducible, Reproducer
 from kvspec.testing.scheduler_driver import ShapeCounts
 from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler_reproducer import generate as generate_reproducer
 from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
@@ -579,19 +581,48 @@ def verdict_json(found: Found) -> dict[str, Any]:
     }
 
 
+def scheduler_reproducer(
+    o: ShapesOutcome, fingerprint: Fingerprint, vllm_version: str | None
+) -> Reproducer | NotReproducible:
+    """The straight-line pytest file of a scheduler verdict (testing/scheduler_reproducer.py),
+    or why there is none.  The re-run watches the verdict's invariant alone (a crash: none), so
+    that it stops where the verdict did, not at another violation the search stepped past."""
+    if o.status == "differs":
+        return NotReproducible(
+            "a policy difference is judged against kvspec's reference scheduler, which a file "
+            "importing only vllm does not carry; `kvspec replay` re-runs the report"
+        )
+    if o.status == KVSPEC_ERROR:
+        return NotReproducible("kvspec's own code raised: the report and `kvspec replay` show it")
+    if o.shape is None:
+        return NotReproducible("no shape was recorded (the scheduler was never built)")
+    violations = [v for v in o.violations if v.invariant == fingerprint.invariant]
+    focus = [fingerprint.invariant] if violations else [CRASH]
+    return generate_reproducer(o.shape, o.trace, violations, {"vllm_version": vllm_version, "focus": focus})
+
+
+NO_REPRODUCER = {
+    "status": "not-available",
+    "reason": "not asked for (`kvspec replay` re-runs the report)",
+    "path": None,
+}
+
+
 def write_scheduler_reports(
     run: SchedulerRun,
     base: Path,
     first: int,
     report_base: Callable[[], dict[str, Any]],
     replay_hint: str,
+    reproduce: Callable[[ShapesOutcome, Fingerprint, Path], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each verdict: print it, and write its folder ``NN-<fingerprint>`` under ``base``
     (numbered from ``first``): ``report.json`` (docs/report-format.md, ``machine``
-    "scheduler": the shape instead of a configuration) and ``trace.txt``.  ``report_base``
-    gives the fields every report of the run shares for an outcome status (target, command,
-    ...).  No timeline picture: testing/timeline.py replays block-manager traces only.  The
-    index entries of the run's summary."""
+    "scheduler": the shape instead of a configuration), ``trace.txt`` and, where
+    ``reproduce(outcome, fingerprint, folder)`` keeps one, the straight-line reproducer (its entry goes
+    into the report).  ``report_base`` gives the fields every report of the run shares for an
+    outcome status (target, command, ...).  No timeline picture: testing/timeline.py replays
+    block-manager traces only.  The index entries of the run's summary."""
     entries = []
     total = len(run.search.found)
     for n, found in enumerate(run.search.found, first):
@@ -599,6 +630,7 @@ def write_scheduler_reports(
         out.rule(f"scheduler verdict {n - first + 1} of {total}: {found.fingerprint.describe()}")
         print_verdict(o, found.known)
         where = base / f"{n:02d}-{found.fingerprint.slug()}"
+        reproducer = reproduce(o, found.fingerprint, where) if reproduce is not None else NO_REPRODUCER
         shared = report_base()
         report = build_report(
             outcome=o.status,
@@ -616,11 +648,7 @@ def write_scheduler_reports(
             trace=o.trace,
             violations=o.violations,
             error=o.error,
-            reproducer={
-                "status": "not-available",
-                "reason": "no standalone reproducer for the scheduler machine; `kvspec replay` re-runs the report",
-                "path": None,
-            },
+            reproducer=reproducer,
             command=shared.pop("command"),
         )
         report.update(shared)

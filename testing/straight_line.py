@@ -51,7 +51,7 @@ class Recording:
     violations: tuple[Violation, ...]
     crash: BaseException | None
     failed_at: int  # 1-based operation index; len(trace) + 1 for the final free-all
-    driver: Driver
+    driver: Any  # the machine's driver after the replay (testing/driver.py, scheduler_driver.py)
     engine: str = "legacy"  # which harness module's readers the checks use: legacy or v1
 
 
@@ -94,16 +94,35 @@ def _replay(recorder: Recorder, driver: Driver, trace: Sequence[TraceStep], engi
 # ---------------------------------------------------------------- writing the file
 
 
+StateChecks = Callable[[Recording], tuple[list[str], list[Callable[..., Any]], list[str]]]
+"""The checks at the failing operation: their lines, the reader functions they copy in, and
+the invariant IDs they name."""
+
+
+@attrs.frozen
+class Setup:
+    """What a machine's file does before the recorded lines: its test function's parameters
+    (pytest fixtures), the standard-library modules it imports, and its first lines."""
+
+    params: str = ""
+    imports: tuple[str, ...] = ()
+    lines: tuple[str, ...] = ()
+
+
 def write(
     recording: Recording,
     trace: Sequence[TraceStep],
     *,
     title: str,
-    config: Config,
+    config: Config | Any,
+    state_checks: StateChecks | None = None,
+    setup: Setup = Setup(),
 ) -> tuple[str, tuple[str, ...]]:
-    """The file's text and the IDs its failure names."""
+    """The file's text and the IDs its failure names.  ``config`` describes the target's
+    configuration (``describe()``); ``state_checks`` writes the checks at the failing operation
+    (default: the block manager's, ``_state_checks``); ``setup`` what the file does first."""
     rec = recording.recorder
-    body: list[str] = []
+    body: list[str] = list(setup.lines)
     helpers: list[Callable[..., Any]] = []
     checks: list[str] = []
     last_answer: Line | None = None
@@ -129,8 +148,8 @@ def write(
         else:
             body.append(line.code)
     else:
-        state_checks, needed, named = _state_checks(recording)
-        body.extend(state_checks)
+        written, needed, named = (state_checks or _state_checks)(recording)
+        body.extend(written)
         helpers.extend(needed)
         checks.extend(named)
     if not checks:
@@ -139,11 +158,11 @@ def write(
     doc = _docstring(title, config, recording, checks)
     # Annotations in the copied helpers stay unevaluated: the file needs no typing import.
     future = ["from __future__ import annotations", ""] if helpers else []
-    imports = [*future, "import pytest", *_import_lines(rec)]
+    imports = [*future, *(f"import {m}" for m in setup.imports), "import pytest", *_import_lines(rec)]
     source = [f'"""{doc}"""', "", *imports, ""]
     for fn in dict.fromkeys(helpers):
         source.extend(["", inspect.getsource(fn).rstrip(), ""])
-    source.extend(["", f"def {name}():"])
+    source.extend(["", f"def {name}({setup.params}):"])
     source.extend(textwrap.indent("\n".join(body), "    ").splitlines())
     return "\n".join(source) + "\n", tuple(dict.fromkeys(checks))
 

@@ -1,0 +1,147 @@
+"""Two scheduler-level bugs planted in a copy of vLLM 0.33.0's vllm/ tree, found by
+``kvspec check --vllm-source COPY`` through vLLM's own V1 scheduler (the scheduler machine).
+
+The copy is made at test time from the installed package (nothing of vLLM's is kept in this
+repository); both bugs are in ``vllm/v1/core/sched/scheduler.py``, where the block-manager
+machine (which drives the ``KVCacheManager`` directly) cannot see them:
+
+* one slot short: a running request's step asks ``allocate_slots`` for one token fewer than it
+  schedules, so the step's last position can fall past the request's block table;
+* an abort leaks: ``_free_request_blocks`` does not free an aborted request's blocks.
+
+One check of the copy (a small budget) must give a scheduler verdict for each, each with its
+report folder and a straight-line reproducer that fails on the copy and passes on 0.33.0;
+``kvspec replay`` of each report reproduces it on the copy; and PR mode against 0.33.0 calls
+them regressions.  Runs in the 0.33.0 venv (``kvspec test-targets 0.33.0``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import requires_vllm
+
+pytestmark = requires_vllm("0.33.0", "0.33.0")
+
+SCHEDULER = "v1/core/sched/scheduler.py"
+SHORT = """                        request,
+                        num_new_tokens,
+                        num_lookahead_tokens=self.num_lookahead_tokens,
+"""
+SHORT_PLANTED = SHORT.replace("num_new_tokens,", "max(num_new_tokens - 1, 1),  # planted: one slot short")
+LEAK = """            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)"""
+LEAK_PLANTED = LEAK.replace(
+    "self.kv_cache_manager.free(request)",
+    "if request.status != RequestStatus.FINISHED_ABORTED:  # planted: an abort leaks\n"
+    "                self.kv_cache_manager.free(request)",
+)
+# Each planted bug, by the invariants its verdict may name.
+SHORT_IDS = {"kv-readback", "admission-soundness"}
+LEAK_IDS = {"refcount-exact", "no-leak"}
+# A loaded machine builds a scheduler slowly: the hang limit is raised, not the budget.
+BUDGET = ["--profile", "ci", "--examples", "40", "--seed", "1", "--op-timeout", "600"]
+SOURCE = ["--source-version", "0.33.0"]
+
+
+def _copy(root: Path) -> Path:
+    import vllm
+
+    shutil.copytree(Path(vllm.__file__).parent, root / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    path = root / "vllm" / SCHEDULER
+    text = path.read_text()
+    for old, new in ((SHORT, SHORT_PLANTED), (LEAK, LEAK_PLANTED)):
+        assert text.count(old) == 1, "the planted lines moved: update the test for this release"
+        text = text.replace(old, new)
+    path.write_text(text)
+    return root
+
+
+def _kvspec(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvspec.cli", *args], capture_output=True, text=True, timeout=3600, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The copy, and the scheduler verdicts of one check of it."""
+    head = _copy(tmp_path_factory.mktemp("planted"))
+    out = tmp_path_factory.mktemp("reports")
+    proc = _kvspec("check", "--vllm-source", str(head), *SOURCE, *BUDGET, "--out", str(out))
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    verdicts = [e for e in summary["violations"] if e.get("machine") == "scheduler"]
+    return head, verdicts
+
+
+def _found(verdicts: list[dict], ids: set[str]) -> list[dict]:
+    """The verdicts naming one of ``ids`` whose report records the violation (not a crash)."""
+    return [
+        v
+        for v in verdicts
+        if v["fingerprint"]["invariant"] in ids and json.loads(Path(v["report"]).read_text())["outcome"] == "violated"
+    ]
+
+
+def test_each_planted_bug_is_a_scheduler_verdict_with_a_report_folder(planted):
+    _, verdicts = planted
+    shown = [v["fingerprint"] for v in verdicts]
+    assert _found(verdicts, SHORT_IDS), shown
+    assert _found(verdicts, LEAK_IDS), shown
+    for v in verdicts:
+        folder = Path(v["report"]).parent
+        assert (folder / "report.json").is_file() and (folder / "trace.txt").is_file()
+        report = json.loads((folder / "report.json").read_text())
+        assert report["machine"] == "scheduler" and report["trace"], report.get("verdict")
+
+
+def test_each_reproducer_fails_on_the_copy_and_passes_on_the_release(planted):
+    head, verdicts = planted
+    for ids in (SHORT_IDS, LEAK_IDS):
+        verdict = _found(verdicts, ids)[0]
+        report = json.loads(Path(verdict["report"]).read_text())
+        reproducer = report["reproducer"]
+        assert reproducer["status"] == "verified", reproducer
+        path = Path(reproducer["path"])
+        text = path.read_text()
+        heads = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+        imported = {line.split()[1].split(".")[0] for line in heads}
+        assert imported <= {"__future__", "json", "pytest", "torch", "vllm"}, imported
+        plain = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVSPEC_CHECKOUT")}
+        on_copy = subprocess.run(plain, capture_output=True, text=True, cwd=path.parent, check=False,
+                                 env={**env, "PYTHONPATH": str(head)})
+        on_release = subprocess.run(plain, capture_output=True, text=True, cwd=path.parent, check=False, env=env)
+        named = verdict["fingerprint"]["invariant"]
+        assert on_copy.returncode == 1 and f"[{named}]" in on_copy.stdout, on_copy.stdout[-3000:]
+        assert on_release.returncode == 0, on_release.stdout[-3000:]
+
+
+def test_replay_reproduces_each_verdict_on_the_copy(planted):
+    head, verdicts = planted
+    for ids in (SHORT_IDS, LEAK_IDS):
+        verdict = _found(verdicts, ids)[0]
+        proc = _kvspec("replay", verdict["report"], "--vllm-source", str(head), *SOURCE)
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert verdict["fingerprint"]["invariant"] in proc.stdout
+
+
+def test_pr_mode_against_the_release_calls_them_regressions(planted, tmp_path):
+    head, _ = planted
+    out = tmp_path / "pr"
+    proc = _kvspec("check", "--vllm-source", str(head), *SOURCE, "--baseline", "0.33.0", *BUDGET, "--out", str(out))
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "pr.json").read_text())
+    regressions = [v for v in summary["scheduler"] if v["regression"]]
+    assert _found(regressions, SHORT_IDS) and _found(regressions, LEAK_IDS), summary["scheduler"]
+    assert all(v["base"] == "holds" for v in regressions), summary["scheduler"]
+    assert "HEAD regressed" in proc.stdout
