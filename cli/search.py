@@ -19,8 +19,8 @@ smallest set of features that leaves no fired known finding reachable (a minimal
 their ``requires``; findings stepped past by going on do not drown anything and are left out),
 and switches every other feature on, so the whole budget of those rounds (``MASK_BUDGET`` times
 the run's) goes to what lies behind them.  A known finding that has not fired and needs a
-feature every such mask switches off (F1 needs the window, which F6 fires on almost every
-windowed example) then gets a mask that keeps its features on and switches every other one off:
+feature every such mask switches off (F1 needs the window, which every mask switches off once
+F6, F7 or F8 fired: they need it too) then gets a mask that keeps its features on and switches every other one off:
 it is searched beside the findings that share its features only.  What fires there makes new
 masks, until none is left or ``MAX_MASKS`` ran.  A feature the user pinned is never masked.
 
