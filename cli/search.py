@@ -18,8 +18,11 @@ exploration rounds end, the rounds go on under *feature masks*: each mask switch
 smallest set of features that leaves no fired known finding reachable (a minimal hitting set of
 their ``requires``; findings stepped past by going on do not drown anything and are left out),
 and switches every other feature on, so the whole budget of those rounds (``MASK_BUDGET`` times
-the run's) goes to what lies behind them.  What fires there makes new masks, until none is left or ``MAX_MASKS`` ran.  A
-feature the user pinned is never masked.
+the run's) goes to what lies behind them.  A known finding that has not fired and needs a
+feature every such mask switches off (F1 needs the window, which every mask switches off once
+F6, F7 or F8 fired: they need it too) then gets a mask that keeps its features on and switches every other one off:
+it is searched beside the findings that share its features only.  What fires there makes new
+masks, until none is left or ``MAX_MASKS`` ran.  A feature the user pinned is never masked.
 
 A derandomized (or seeded) run repeats itself: each round replays the same example sequence,
 with the discards earlier rounds added.
@@ -111,7 +114,9 @@ def masks_behind(known: Sequence[KnownFinding], fired: Mapping[str, int], maskab
     """Every smallest set of ``maskable`` features whose absence leaves none of the fired known
     findings reachable (a minimal hitting set of their ``requires``), smallest first.  Findings
     stepped past by going on drown nothing; one that needs no maskable feature cannot be masked
-    (and then no mask is returned only if nothing else fired)."""
+    (and then no mask is returned only if nothing else fired).  Then, for each known finding
+    that has not fired and that every such mask leaves unreachable, the mask of every maskable
+    feature it does not need (its features kept on), in the order of ``known``."""
     needs = [
         frozenset(k.requires) & frozenset(maskable)
         for k in known
@@ -126,6 +131,18 @@ def masks_behind(known: Sequence[KnownFinding], fired: Mapping[str, int], maskab
             mask = frozenset(combo)
             if all(n & mask for n in needs) and not any(m <= mask for m in found):
                 found.append(mask)
+    # A finding that has not fired and needs a feature every mask above switches off is
+    # reachable only where the fired ones drown it: a mask that keeps its features on and
+    # switches every other one off gives it the round to itself and the findings that share
+    # those features, and none of the findings that need the others.
+    everything = frozenset(maskable)
+    for k in known:
+        keep = frozenset(k.requires) & everything
+        if fired.get(k.id) or not keep or not all(m & keep for m in found):
+            continue
+        mask = everything - keep
+        if mask and mask not in found:
+            found.append(mask)
     return found
 
 

@@ -207,6 +207,30 @@ def test_masks_behind_are_the_smallest_feature_sets_no_fired_finding_survives():
     assert masks_behind(known, {"G": 5, "ANY": 5}, features) == []
 
 
+def test_a_finding_every_mask_drowns_gets_a_mask_that_keeps_its_features_on():
+    """A finding that shares its feature with a frequent fired one (F1 and F6: the window) is
+    unreachable under every hitting-set mask; while it has not fired it gets a mask of every
+    other feature, and once it fired that mask is no longer asked for."""
+    from kvspec.cli.search import masks_behind
+
+    def k(ident, *requires, go_on=False):
+        return KnownFinding(ident, ident, ("crash",), ("step",), requires=requires, go_on=go_on)
+
+    features = ("window", "prefix_caching", "lookahead", "swap")
+    known = [k("W1", "window"), k("W6", "window"), k("C", "prefix_caching"), k("G", "window", go_on=True),
+             k("LS", "lookahead", "swap"), k("ALL", *features)]
+    hitting = frozenset({"window", "prefix_caching"})
+    keep_window = frozenset({"prefix_caching", "lookahead", "swap"})
+    # W1 (and G, going on, while it has not fired) ask for the window kept on; ALL (every feature
+    # on: the exploration itself) asks for nothing; LS is reachable under the hitting set.
+    assert masks_behind(known, {"W6": 9, "C": 2}, features) == [hitting, keep_window]
+    assert masks_behind(known, {"W6": 9, "C": 2, "W1": 1, "G": 4}, features) == [hitting]
+    # Nothing fired: nothing drowns anything, no mask.
+    assert masks_behind(known, {}, features) == []
+    # A pinned feature is not maskable: the kept mask holds the maskable rest only.
+    assert masks_behind(known, {"W6": 9}, ("window", "swap")) == [frozenset({"window"}), frozenset({"swap"})]
+
+
 class CrashBehindWindowAndCaching(ReferenceManager):
     """Known bugs that fire on every windowed step and every cached admission, and behind them
     one that needs swap and lookahead slots with neither (what the known ones drown)."""
