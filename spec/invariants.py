@@ -1,8 +1,9 @@
 """The named invariants.  One ID names the spec function, the machine check, the z3
 obligation and the report line.
 
-Each invariant is a small function returning the violations it finds, each with a plain
-explanation, and every violation of an ID comes from that ID's function.  An invariant also
+Each invariant is a small function yielding the violations it finds, each with its facts
+(``spec.violation``: kind, sequences, blocks, positions, expected and observed) and a plain
+sentence made from them, and every violation of an ID comes from that ID's function.  An invariant also
 states when it applies: a function of the configuration that gives the reason it says nothing
 (window-bound without a sliding window), read by ``check_world``, the command line's table and
 ``kvspec explain``.  State invariants look at a ``World`` after every operation; transition
@@ -39,6 +40,7 @@ from .registry import (
     pools,
 )
 from .state import Device, KVState, PoolView, Status, World
+from .violation import PoolFacts, fact
 from .window import blocks_for_tokens, window_cover
 
 # ---------------------------------------------------------------- state invariants
@@ -50,7 +52,7 @@ from .window import blocks_for_tokens, window_cover
     "BlockPool/KVCacheBlock.ref_cnt (V1), RefCounter in vllm/core/block/common.py, "
     "PhysicalTokenBlock.ref_count (BlockSpaceManagerV1)",
 )
-def refcount_exact(world: World) -> Iterator[str]:
+def refcount_exact(world: World) -> Iterator[Violation]:
     """A block's refcount equals the number of live block-table slots holding it.
 
     Too high leaks the block forever; too low frees it while a sequence still reads it.
@@ -62,12 +64,27 @@ def refcount_exact(world: World) -> Iterator[str]:
         for block in sorted(set(holders) | set(pool.refcounts)):
             want = holders.get(block, 0)
             got = pool.refcounts.get(block)
+            if got == want:
+                continue
+            holding = tuple(sorted(t.seq_id for t in live_tables(world, device) if block in t.slots))
             if got is None:
-                yield f"{device.value} block {block} is held by a table but is not in the pool"
+                yield fact(
+                    "not-in-pool",
+                    f"{device.value} block {block} is held by a table but is not in the pool",
+                    seqs=holding,
+                    device=device.value,
+                    blocks=(block,),
+                )
             elif got != want:
-                yield (
+                yield fact(
+                    "wrong-refcount",
                     f"{device.value} block {block} has refcount {got} but {want} live "
-                    f"block-table slot(s) hold it"
+                    f"block-table slot(s) hold it",
+                    seqs=holding,
+                    device=device.value,
+                    blocks=(block,),
+                    expected=want,
+                    observed=got,
                 )
 
 
@@ -77,7 +94,7 @@ def refcount_exact(world: World) -> Iterator[str]:
     "FreeKVCacheBlockQueue and BlockPool (V1), NaiveBlockAllocator/PrefixCachingBlockAllocator "
     "free lists and evictor (legacy)",
 )
-def conservation(world: World) -> Iterator[str]:
+def conservation(world: World) -> Iterator[Violation]:
     """Free + evictable + in-use is exactly the pool, pairwise disjoint; nothing is freed twice
     and no block id is out of range.  A free block is not in the prefix-cache map: the next
     allocation may overwrite it while a lookup still hands it out (unreferenced cached
@@ -86,27 +103,34 @@ def conservation(world: World) -> Iterator[str]:
     for device, pool in pools(world.state):
         ids = set(pool.ids)
         name = device.value
+
+        def found(kind: str, block: int, message: str, name: str = name, **facts) -> Violation:
+            return fact(kind, message, device=name, blocks=(block,), **facts)
+
         for block, n in Counter(pool.free).items():
             if n > 1:
-                yield f"{name} block {block} is on the free list {n} times (double free)"
+                yield found("double-free", block, f"{name} block {block} is on the free list {n} times (double free)",
+                            expected=1, observed=n)
         free, evictable, in_use = set(pool.free), set(pool.evictable), set(pool.in_use())
         for label, group in (("free", free), ("evictable", evictable), ("in-use", in_use)):
             for block in sorted(group - ids):
-                yield f"{name} {label} block {block} is out of the pool's id range"
+                yield found("out-of-range", block, f"{name} {label} block {block} is out of the pool's id range",
+                            observed=label)
         for a, b, sa, sb in (
             ("free", "in-use", free, in_use),
             ("evictable", "in-use", evictable, in_use),
             ("free", "evictable", free, evictable),
         ):
             for block in sorted(sa & sb):
-                yield f"{name} block {block} is both {a} and {b}"
+                yield found("in-two-sets", block, f"{name} block {block} is both {a} and {b}", observed=(a, b))
         for block in sorted(ids - free - evictable - in_use):
-            yield f"{name} block {block} is lost: not free, not evictable and not in use"
+            yield found("lost", block, f"{name} block {block} is lost: not free, not evictable and not in use")
         cached = pool.cached_key_of()
         for block in sorted(evictable - set(cached)):
-            yield f"{name} block {block} is evictable but holds no cached content"
+            yield found("evictable-uncached", block, f"{name} block {block} is evictable but holds no cached content")
         for block in sorted(free & set(cached)):
-            yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
+            yield found("free-but-cached", block,
+                        f"{name} block {block} is on the free list yet still in the prefix-cache map")
 
 
 @invariant(
@@ -114,23 +138,36 @@ def conservation(world: World) -> Iterator[str]:
     "No leaks",
     "free()/free_block_table() in every block manager; KVCacheManager.free (V1)",
 )
-def no_leak(world: World) -> Iterator[str]:
+def no_leak(world: World) -> Iterator[Violation]:
     """Freeing every sequence returns every block: with no live sequence, no block is in use,
     and a freed sequence keeps no block table.
     """
     for seq_id, table in world.state.tables.items():
         seq = world.seqs.get(seq_id)
         if (seq is None or seq.status is Status.WAITING) and table.held():
-            yield f"seq {seq_id} was freed but still holds blocks {list(table.held())}"
+            yield fact(
+                "freed-holds",
+                f"seq {seq_id} was freed but still holds blocks {list(table.held())}",
+                seqs=(seq_id,),
+                device=table.device.value,
+                blocks=table.held(),
+                expected=0,
+                observed=len(table.held()),
+            )
     live = [s for s in world.seqs.values() if s.status is not Status.WAITING]
     if live:
         return
     for device, pool in pools(world.state):
         in_use = sorted(pool.in_use())
         if in_use:
-            yield (
+            yield fact(
+                "in-use-when-idle",
                 f"no sequence is live, yet {device.value} blocks {in_use} are still in use "
-                f"(refcounts {[pool.refcounts[b] for b in in_use]})"
+                f"(refcounts {[pool.refcounts[b] for b in in_use]})",
+                device=device.value,
+                blocks=in_use,
+                expected=0,
+                observed=[pool.refcounts[b] for b in in_use],
             )
 
 
@@ -141,7 +178,7 @@ def no_leak(world: World) -> Iterator[str]:
     "(legacy), BlockSpaceManagerV1 block_sliding_window, SlidingWindowManager (V1)",
     applies=needs_window,
 )
-def window_bound(world: World) -> Iterator[str]:
+def window_bound(world: World) -> Iterator[Violation]:
     """A sliding-window sequence holds no more blocks than the most that the window and the
     tokens of its current step can touch: ``ceil((W - 1 + k - 1) / B) + 1`` for a step of k
     tokens, which is ``ceil((W - 1) / B) + 1`` for a decode step -- and never more than its
@@ -160,9 +197,15 @@ def window_bound(world: World) -> Iterator[str]:
         )
         held = len(table.held())
         if held > bound:
-            yield (
+            yield fact(
+                "over-window",
                 f"seq {seq.seq_id} holds {held} blocks but a step over positions {start}..{end - 1} "
-                f"with window {window} needs at most {bound} (block size {block_size})"
+                f"with window {window} needs at most {bound} (block size {block_size})",
+                seqs=(seq.seq_id,),
+                device=Device.GPU.value,
+                blocks=table.held(),
+                expected=bound,
+                observed=held,
             )
 
 
@@ -173,7 +216,7 @@ def window_bound(world: World) -> Iterator[str]:
     "BlockPool.cached_block_hash_to_block / get_cached_block (V1)",
     applies=needs_prefix_caching,
 )
-def prefix_cache_consistency(world: World) -> Iterator[str]:
+def prefix_cache_consistency(world: World) -> Iterator[Violation]:
     """Every cached key maps to blocks holding exactly that key's tokens, and a block a lookup
     may hand out has its KV written.
 
@@ -200,11 +243,21 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
             if block not in pool_blocks:
                 # The null block (or an id the pool does not hold): nothing is written there,
                 # so the content checks below cannot see it, yet a lookup would hand it out.
-                yield (f"{device.value} block {block} is cached under a {len(key.chain)}-token "
-                       "key but is not a block of the pool (the null block or an unknown id)")
+                yield fact(
+                    "not-a-pool-block",
+                    f"{device.value} block {block} is cached under a {len(key.chain)}-token "
+                    "key but is not a block of the pool (the null block or an unknown id)",
+                    device=device.value,
+                    blocks=(block,),
+                )
                 continue
             if not is_well_formed(key, block_size):
-                yield f"{device.value} block {block} is cached under an empty key"
+                yield fact(
+                    "empty-key",
+                    f"{device.value} block {block} is cached under an empty key",
+                    device=device.value,
+                    blocks=(block,),
+                )
                 continue
             want = list(key.block_tokens(block_size))
             first = key.block_index(block_size) * block_size
@@ -213,11 +266,23 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
             written = [(i, g) for i, g in enumerate(got) if g is not None]
             # A partial key claims only its own tokens; slots past it may fill later.
             if any(i < len(expected) and g != expected[i] for i, g in written):
-                yield (f"{device.value} block {block} is cached as tokens {want} but holds {got}")
+                yield fact(
+                    "wrong-content",
+                    f"{device.value} block {block} is cached as tokens {want} but holds {got}",
+                    device=device.value,
+                    blocks=(block,),
+                    expected=want,
+                    observed=got,
+                )
             elif block in pool.computed and None in got[: len(want)]:
-                yield (
+                yield fact(
+                    "uncomputed-hit",
                     f"{device.value} block {block} can be handed out as a cache hit for {want} "
-                    f"but its KV is only allocated, not written ({got})"
+                    f"but its KV is only allocated, not written ({got})",
+                    device=device.value,
+                    blocks=(block,),
+                    expected=want,
+                    observed=got,
                 )
 
 
@@ -226,7 +291,7 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
     "Every sequence reads back its own tokens",
     "slot mapping from block tables: legacy compute_slot_mapping, V1 BlockTable.compute_slot_mapping",
 )
-def kv_readback(world: World) -> Iterator[str]:
+def kv_readback(world: World) -> Iterator[Violation]:
     """Reading a live sequence through its block table yields exactly its own token at every
     position its next token attends (every position, or the window).
     """
@@ -238,7 +303,11 @@ def kv_readback(world: World) -> Iterator[str]:
     for seq in world.seqs.values():
         if seq.status is Status.RUNNING and seq.seq_id not in world.state.tables:
             if seq.num_computed:
-                yield f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table"
+                yield fact(
+                    "no-table",
+                    f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table",
+                    seqs=(seq.seq_id,),
+                )
 
 
 # ---------------------------------------------------------------- transition invariants
@@ -258,7 +327,9 @@ def admission_soundness(
     after: KVState | None = None,
     first_needed: Mapping[int, int] | None = None,
     unmapped: Iterable[WriteFault] = (),
-) -> Iterator[str]:
+    seq: int | None = None,
+    need: int | None = None,
+) -> Iterator[Violation]:
     """An admission check that answers OK is followed by an allocation that succeeds, and a
     refused or failed allocation leaves the state unchanged.
 
@@ -270,20 +341,39 @@ def admission_soundness(
     Freedom: a failed allocation may still release slots a sliding window no longer needs
     (those before ``first_needed[seq]``); V1's ``allocate_slots`` frees them "even if we cannot
     schedule" (vllm/v1/core/kv_cache_manager.py).
+
+    Facts: the sequence (``seq``), the pool the operation met, the need kvspec computes for it
+    (``need``, when the driver knows it) and the blocks the failed allocation took.
     """
     for fault in unmapped:
         if fault.kind == UNMAPPED:
-            yield fault.message
+            yield fault.violation()
     if before is None or after is None:
         return
+    seqs = () if seq is None else (seq,)
+    met = PoolFacts(len(before.gpu.free), len(before.gpu.evictable), len(before.gpu.ids))
+    taken = _taken(before, after)
     if error is None:
         if answered_ok is False and normalized(before) != normalized(after):
-            yield f"an admission check that refused changed the state: {_state_diff(before, after)}"
+            yield fact(
+                "refusal-changed-state",
+                f"an admission check that refused changed the state: {_state_diff(before, after)}",
+                seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+            )
         return
     if answered_ok:
-        yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
+        yield fact(
+            "ok-then-failed",
+            f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}",
+            seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+            expected="the allocation succeeds", observed=type(error).__name__,
+        )
     if not unchanged_but_window_drops(before, after, first_needed or {}):
-        yield f"a refused/failed allocation changed the state: {_state_diff(before, after)}"
+        yield fact(
+            "failure-changed-state",
+            f"a refused/failed allocation changed the state: {_state_diff(before, after)}",
+            seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+        )
 
 
 @invariant(
@@ -293,7 +383,7 @@ def admission_soundness(
     "copy-on-write in legacy BlockTable/CopyOnWriteTracker",
     kind="transition",
 )
-def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
+def immutability(faults: Iterable[WriteFault]) -> Iterator[Violation]:
     """A block that is full, shared or in the prefix cache never has its contents changed: each
     slot is written at most once per block lifetime, and a write into a shared or cached block
     goes through copy-on-write.
@@ -303,7 +393,7 @@ def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     """
     for fault in faults:
         if fault.kind != UNMAPPED:
-            yield fault.message
+            yield fault.violation()
 
 
 @invariant(
@@ -313,7 +403,7 @@ def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     "KVCacheManager.allocate_slots full_sequence_must_fit and watermark (V1)",
     kind="transition",
 )
-def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
+def admission_completeness(facts: AdmissionFacts) -> Iterator[Violation]:
     """An admission whose need (``spec.admission.admission_need``), plus the prefix hits it
     revives from the evictable set, plus the target's declared reserve, fits the free and
     evictable blocks is answered OK and succeeds; NEVER only when the sequence alone, plus the
@@ -326,16 +416,21 @@ def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
     f = facts
     room = f"{f.free} free + {f.evictable} evictable"
     want = f"need {f.need} + {f.evictable_hits} evictable hit(s) + reserve {f.reserve}"
+    met = PoolFacts(f.free, f.evictable, f.num_blocks)
     if f.answer == "never" and not may_answer_never(f.held_alone, f.reserve, f.num_blocks):
-        yield (
+        yield fact(
+            "never-but-fits-alone",
             f"seq {f.seq} ({f.prompt_len} tokens) was answered NEVER, yet alone it holds "
             f"{f.held_alone} block(s) + reserve {f.reserve} <= {f.num_blocks} in the pool "
-            f"(policy: {f.policy})"
+            f"(policy: {f.policy})",
+            seqs=(f.seq,), pool=met, need=f.need, expected="later or OK", observed=f.answer,
         )
     elif must_admit(f.need, f.evictable_hits, f.reserve, f.free, f.evictable):
-        yield (
+        yield fact(
+            "refused-but-fits",
             f"seq {f.seq} ({f.prompt_len} tokens) was refused ({f.answer}) although {want} "
-            f"fits {room} (policy: {f.policy})"
+            f"fits {room} (policy: {f.policy})",
+            seqs=(f.seq,), pool=met, need=f.need, expected="OK", observed=f.answer,
         )
 
 
@@ -346,7 +441,7 @@ def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
     "KVCacheManager.allocate_slots for a running request (V1)",
     kind="transition",
 )
-def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
+def reserve_completeness(facts: ReserveFacts) -> Iterator[Violation]:
     """A reservation (append slots / allocate_slots for a running sequence) whose need -- new
     slots up to its lookahead plus a copy of every shared block it writes -- fits the free and
     evictable blocks is granted.
@@ -358,10 +453,12 @@ def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
     if not reserve_refusal_allowed(
         f.need, f.group_touched, f.group_running, f.available, f.policy
     ):
-        yield (
+        yield fact(
+            "refused-but-fits",
             f"seq {f.seq}: a step of {f.num_new_tokens} token(s) + {f.lookahead} lookahead was "
             f"refused although it needs {f.need} block(s) and {f.available} are free or "
-            f"evictable (policy: {f.policy.describe()})"
+            f"evictable (policy: {f.policy.describe()})",
+            seqs=(f.seq,), need=f.need, expected="granted", observed="refused",
         )
 
 
@@ -372,7 +469,7 @@ def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
     "KVCacheManager.get_computed_blocks / BlockPool.cache_full_blocks (V1)",
     kind="transition",
 )
-def hit_completeness(facts: HitFacts) -> Iterator[str]:
+def hit_completeness(facts: HitFacts) -> Iterator[Violation]:
     """A prefix lookup returns every leading full block whose key is cached and whose KV is
     computed, and a full block becomes findable by its key by the end of the operation that
     computed it.
@@ -384,15 +481,20 @@ def hit_completeness(facts: HitFacts) -> Iterator[str]:
     """
     f = facts
     if f.got_tokens < f.min_blocks * f.block_size:
-        yield (
+        yield fact(
+            "missed-hit",
             f"seq {f.seq}: {f.expected_blocks} leading block(s) are cached and computed, the "
             f"lookup may leave out {f.expected_blocks - f.min_blocks}, yet it returned "
-            f"{f.got_tokens} token(s)"
+            f"{f.got_tokens} token(s)",
+            seqs=(f.seq,), expected=f.min_blocks * f.block_size, observed=f.got_tokens,
         )
     if f.unpublished:
-        yield (
+        # The table slots (block indices of the sequence), not block ids.
+        yield fact(
+            "unpublished",
             f"seq {f.seq}: full block(s) {list(f.unpublished)} were computed by this operation "
-            f"but none is findable by its key afterwards"
+            f"but none is findable by its key afterwards",
+            seqs=(f.seq,), expected="findable", observed=f.unpublished,
         )
 
 
@@ -403,7 +505,7 @@ def hit_completeness(facts: HitFacts) -> Iterator[str]:
     "preemption (V1); max_admission_blocks_per_request sizing (V1 0.33)",
     kind="transition",
 )
-def progress(facts: ProgressFacts) -> Iterator[str]:
+def progress(facts: ProgressFacts) -> Iterator[Violation]:
     """With no new arrivals, the modelled scheduler loop (oldest first, preempting the newest)
     finishes every admitted request within ``progress_bound`` iterations, and a request that
     fits an empty pool is admitted once the pool is empty.
@@ -416,24 +518,32 @@ def progress(facts: ProgressFacts) -> Iterator[str]:
     """
     f = facts
     for seq, held_alone in f.refused_when_empty:
-        yield (
+        yield fact(
+            "refused-alone",
             f"seq {seq} was refused while no sequence held a block, although alone it holds "
-            f"{held_alone} block(s) of {f.num_blocks}"
+            f"{held_alone} block(s) of {f.num_blocks}",
+            seqs=(seq,), need=held_alone, expected="admitted", observed="refused",
         )
     for seq, held_alone in f.preempted_alone:
-        yield (
+        yield fact(
+            "preempted-alone",
             f"seq {seq} was preempted while no other sequence held a block, although it can run "
-            f"to its end alone holding {held_alone} block(s) of {f.num_blocks}"
+            f"to its end alone holding {held_alone} block(s) of {f.num_blocks}",
+            seqs=(seq,), need=held_alone, expected="runs to its end", observed="preempted",
         )
     if f.unfinished and f.repeated:
-        yield (
+        yield fact(
+            "livelock",
             f"after {f.iterations} scheduler iteration(s) with no new arrivals the loop is back in "
-            f"a state it was in, with request(s) {list(f.unfinished)} unfinished: it never ends"
+            f"a state it was in, with request(s) {list(f.unfinished)} unfinished: it never ends",
+            seqs=f.unfinished, expected="every request finishes", observed="a state repeats",
         )
     elif f.unfinished:
-        yield (
+        yield fact(
+            "unfinished",
             f"after {f.iterations} scheduler iteration(s) with no new arrivals (bound "
-            f"{f.bound}), request(s) {list(f.unfinished)} have not finished"
+            f"{f.bound}), request(s) {list(f.unfinished)} have not finished",
+            seqs=f.unfinished, expected=f.bound, observed=f.iterations,
         )
 
 
@@ -492,6 +602,13 @@ def normalized(state: KVState) -> tuple:
 
     tables = tuple(sorted((sid, t.device.value, t.slots) for sid, t in state.tables.items()))
     return (pool(state.gpu), pool(state.cpu), tables)
+
+
+def _taken(before: KVState, after: KVState) -> tuple[int, ...]:
+    """GPU blocks that left the free and evictable sets between ``before`` and ``after``: what
+    an allocation took."""
+    was = set(before.gpu.free) | set(before.gpu.evictable)
+    return tuple(sorted(was - set(after.gpu.free) - set(after.gpu.evictable)))
 
 
 def _state_diff(before: KVState, after: KVState) -> str:

@@ -121,9 +121,9 @@ def test_transition_invariants_make_their_own_violations():
     """Write facts carry no invariant ID: the spec functions decide which ID a fact breaks."""
     unmapped = WriteFault(UNMAPPED, "seq 0: position 4 has no slot")
     overwrite = WriteFault(OVERWRITE, "seq 0: position 4 overwrites position 2")
-    assert immutability([unmapped, overwrite]) == [Violation("immutability", overwrite.message)]
+    assert immutability([unmapped, overwrite]) == [Violation("immutability", overwrite.message, kind=OVERWRITE)]
     assert admission_soundness(unmapped=[unmapped, overwrite]) == [
-        Violation("admission-soundness", unmapped.message)
+        Violation("admission-soundness", unmapped.message, kind=UNMAPPED)
     ]
     before = _world(**_healthy()).state
     after = _world(**{**_healthy(), "refcounts": [1, 1, 1], "free": []}).state
