@@ -186,16 +186,13 @@ def offending_cells(film: Film) -> tuple[int, set[tuple[int, int]]]:
 
 
 def verdict_facts(film: Film) -> dict[str, Any]:
-    """The pool, need and taken facts of the violations (the first that carries each)."""
-    out: dict[str, Any] = {}
+    """The pool, need and taken facts of the first violation that carries any of them."""
     for v in film.violations:
-        if v.pool is not None:
-            out.setdefault("pool", v.pool)
-        if v.need is not None:
-            out.setdefault("need", v.need)
-        if v.taken:
-            out.setdefault("taken", v.taken)
-    return out
+        facts = {"pool": v.pool, "need": v.need, "taken": v.taken}
+        facts = {k: value for k, value in facts.items() if value not in (None, ())}
+        if facts:
+            return facts
+    return {}
 
 
 # ---------------------------------------------------------------- drawing
