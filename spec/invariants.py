@@ -329,6 +329,7 @@ def admission_soundness(
     unmapped: Iterable[WriteFault] = (),
     seq: int | None = None,
     need: int | None = None,
+    device: Device = Device.GPU,
 ) -> Iterator[Violation]:
     """An admission check that answers OK is followed by an allocation that succeeds, and a
     refused or failed allocation leaves the state unchanged.
@@ -342,8 +343,9 @@ def admission_soundness(
     (those before ``first_needed[seq]``); V1's ``allocate_slots`` frees them "even if we cannot
     schedule" (vllm/v1/core/kv_cache_manager.py).
 
-    Facts: the sequence (``seq``), the pool the operation met, the need kvspec computes for it
-    (``need``, when the driver knows it) and the blocks the failed allocation took.
+    Facts: the sequence (``seq``), the pool the operation allocates from (``device``: the CPU
+    pool for a swap-out) as it met it, the need kvspec computes for it (``need``, when the driver
+    knows it) and the blocks the failed allocation took there.
     """
     for fault in unmapped:
         if fault.kind == UNMAPPED:
@@ -351,28 +353,31 @@ def admission_soundness(
     if before is None or after is None:
         return
     seqs = () if seq is None else (seq,)
-    met = PoolFacts(len(before.gpu.free), len(before.gpu.evictable), len(before.gpu.ids))
-    taken = _taken(before, after)
+    was, now = before.pool(device), after.pool(device)
+    if was is None or now is None:
+        device, was, now = Device.GPU, before.gpu, after.gpu
+    met = PoolFacts(len(was.free), len(was.evictable), len(was.ids))
+    taken = _taken(was, now)
     if error is None:
         if answered_ok is False and normalized(before) != normalized(after):
             yield fact(
                 "refusal-changed-state",
                 f"an admission check that refused changed the state: {_state_diff(before, after)}",
-                seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+                seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
             )
         return
     if answered_ok:
         yield fact(
             "ok-then-failed",
             f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}",
-            seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+            seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
             expected="the allocation succeeds", observed=type(error).__name__,
         )
     if not unchanged_but_window_drops(before, after, first_needed or {}):
         yield fact(
             "failure-changed-state",
             f"a refused/failed allocation changed the state: {_state_diff(before, after)}",
-            seqs=seqs, device=Device.GPU.value, pool=met, need=need, taken=taken,
+            seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
         )
 
 
@@ -604,11 +609,11 @@ def normalized(state: KVState) -> tuple:
     return (pool(state.gpu), pool(state.cpu), tables)
 
 
-def _taken(before: KVState, after: KVState) -> tuple[int, ...]:
-    """GPU blocks that left the free and evictable sets between ``before`` and ``after``: what
-    an allocation took."""
-    was = set(before.gpu.free) | set(before.gpu.evictable)
-    return tuple(sorted(was - set(after.gpu.free) - set(after.gpu.evictable)))
+def _taken(before: PoolView, after: PoolView) -> tuple[int, ...]:
+    """Blocks of a pool that left its free and evictable sets between ``before`` and ``after``:
+    what an allocation took."""
+    was = set(before.free) | set(before.evictable)
+    return tuple(sorted(was - set(after.free) - set(after.evictable)))
 
 
 def _state_diff(before: KVState, after: KVState) -> str:

@@ -412,7 +412,7 @@ class Driver:
             copies = getattr(self.impl, op)(seq_id)
         except Rejected as err:
             # NoFreeBlocks: the swap's own check (can_swap_out/in) said yes, then it failed.
-            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err, seq=seq_id)
+            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err, seq=seq_id, device=dst)
             self._record(op, {"seq": seq_id}, f"refused: {type(err).__name__}")
             return False
         except Unsupported:
@@ -478,16 +478,20 @@ class Driver:
         error: Exception | None,
         seq: int | None = None,
         need: int | None = None,
+        device: Device = Device.GPU,
     ) -> None:
         """A refusal or a failed allocation of ``seq``'s operation (``need``: the blocks the
-        spec computes it needs, when known): judged by ``admission-soundness``."""
+        spec computes it needs, when known; ``device``: the pool it allocates from): judged by
+        ``admission-soundness``."""
         after = self.impl.observe()
         first_needed = {
             sid: first_needed_block(m.num_computed, self.config.sliding_window, self.config.block_size)
             for sid, m in self.seqs.items()
             if m.status is Status.RUNNING and error is not None
         }
-        self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed, seq=seq, need=need))
+        self.pending.extend(
+            admission_soundness(answer_ok, error, before, after, first_needed, seq=seq, need=need, device=device)
+        )
         if error is not None and normalized(before) != normalized(after):
             self.refusal_window_drops += 1
         self._advance(after)

@@ -46,6 +46,7 @@ COLOURS = {
     "pool": "#f9fafb",
 }
 OFFENDING = "#dc2626"
+CHAR_W = 6.7  # the width of one 11 px monospace character
 TIMES = "\u00d7"  # the multiplication sign before a refcount
 
 
@@ -313,6 +314,8 @@ def _pool_cell(frame: Frame, x: float, y: float) -> dw.Group:
 
 
 def _verdict_cell(facts: Mapping[str, Any], x: float, y: float, failing: int) -> dw.Group:
+    """The verdict's facts in the failing column's row, written out leftwards from its right
+    edge: the pool the operation met, the need, the blocks the allocation took."""
     pool, need, taken = facts.get("pool"), facts.get("need"), facts.get("taken", ())
     group = dw.Group(
         class_="verdict",
@@ -322,17 +325,25 @@ def _verdict_cell(facts: Mapping[str, Any], x: float, y: float, failing: int) ->
         data_pool_free="" if pool is None else pool.free,
         data_pool_evictable="" if pool is None else pool.evictable,
     )
-    group.append(dw.Rectangle(x + 1, y + 1, CELL_W - 2, CELL_H - 2, fill="#fee2e2", stroke=OFFENDING))
-    shown = [f"n{need}" if need is not None else "", f"t{len(taken)}" if taken else ""]
-    group.append(dw.Text(" ".join(p for p in shown if p), 11, x + CELL_W / 2, y + CELL_H * 0.7, text_anchor="middle"))
     said = []
     if pool is not None:
-        said.append(f"the pool it met: {pool.free} free, {pool.evictable} evictable of {pool.num_blocks}")
+        evictable = f" + {pool.evictable} evictable" if pool.evictable else ""
+        said.append(f"met {pool.free} free{evictable} of {pool.num_blocks}")
     if need is not None:
-        said.append(f"need (the spec's admission arithmetic): {need} block(s)")
+        said.append(f"need {need}")
     if taken:
-        said.append(f"the allocation took blocks {list(taken)}")
-    group.append(dw.Title("; ".join(said)))
+        said.append(f"took {list(taken)}")
+    text = " · ".join(said)
+    right = x + CELL_W - 1
+    left = max(LABEL_W + 1.0, min(x + 1, right - CHAR_W * len(text) - 8))
+    group.append(dw.Rectangle(left, y + 1, right - left, CELL_H - 2, fill="#fee2e2", stroke=OFFENDING))
+    group.append(dw.Text(text, 11, right - 4, y + CELL_H * 0.7, text_anchor="end"))
+    group.append(
+        dw.Title(
+            f"after op {failing}: the pool it met, the need the spec's admission arithmetic computes under "
+            f"the target's declared policy, and the blocks the allocation took: {text}"
+        )
+    )
     return group
 
 

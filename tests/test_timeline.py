@@ -11,6 +11,7 @@ allocation took).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,20 @@ def test_report_html_is_written_beside_report_json_by_check(tmp_path, shown_repo
         shown = shown_report(page, report)
         if any(v.get("kind") == "ok-then-failed" for v in report["violations"]):
             assert shown["verdict"] is not None
+
+
+REPORTS = os.environ.get("KVSPEC_REPORT_DIR")
+
+
+@pytest.mark.skipif(
+    not REPORTS,
+    reason="reads back the pages of a real run: KVSPEC_REPORT_DIR=DIR after "
+    "`kvspec check --vllm 0.6.3.post1 --seed 1 --examples 50 --out DIR` makes it run",
+)
+def test_every_page_of_a_real_run_reads_back(shown_report):
+    from kvspec.testing.report import load_report
+
+    pages = sorted(Path(str(REPORTS)).rglob("report.html"))
+    assert pages, f"no report.html under {REPORTS}"
+    for page in pages:
+        shown_report(page, load_report(page.with_name("report.json")))
