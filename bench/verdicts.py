@@ -21,7 +21,7 @@ from .common import RESULTS, command_line, header, machine_info, save_result, ta
 
 # Lines of `kvspec check`'s output that carry a verdict (rich's table rows included).
 VERDICT = re.compile(
-    r"VIOLATED|violation \d+ of|known finding|crash|kvspec error|differs from|"
+    r"VIOLATED|violation \d+ of|verdict \d+ of|known finding|crash|kvspec error|differs from|"
     r"every applicable invariant|every invariant holds|nothing ran|not run|exit",
     re.I,
 )

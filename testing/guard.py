@@ -6,6 +6,7 @@ raises where no scheduler expects it.  The guard turns each of these into an out
 command line reports with the trace up to the operation that misbehaved:
 
 * a call that runs longer than ``Limits.op_timeout`` raises ``TargetHung`` inside the target
+  (time spent importing modules excepted, up to ``IMPORT_ALLOWANCE``: vLLM imports lazily)
   (``SIGALRM`` from an interval timer; the handler raises between two bytecodes of whatever
   Python code the target is running);
 * a run whose resident memory grows past ``Limits.memory_cap_gib`` beyond what the process held
@@ -43,6 +44,11 @@ from kvspec.spec.errors import Rejected, Unsupported
 
 GIB = 1024**3
 DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
+# A call that is importing modules is not hung: vLLM imports lazily (the first scheduler
+# construction imports vLLM and torch, an EAGLE shape's imports the speculative config's chain),
+# which took 71-114 s on a loaded two-core machine.  The time limit counts from the call's start
+# or the last module it imported, and a call may import for at most this much longer.
+IMPORT_ALLOWANCE = 600.0
 DEFAULT_MEMORY_CAP_GIB = 4.0
 TICK = 0.05  # seconds between samples while a call runs
 MEMORY_CHECK_EVERY = 8  # calls between two checks of the memory a run has added
@@ -244,6 +250,8 @@ class Guard:
         self.notes: list[str] = []
         self._op: str | None = None
         self._start = 0.0
+        self._progress = 0.0  # when the running call last imported a module (or started)
+        self._modules = 0  # len(sys.modules) then
         self._baseline = 0
         self._armed = False
         self._timer = False
@@ -330,9 +338,14 @@ class Guard:
         if self.tripped is not None:
             raise self.tripped  # the target swallowed it (a bare except): raised again until it lets go
         timeout = self.limits.op_timeout
-        elapsed = time.monotonic() - self._start
-        if timeout is not None and elapsed >= timeout:
-            self._trip(TargetHung(op, timeout))
+        now = time.monotonic()
+        if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
+            self._modules, self._progress = len(sys.modules), now
+        if timeout is not None:
+            elapsed = now - self._start
+            idle = now - self._progress
+            if idle >= timeout or elapsed >= timeout + IMPORT_ALLOWANCE:
+                self._trip(TargetHung(op, timeout if idle >= timeout else elapsed))
         cap = self.limits.memory_cap_gib
         if cap is not None:
             grown = self.grown()
@@ -354,7 +367,8 @@ class Guard:
             raise self.tripped  # the target is abandoned: it is in no state to be called again
         if not self._armed:
             return fn(*args, **kw)
-        self._start = time.monotonic()
+        self._start = self._progress = time.monotonic()
+        self._modules = len(sys.modules)
         self._op = op
         try:
             result = fn(*args, **kw)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
+import kvspec.testing.guard as guard_module
 import pytest
 from kvspec.cli.failures import replay_verdict
 from kvspec.cli.main import main
@@ -85,6 +87,35 @@ def test_guard_interrupts_a_python_loop_and_restores_the_process():
         guard.call("anything", None, lambda: None)  # a tripped target is abandoned
     assert signal.getsignal(signal.SIGALRM) == handler
     assert resource.getrlimit(resource.RLIMIT_AS) == limit
+
+
+def test_a_call_that_keeps_importing_is_not_hung_but_one_that_stops_is(monkeypatch, tmp_path):
+    """vLLM imports lazily (over a minute on a loaded machine): a call whose imports go on is
+    given up to ``IMPORT_ALLOWANCE`` more; the limit counts from its last import."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = [f"kvspec_slow_import_{i}" for i in range(6)]
+    for name in names:
+        (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(0.1)\n")
+
+    def imports_then_spins() -> None:
+        for name in names:  # 0.6 s of importing under a 0.25 s limit
+            __import__(name)
+        while True:
+            pass
+
+    guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
+    start = time.monotonic()
+    with guard.armed(), pytest.raises(TargetHung):
+        guard.call("construct", None, imports_then_spins)
+    assert all(name in sys.modules for name in names)  # the imports were not cut
+    assert time.monotonic() - start >= 0.6 + 0.25
+    monkeypatch.setattr(guard_module, "IMPORT_ALLOWANCE", 0.0)
+    for name in names:
+        sys.modules.pop(name, None)
+    guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
+    with guard.armed(), pytest.raises(TargetHung):
+        guard.call("construct", None, imports_then_spins)
+    assert names[-1] not in sys.modules  # without the allowance the limit cut the imports
 
 
 def test_a_target_that_swallows_the_limit_is_stopped_again():
