@@ -7,6 +7,9 @@ do not carry the release: the model registry's inspection of a model class
 vllm/model_executor/models/registry.py:1012-1085) is recomputed in a subprocess on every miss,
 about a minute of a scheduler run.  Two releases sharing one file evict each other on every
 alternation, so each target venv gets a cache root of its own unless the user chose one.
+``KVSPEC_VLLM_CACHE_ROOT`` marks a root kvspec chose: a process started from another interpreter
+(``kvspec check --vllm X`` re-executes in the release's venv) inherits the variable, and a root
+kvspec chose for the parent is replaced by this interpreter's own.
 """
 
 from __future__ import annotations
@@ -17,4 +20,7 @@ from pathlib import Path
 
 VLLM_CACHE_ENV = "VLLM_CACHE_ROOT"
 
-os.environ.setdefault(VLLM_CACHE_ENV, str(Path(sys.prefix) / "vllm-cache"))
+CHOSEN_BY_KVSPEC_ENV = "KVSPEC_VLLM_CACHE_ROOT"
+
+if VLLM_CACHE_ENV not in os.environ or os.environ[VLLM_CACHE_ENV] == os.environ.get(CHOSEN_BY_KVSPEC_ENV):
+    os.environ[VLLM_CACHE_ENV] = os.environ[CHOSEN_BY_KVSPEC_ENV] = str(Path(sys.prefix) / "vllm-cache")

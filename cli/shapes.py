@@ -34,7 +34,7 @@ from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.differential import Mode
 from kvspec.testing.driver import SpecViolation, TraceStep
-from kvspec.testing.guard import crash_traceback, raised_in_kvspec
+from kvspec.testing.guard import GuardTripped, crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.machine import StepPast
 from kvspec.testing.report import build_report, write_atomic, write_report
@@ -44,7 +44,7 @@ from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
 from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, err, out
-from .failures import HEADLINE, KVSPEC_ERROR, TRACEBACK_LINES, print_kvspec_error
+from .failures import HEADLINE, KVSPEC_ERROR, STOPPED_BY_TARGET, TRACEBACK_LINES, print_kvspec_error
 from .search import (
     MAX_VIOLATIONS,
     Found,
@@ -154,6 +154,10 @@ def run_shapes(
                 step_past=step_past,
             )
 
+        def start(self, shape: Shape) -> None:
+            last["current"] = shape  # the shape of the example running (a trip's setting)
+            super().start(shape)
+
         def teardown(self):
             if part is not None:
                 part.example_ended(self.shape.tags() if self.shape is not None else ())
@@ -188,6 +192,11 @@ def run_shapes(
         pass  # the time budget's deadline: the examples run are the run
     except KeyboardInterrupt:
         outcome.status = "interrupted"
+    except GuardTripped as trip:  # hung, or out of memory: the search stops where it is
+        outcome.status = trip.kind
+        outcome.error = trip.message
+        outcome.trace = list(trip.trace) or list(last.get("trace", []))
+        outcome.shape = last.get("current")
     except (Unsatisfiable, FailedHealthCheck) as error:
         outcome.status = "no-examples"
         outcome.error = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -210,6 +219,8 @@ HEADLINES = {
     "violated": "[bold red]VIOLATED[/]",
     "differs": "[green]every invariant holds[/]; [bold red]the scheduler differs from {whose}'s declared policy[/]",
     "error": "[bold red]the scheduler crashed[/]",
+    "hung": f"[bold red]{HEADLINE['hung']}[/]",
+    "memory": f"[bold red]{HEADLINE['memory']}[/]",
     KVSPEC_ERROR: f"[bold red]{HEADLINE[KVSPEC_ERROR]}[/]",
     "no-examples": "[yellow]nothing ran[/]",
     "interrupted": "[yellow]interrupted[/]: nothing is claimed",
@@ -452,8 +463,13 @@ def run_scheduler_search(
         # a verdict of its own.
         at = last.trace[-1].op if last.trace else "construct"
         search.found.append(Found(Fingerprint(CRASH, at, (last.error or "?").split(":")[0]), last))
+    if last.status in STOPPED_BY_TARGET:
+        # A hang or a memory runaway ends the search (the target is abandoned): its own verdict.
+        at = last.trace[-1].op if last.trace else "construct"
+        search.found.append(Found(Fingerprint(last.status, at), last))
     statuses = {f.outcome.status for f in search.found}
-    status = next((s for s in (KVSPEC_ERROR, "violated", "error", "differs") if s in statuses), last.status)
+    order = (KVSPEC_ERROR, *STOPPED_BY_TARGET, "violated", "error", "differs")
+    status = next((s for s in order if s in statuses), last.status)
     summary = ShapesOutcome(
         status,
         counts,
@@ -521,7 +537,7 @@ def status_exit(status: str) -> int:
     """The exit code a scheduler verdict of this status asks for."""
     if status == KVSPEC_ERROR:
         return EXIT_KVSPEC_ERROR
-    return EXIT_FOUND if status in ("violated", "differs", "error") else 0
+    return EXIT_FOUND if status in ("violated", "differs", "error", *STOPPED_BY_TARGET) else 0
 
 
 def shapes_exit(code: int, run: SchedulerRun | None) -> int:

@@ -6,7 +6,8 @@ raises where no scheduler expects it.  The guard turns each of these into an out
 command line reports with the trace up to the operation that misbehaved:
 
 * a call that runs longer than ``Limits.op_timeout`` raises ``TargetHung`` inside the target
-  (time spent importing modules excepted, up to ``IMPORT_ALLOWANCE``: vLLM imports lazily)
+  (time spent importing modules or waiting on a child process excepted, up to
+  ``IMPORT_ALLOWANCE``: vLLM imports lazily and inspects models in a subprocess)
   (``SIGALRM`` from an interval timer; the handler raises between two bytecodes of whatever
   Python code the target is running);
 * a run whose resident memory grows past ``Limits.memory_cap_gib`` beyond what the process held
@@ -44,10 +45,11 @@ from kvspec.spec.errors import Rejected, Unsupported
 
 GIB = 1024**3
 DEFAULT_OP_TIMEOUT = 60.0  # seconds; a block-manager call takes microseconds to milliseconds
-# A call that is importing modules is not hung: vLLM imports lazily (the first scheduler
-# construction imports vLLM and torch, an EAGLE shape's imports the speculative config's chain),
-# which took 71-114 s on a loaded two-core machine.  The time limit counts from the call's start
-# or the last module it imported, and a call may import for at most this much longer.
+# A call that is importing modules, or waiting on a child process, is not hung: vLLM imports
+# lazily (the first scheduler construction imports vLLM and torch, an EAGLE shape's imports the
+# speculative config's chain) and inspects a model class in a subprocess on a cold model-info
+# cache, each over a minute on a loaded two-core machine.  The time limit counts from the call's
+# start or its last sign of progress, and a call may go on for at most this much longer.
 IMPORT_ALLOWANCE = 600.0
 DEFAULT_MEMORY_CAP_GIB = 4.0
 TICK = 0.05  # seconds between samples while a call runs
@@ -220,6 +222,22 @@ class Failure:
     error: BaseException
 
 
+def _waits_on_a_child() -> bool:
+    """Whether this process has a live child (Linux ``/proc``; elsewhere never)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                if f.read().strip():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _rss() -> int:
     try:
         with open("/proc/self/statm", "rb") as f:
@@ -341,6 +359,8 @@ class Guard:
         now = time.monotonic()
         if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
             self._modules, self._progress = len(sys.modules), now
+        elif timeout is not None and now - self._progress >= timeout and _waits_on_a_child():
+            self._progress = now
         if timeout is not None:
             elapsed = now - self._start
             idle = now - self._progress
@@ -374,6 +394,8 @@ class Guard:
             result = fn(*args, **kw)
         except GuardTripped as trip:
             self.failure = Failure(op, config, trip)
+            if trip.config is None:
+                trip.config = config  # a driver that made the call may name it first
             raise
         except MemoryError as error:
             cap = self.limits.memory_cap_gib or 0.0

@@ -15,7 +15,16 @@ def _cache_root(env: dict[str, str]) -> str:
 
 
 def test_a_venv_gets_a_vllm_cache_root_of_its_own():
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CACHE_ROOT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CACHE_ROOT", "KVSPEC_VLLM_CACHE_ROOT")}
+    assert Path(_cache_root(env).strip()) == Path(sys.prefix) / "vllm-cache"
+
+
+def test_a_root_kvspec_chose_for_the_parent_interpreter_is_not_inherited(tmp_path):
+    """``kvspec check --vllm X`` imports the adapters in the core venv, then re-executes in the
+    release's venv: the child must not keep the core venv's cache root (a cold, shared cache
+    made every scheduler run re-inspect the model in a subprocess, a minute under load)."""
+    parent = str(tmp_path / "core-venv" / "vllm-cache")
+    env = {**os.environ, "VLLM_CACHE_ROOT": parent, "KVSPEC_VLLM_CACHE_ROOT": parent}
     assert Path(_cache_root(env).strip()) == Path(sys.prefix) / "vllm-cache"
 
 

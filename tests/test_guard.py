@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import resource
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,7 +109,7 @@ def test_a_call_that_keeps_importing_is_not_hung_but_one_that_stops_is(monkeypat
     with guard.armed(), pytest.raises(TargetHung):
         guard.call("construct", None, imports_then_spins)
     assert all(name in sys.modules for name in names)  # the imports were not cut
-    assert time.monotonic() - start >= 0.6 + 0.25
+    assert time.monotonic() - start >= 0.5 + 0.25  # from the start of the last import
     monkeypatch.setattr(guard_module, "IMPORT_ALLOWANCE", 0.0)
     for name in names:
         sys.modules.pop(name, None)
@@ -116,6 +117,15 @@ def test_a_call_that_keeps_importing_is_not_hung_but_one_that_stops_is(monkeypat
     with guard.armed(), pytest.raises(TargetHung):
         guard.call("construct", None, imports_then_spins)
     assert names[-1] not in sys.modules  # without the allowance the limit cut the imports
+
+
+def test_a_call_waiting_on_a_child_process_is_not_hung():
+    """vLLM inspects a model class in a subprocess on a cold model-info cache."""
+    guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
+    with guard.armed():
+        guard.call("construct", None, subprocess.run, [sys.executable, "-c", "import time; time.sleep(0.8)"])
+    with guard.armed(), pytest.raises(TargetHung):
+        guard.call("construct", None, time.sleep, 0.8)
 
 
 def test_a_target_that_swallows_the_limit_is_stopped_again():

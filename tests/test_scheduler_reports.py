@@ -23,6 +23,7 @@ from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS, DIFFERENTIAL_ON
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.groups import Shape
 from kvspec.testing.differential import Mode
+from kvspec.testing.guard import Guard, Limits
 from kvspec.testing.known import KnownFinding
 from kvspec.testing.report import trace_from_json
 from kvspec.testing.rerun import rerun
@@ -136,3 +137,33 @@ def test_a_policy_difference_is_a_verdict_of_its_own_that_replays(tmp_path, caps
     if clean.unapplied is None:
         assert clean.difference is None and not clean.violations, clean
         assert replay_verdict(report, trace, clean, False) == EXIT_OK
+
+
+class _HangsInSchedule(ReferenceScheduler):
+    """A scheduler that never returns from its second ``schedule`` (what broken code does)."""
+
+    calls = 0
+
+    def schedule(self):
+        type(self).calls += 1
+        if type(self).calls >= 2:
+            while True:
+                pass
+        return super().schedule()
+
+
+def test_a_scheduler_hang_is_a_verdict_with_its_report(tmp_path):
+    guard = Guard(Limits(op_timeout=0.3, memory_cap_gib=None))
+    _HangsInSchedule.calls = 0
+    with guard.armed():
+        run = run_scheduler_search(
+            guard.wrap(_HangsInSchedule), profile="ci", examples=20, steps=None, seed=3, focus=None
+        )
+    [found] = run.search.found
+    assert found.outcome.status == "hung" and found.fingerprint.invariant == "hung"
+    assert found.outcome.shape is not None and found.outcome.trace[-1].op == found.fingerprint.operation
+    assert run.summary.status == "hung" and shapes_exit(EXIT_OK, run) == EXIT_FOUND
+    shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
+    [_entry] = write_scheduler_reports(run, tmp_path, 1, lambda: dict(shared), "")
+    report = json.loads((tmp_path / f"01-{found.fingerprint.slug()}" / "report.json").read_text())
+    assert report["outcome"] == "hung" and report["shape"] is not None and report["trace"]
