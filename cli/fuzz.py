@@ -249,8 +249,7 @@ def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, 
         results.put({
             "worker": index, "kind": "failure", "error_type": type(error).__name__,
             "message": str(error)[:4000],
-            "violations": [{"invariant": v.invariant, "message": v.message}
-                           for v in getattr(error, "violations", [])],
+            "violations": [v.to_json() for v in getattr(error, "violations", [])],
             "config": attrs.asdict(driver.config) if driver is not None else None,
             "trace": [s.to_json() for s in driver.trace] if driver is not None else [],
             "examples": record.get("examples", 0), "operations": record.get("operations", 0)})
@@ -385,7 +384,7 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
 
     config = config_from_json(failure["config"])
     trace = trace_from_json(failure["trace"])
-    violations = [Violation(v["invariant"], v["message"]) for v in failure["violations"]]
+    violations = [Violation.from_json(v) for v in failure["violations"]]
     outcome = stopped or ("violated" if violations else "error")
     report = build_report(
         outcome=outcome, impl=impl, implementation_name=impl,

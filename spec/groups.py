@@ -387,7 +387,7 @@ def check_hybrid(
     """
     out: list[Violation] = []
     whole = World(config, pool_state(state), seqs, memory)
-    out.extend(Violation(v.invariant, f"shared pool: {v.message}") for v in judge("pool", whole, POOL_INVARIANTS))
+    out.extend(attrs.evolve(v, message=f"shared pool: {v.message}") for v in judge("pool", whole, POOL_INVARIANTS))
     for i, g in enumerate(state.groups):
         world = group_world(config, state, i, seqs, memory)
         found = judge(f"group {i}", world, None)
@@ -401,8 +401,7 @@ def check_hybrid(
             # of kv-readback and prefix-cache-consistency are the state group's own.
             per_position = ("kv-readback", "prefix-cache-consistency")
             found = [v for v in found if v.invariant not in per_position] + list(state_faults(world, g.spec))
-        for v in found:
-            out.append(Violation(v.invariant, f"group {g.spec.name}: {v.message}"))
+        out.extend(v.in_group(g.spec.name) for v in found)
     return out
 
 
@@ -430,8 +429,8 @@ def chunk_faults(world: World, chunk: int) -> Iterator[Violation]:
         p = seq.num_computed
         # The sliding window that starts where p's chunk starts: first_needed_position(p, span).
         span = p - chunk_start(p, chunk) + 1
-        for message in readback_faults(table, seq, B, span, world.memory):
-            yield Violation("kv-readback", message)
+        for v in readback_faults(table, seq, B, span, world.memory):
+            yield v.named("kv-readback")
         start, end = seq.step
         last = max(end, start + 1) - 1
         first = chunk_start(start, chunk)
@@ -444,6 +443,12 @@ def chunk_faults(world: World, chunk: int) -> Iterator[Violation]:
                 "window-bound",
                 f"seq {sid} holds {held} blocks but a step over positions {start}..{last} "
                 f"with attention chunk {chunk} needs at most {bound} (block size {B})",
+                kind="over-window",
+                seqs=(sid,),
+                device=Device.GPU.value,
+                blocks=table.held(),
+                expected=bound + kept,
+                observed=held,
             )
 
 
@@ -479,14 +484,20 @@ def state_faults(world: World, spec: GroupSpec) -> Iterator[Violation]:
         seq = world.seqs.get(sid)
         if seq is None or seq.status is not Status.RUNNING or table.device is not Device.GPU:
             continue
-        for message in state_readback_faults(table, seq, B, world.memory):
-            yield Violation("kv-readback", message)
+        for v in state_readback_faults(table, seq, B, world.memory):
+            yield v.named("kv-readback")
         held = len(table.held())
         if held > bound:
             yield Violation(
                 "window-bound",
                 f"seq {sid} holds {held} state blocks, at most {bound} in this state group "
                 f"(block size {B})",
+                kind="over-window",
+                seqs=(sid,),
+                device=Device.GPU.value,
+                blocks=table.held(),
+                expected=bound,
+                observed=held,
             )
     pool = world.state.gpu
     for key, block in pool.cached:
@@ -497,10 +508,19 @@ def state_faults(world: World, spec: GroupSpec) -> Iterator[Violation]:
                 "prefix-cache-consistency",
                 f"state block {block} is cached as the state after {want[0]} tokens but holds "
                 f"the state after {got[0]} tokens (or another chain)",
+                kind="wrong-content",
+                device=Device.GPU.value,
+                blocks=(block,),
+                expected=want[0],
+                observed=got[0],
             )
         elif got is None and block in pool.computed:
             yield Violation(
                 "prefix-cache-consistency",
                 f"state block {block} can be handed out as a cache hit for {want[0]} tokens but "
                 "holds no state",
+                kind="uncomputed-hit",
+                device=Device.GPU.value,
+                blocks=(block,),
+                expected=want[0],
             )

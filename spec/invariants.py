@@ -1,8 +1,9 @@
 """The named invariants.  One ID names the spec function, the machine check, the z3
 obligation and the report line.
 
-Each invariant is a small function returning the violations it finds, each with a plain
-explanation, and every violation of an ID comes from that ID's function.  An invariant also
+Each invariant is a small function yielding the violations it finds, each with its facts
+(``spec.violation``: kind, sequences, blocks, positions, expected and observed) and a plain
+sentence made from them, and every violation of an ID comes from that ID's function.  An invariant also
 states when it applies: a function of the configuration that gives the reason it says nothing
 (window-bound without a sliding window), read by ``check_world``, the command line's table and
 ``kvspec explain``.  State invariants look at a ``World`` after every operation; transition
@@ -40,6 +41,7 @@ from .registry import (
     pools,
 )
 from .state import Device, KVState, PoolView, SeqModel, Status, TableView, World
+from .violation import PoolFacts, fact
 from .window import blocks_for_tokens, window_cover
 
 # A reported usage is a float ``1 - free / total`` (V1 block_pool.py:921-932): equal to the
@@ -56,7 +58,7 @@ USAGE_TOLERANCE = 1e-9
     "BlockPool/KVCacheBlock.ref_cnt (V1), RefCounter in vllm/core/block/common.py, "
     "PhysicalTokenBlock.ref_count (BlockSpaceManagerV1)",
 )
-def refcount_exact(world: World) -> Iterator[str]:
+def refcount_exact(world: World) -> Iterator[Violation]:
     """A block's refcount equals the number of live block-table slots holding it.
 
     Too high leaks the block forever; too low frees it while a sequence still reads it.
@@ -66,18 +68,38 @@ def refcount_exact(world: World) -> Iterator[str]:
         for table in live_tables(world, device):
             holders.update(table.held())
         for block in sorted(set(holders) | set(pool.refcounts)):
-            fault = refcount_fault(device, block, holders.get(block, 0), pool.refcounts.get(block))
+            want = holders.get(block, 0)
+            holding = tuple(sorted(t.seq_id for t in live_tables(world, device) if block in t.slots))
+            fault = refcount_fault(device, block, want, pool.refcounts.get(block), holding)
             if fault is not None:
                 yield fault
 
 
-def refcount_fault(device: Device, block: int, want: int, got: int | None) -> str | None:
-    """``refcount-exact`` on one block: ``want`` live slots hold it, the pool says ``got``
-    (None: the pool has no such block)."""
+def refcount_fault(
+    device: Device, block: int, want: int, got: int | None, holding: tuple[int, ...] = ()
+) -> Violation | None:
+    """``refcount-exact`` on one block: ``want`` live slots hold it (those of ``holding``), the
+    pool says ``got`` (None: the pool has no such block)."""
     if got is None:
-        return f"{device.value} block {block} is held by a table but is not in the pool" if want else None
+        if not want:
+            return None
+        return fact(
+            "not-in-pool",
+            f"{device.value} block {block} is held by a table but is not in the pool",
+            seqs=holding,
+            device=device.value,
+            blocks=(block,),
+        )
     if got != want:
-        return f"{device.value} block {block} has refcount {got} but {want} live block-table slot(s) hold it"
+        return fact(
+            "wrong-refcount",
+            f"{device.value} block {block} has refcount {got} but {want} live block-table slot(s) hold it",
+            seqs=holding,
+            device=device.value,
+            blocks=(block,),
+            expected=want,
+            observed=got,
+        )
     return None
 
 
@@ -87,7 +109,7 @@ def refcount_fault(device: Device, block: int, want: int, got: int | None) -> st
     "FreeKVCacheBlockQueue and BlockPool (V1), NaiveBlockAllocator/PrefixCachingBlockAllocator "
     "free lists and evictor (legacy)",
 )
-def conservation(world: World) -> Iterator[str]:
+def conservation(world: World) -> Iterator[Violation]:
     """Free + evictable + in-use is exactly the pool, pairwise disjoint; nothing is freed twice
     and no block id is out of range.  A free block is not in the prefix-cache map: the next
     allocation may overwrite it while a lookup still hands it out (unreferenced cached
@@ -109,7 +131,7 @@ def conservation(world: World) -> Iterator[str]:
             yield fault
 
 
-def usage_fault(device: Device, pool: PoolView, used: int) -> str | None:
+def usage_fault(device: Device, pool: PoolView, used: int) -> Violation | None:
     """``conservation`` on a pool's reported KV-cache usage: the share of its blocks in use
     (``used`` of them; None when the pool reports no usage)."""
     total = len(pool.ids)
@@ -118,37 +140,47 @@ def usage_fault(device: Device, pool: PoolView, used: int) -> str | None:
     share = used / total
     if abs(pool.usage - share) <= USAGE_TOLERANCE:
         return None
-    return (
+    return fact(
+        "wrong-usage",
         f"{device.value} pool reports usage {pool.usage:.4f} but {used} of its {total} blocks are in use "
-        f"({share:.4f})"
+        f"({share:.4f})",
+        device=device.value,
+        expected=share,
+        observed=pool.usage,
     )
 
 
 def block_conservation(
     device: Device, block: int, *, in_pool: bool, on_free: int, evictable: bool, in_use: bool, cached: bool
-) -> Iterator[str]:
+) -> Iterator[Violation]:
     """``conservation`` on one block: ``on_free`` is how many times the free list holds it,
     ``cached`` whether the prefix-cache map names it."""
     name, free = device.value, on_free > 0
+
+    def found(kind: str, message: str, **facts: object) -> Violation:
+        return fact(kind, message, device=name, blocks=(block,), **facts)
+
     if on_free > 1:
-        yield f"{name} block {block} is on the free list {on_free} times (double free)"
+        yield found("double-free", f"{name} block {block} is on the free list {on_free} times (double free)",
+                    expected=1, observed=on_free)
     if not in_pool:
         for label, member in (("free", free), ("evictable", evictable), ("in-use", in_use)):
             if member:
-                yield f"{name} {label} block {block} is out of the pool's id range"
+                yield found("out-of-range", f"{name} {label} block {block} is out of the pool's id range",
+                            observed=label)
     for a, b, in_a, in_b in (
         ("free", "in-use", free, in_use),
         ("evictable", "in-use", evictable, in_use),
         ("free", "evictable", free, evictable),
     ):
         if in_a and in_b:
-            yield f"{name} block {block} is both {a} and {b}"
+            yield found("in-two-sets", f"{name} block {block} is both {a} and {b}", observed=(a, b))
     if in_pool and not (free or evictable or in_use):
-        yield f"{name} block {block} is lost: not free, not evictable and not in use"
+        yield found("lost", f"{name} block {block} is lost: not free, not evictable and not in use")
     if evictable and not cached:
-        yield f"{name} block {block} is evictable but holds no cached content"
+        yield found("evictable-uncached", f"{name} block {block} is evictable but holds no cached content")
     if free and cached:
-        yield f"{name} block {block} is on the free list yet still in the prefix-cache map"
+        yield found("free-but-cached", f"{name} block {block} is on the free list yet still in the prefix-cache map")
 
 
 @invariant(
@@ -156,7 +188,7 @@ def block_conservation(
     "No leaks",
     "free()/free_block_table() in every block manager; KVCacheManager.free (V1)",
 )
-def no_leak(world: World) -> Iterator[str]:
+def no_leak(world: World) -> Iterator[Violation]:
     """Freeing every sequence returns every block: with no live sequence, no block is in use,
     and a freed sequence keeps no block table.
     """
@@ -172,21 +204,34 @@ def no_leak(world: World) -> Iterator[str]:
             yield fault
 
 
-def freed_table_fault(table: TableView, seq: SeqModel | None) -> str | None:
+def freed_table_fault(table: TableView, seq: SeqModel | None) -> Violation | None:
     """``no-leak`` on one block table: its sequence is gone or waiting, yet it holds blocks."""
     if (seq is None or seq.status is Status.WAITING) and table.held():
-        return f"seq {table.seq_id} was freed but still holds blocks {list(table.held())}"
+        return fact(
+            "freed-holds",
+            f"seq {table.seq_id} was freed but still holds blocks {list(table.held())}",
+            seqs=(table.seq_id,),
+            device=table.device.value,
+            blocks=table.held(),
+            expected=0,
+            observed=len(table.held()),
+        )
     return None
 
 
-def idle_pool_fault(device: Device, pool: PoolView) -> str | None:
+def idle_pool_fault(device: Device, pool: PoolView) -> Violation | None:
     """``no-leak`` on a pool while no sequence is live: no block may be in use."""
     in_use = sorted(pool.in_use())
     if not in_use:
         return None
-    return (
+    return fact(
+        "in-use-when-idle",
         f"no sequence is live, yet {device.value} blocks {in_use} are still in use "
-        f"(refcounts {[pool.refcounts[b] for b in in_use]})"
+        f"(refcounts {[pool.refcounts[b] for b in in_use]})",
+        device=device.value,
+        blocks=in_use,
+        expected=0,
+        observed=[pool.refcounts[b] for b in in_use],
     )
 
 
@@ -197,7 +242,7 @@ def idle_pool_fault(device: Device, pool: PoolView) -> str | None:
     "(legacy), BlockSpaceManagerV1 block_sliding_window, SlidingWindowManager (V1)",
     applies=needs_window,
 )
-def window_bound(world: World) -> Iterator[str]:
+def window_bound(world: World) -> Iterator[Violation]:
     """A sliding-window sequence holds no more blocks than the most that the window and the
     tokens of its current step can touch: ``ceil((W - 1 + k - 1) / B) + 1`` for a step of k
     tokens, which is ``ceil((W - 1) / B) + 1`` for a decode step -- and never more than its
@@ -211,7 +256,7 @@ def window_bound(world: World) -> Iterator[str]:
             yield fault
 
 
-def window_fault(world: World, table: TableView) -> str | None:
+def window_fault(world: World, table: TableView) -> Violation | None:
     """``window-bound`` on one live GPU block table (a sliding window configured)."""
     window, block_size = world.config.sliding_window, world.config.block_size
     assert window is not None
@@ -221,9 +266,15 @@ def window_fault(world: World, table: TableView) -> str | None:
     bound = min(window_cover(window + scheduled - 1, block_size), blocks_for_tokens(end, block_size))
     held = len(table.held())
     if held > bound:
-        return (
+        return fact(
+            "over-window",
             f"seq {seq.seq_id} holds {held} blocks but a step over positions {start}..{end - 1} "
-            f"with window {window} needs at most {bound} (block size {block_size})"
+            f"with window {window} needs at most {bound} (block size {block_size})",
+            seqs=(seq.seq_id,),
+            device=Device.GPU.value,
+            blocks=table.held(),
+            expected=bound,
+            observed=held,
         )
     return None
 
@@ -235,7 +286,7 @@ def window_fault(world: World, table: TableView) -> str | None:
     "BlockPool.cached_block_hash_to_block / get_cached_block (V1)",
     applies=needs_prefix_caching,
 )
-def prefix_cache_consistency(world: World) -> Iterator[str]:
+def prefix_cache_consistency(world: World) -> Iterator[Violation]:
     """Every cached key maps to blocks holding exactly that key's tokens, and a block a lookup
     may hand out has its KV written.
 
@@ -265,16 +316,22 @@ def prefix_cache_consistency(world: World) -> Iterator[str]:
 
 def cache_entry_fault(
     world: World, device: Device, pool: PoolView, pool_blocks: AbstractSet[int], key: PrefixKey, block: int
-) -> str | None:
+) -> Violation | None:
     """``prefix-cache-consistency`` on one entry of the map: ``key`` names ``block``."""
     block_size = world.config.block_size
     if block not in pool_blocks:
         # The null block (or an id the pool does not hold): nothing is written there,
         # so the content checks below cannot see it, yet a lookup would hand it out.
-        return (f"{device.value} block {block} is cached under a {len(key.chain)}-token "
-                "key but is not a block of the pool (the null block or an unknown id)")
+        return fact(
+            "not-a-pool-block",
+            f"{device.value} block {block} is cached under a {len(key.chain)}-token "
+            "key but is not a block of the pool (the null block or an unknown id)",
+            device=device.value,
+            blocks=(block,),
+        )
     if not is_well_formed(key, block_size):
-        return f"{device.value} block {block} is cached under an empty key"
+        return fact("empty-key", f"{device.value} block {block} is cached under an empty key",
+                    device=device.value, blocks=(block,))
     want = list(key.block_tokens(block_size))
     first = key.block_index(block_size) * block_size
     expected = [(first + i, t) for i, t in enumerate(want)]
@@ -282,11 +339,23 @@ def cache_entry_fault(
     written = [(i, g) for i, g in enumerate(got) if g is not None]
     # A partial key claims only its own tokens; slots past it may fill later.
     if any(i < len(expected) and g != expected[i] for i, g in written):
-        return f"{device.value} block {block} is cached as tokens {want} but holds {got}"
+        return fact(
+            "wrong-content",
+            f"{device.value} block {block} is cached as tokens {want} but holds {got}",
+            device=device.value,
+            blocks=(block,),
+            expected=want,
+            observed=got,
+        )
     if block in pool.computed and None in got[: len(want)]:
-        return (
+        return fact(
+            "uncomputed-hit",
             f"{device.value} block {block} can be handed out as a cache hit for {want} "
-            f"but its KV is only allocated, not written ({got})"
+            f"but its KV is only allocated, not written ({got})",
+            device=device.value,
+            blocks=(block,),
+            expected=want,
+            observed=got,
         )
     return None
 
@@ -296,7 +365,7 @@ def cache_entry_fault(
     "Every sequence reads back its own tokens",
     "slot mapping from block tables: legacy compute_slot_mapping, V1 BlockTable.compute_slot_mapping",
 )
-def kv_readback(world: World) -> Iterator[str]:
+def kv_readback(world: World) -> Iterator[Violation]:
     """Reading a live sequence through its block table yields exactly its own token at every
     position its next token attends (every position, or the window).
     """
@@ -311,10 +380,14 @@ def kv_readback(world: World) -> Iterator[str]:
             yield fault
 
 
-def tableless_fault(seq: SeqModel, has_table: bool) -> str | None:
+def tableless_fault(seq: SeqModel, has_table: bool) -> Violation | None:
     """``kv-readback`` on a running sequence without a block table: it has nothing to read."""
     if seq.status is Status.RUNNING and not has_table and seq.num_computed:
-        return f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table"
+        return fact(
+            "no-table",
+            f"seq {seq.seq_id} is running with {seq.num_computed} computed tokens but has no block table",
+            seqs=(seq.seq_id,),
+        )
     return None
 
 
@@ -335,7 +408,10 @@ def admission_soundness(
     after: KVState | None = None,
     first_needed: Mapping[int, int] | None = None,
     unmapped: Iterable[WriteFault] = (),
-) -> Iterator[str]:
+    seq: int | None = None,
+    need: int | None = None,
+    device: Device = Device.GPU,
+) -> Iterator[Violation]:
     """An admission check that answers OK is followed by an allocation that succeeds, and a
     refused or failed allocation leaves the state unchanged.
 
@@ -347,22 +423,45 @@ def admission_soundness(
     Freedom: a failed allocation may still release slots a sliding window no longer needs
     (those before ``first_needed[seq]``); V1's ``allocate_slots`` frees them "even if we cannot
     schedule" (vllm/v1/core/kv_cache_manager.py).
+
+    Facts: the sequence (``seq``), the pool the operation allocates from (``device``: the CPU
+    pool for a swap-out) as it met it, the need kvspec computes for it (``need``, when the driver
+    knows it) and the blocks the failed allocation took there.
     """
     for fault in unmapped:
         if fault.kind == UNMAPPED:
-            yield fault.message
+            yield fault.violation()
     if before is None or after is None:
         return
+    seqs = () if seq is None else (seq,)
+    was, now = before.pool(device), after.pool(device)
+    if was is None or now is None:
+        device, was, now = Device.GPU, before.gpu, after.gpu
+    met = PoolFacts(len(was.free), len(was.evictable), len(was.ids))
+    taken = _taken(was, now)
     # Equal states satisfy both comparisons below, and most refusals change nothing.
     same = before == after
     if error is None:
         if answered_ok is False and not same and normalized(before) != normalized(after):
-            yield f"an admission check that refused changed the state: {_state_diff(before, after)}"
+            yield fact(
+                "refusal-changed-state",
+                f"an admission check that refused changed the state: {_state_diff(before, after)}",
+                seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
+            )
         return
     if answered_ok:
-        yield f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}"
+        yield fact(
+            "ok-then-failed",
+            f"the admission check answered OK, then the allocation failed: {type(error).__name__}: {error}",
+            seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
+            expected="the allocation succeeds", observed=type(error).__name__,
+        )
     if not same and not unchanged_but_window_drops(before, after, first_needed or {}):
-        yield f"a refused/failed allocation changed the state: {_state_diff(before, after)}"
+        yield fact(
+            "failure-changed-state",
+            f"a refused/failed allocation changed the state: {_state_diff(before, after)}",
+            seqs=seqs, device=device.value, pool=met, need=need, taken=taken,
+        )
 
 
 @invariant(
@@ -372,7 +471,7 @@ def admission_soundness(
     "copy-on-write in legacy BlockTable/CopyOnWriteTracker",
     kind="transition",
 )
-def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
+def immutability(faults: Iterable[WriteFault]) -> Iterator[Violation]:
     """A block that is full, shared or in the prefix cache never has its contents changed: each
     slot is written at most once per block lifetime, and a write into a shared or cached block
     goes through copy-on-write.
@@ -382,7 +481,7 @@ def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     """
     for fault in faults:
         if fault.kind != UNMAPPED:
-            yield fault.message
+            yield fault.violation()
 
 
 @invariant(
@@ -392,7 +491,7 @@ def immutability(faults: Iterable[WriteFault]) -> Iterator[str]:
     "KVCacheManager.allocate_slots full_sequence_must_fit and watermark (V1)",
     kind="transition",
 )
-def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
+def admission_completeness(facts: AdmissionFacts) -> Iterator[Violation]:
     """An admission whose need (``spec.admission.admission_need``), plus the prefix hits it
     revives from the evictable set, plus the target's declared reserve, fits the free and
     evictable blocks is answered OK and succeeds; NEVER only when the sequence alone, plus the
@@ -405,16 +504,21 @@ def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
     f = facts
     room = f"{f.free} free + {f.evictable} evictable"
     want = f"need {f.need} + {f.evictable_hits} evictable hit(s) + reserve {f.reserve}"
+    met = PoolFacts(f.free, f.evictable, f.num_blocks)
     if f.answer == "never" and not may_answer_never(f.held_alone, f.reserve, f.num_blocks):
-        yield (
+        yield fact(
+            "never-but-fits-alone",
             f"seq {f.seq} ({f.prompt_len} tokens) was answered NEVER, yet alone it holds "
             f"{f.held_alone} block(s) + reserve {f.reserve} <= {f.num_blocks} in the pool "
-            f"(policy: {f.policy})"
+            f"(policy: {f.policy})",
+            seqs=(f.seq,), pool=met, need=f.need, expected="later or OK", observed=f.answer,
         )
     elif must_admit(f.need, f.evictable_hits, f.reserve, f.free, f.evictable):
-        yield (
+        yield fact(
+            "refused-but-fits",
             f"seq {f.seq} ({f.prompt_len} tokens) was refused ({f.answer}) although {want} "
-            f"fits {room} (policy: {f.policy})"
+            f"fits {room} (policy: {f.policy})",
+            seqs=(f.seq,), pool=met, need=f.need, expected="OK", observed=f.answer,
         )
 
 
@@ -425,7 +529,7 @@ def admission_completeness(facts: AdmissionFacts) -> Iterator[str]:
     "KVCacheManager.allocate_slots for a running request (V1)",
     kind="transition",
 )
-def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
+def reserve_completeness(facts: ReserveFacts) -> Iterator[Violation]:
     """A reservation (append slots / allocate_slots for a running sequence) whose need -- new
     slots up to its lookahead plus a copy of every shared block it writes -- fits the free and
     evictable blocks is granted.
@@ -437,10 +541,12 @@ def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
     if not reserve_refusal_allowed(
         f.need, f.group_touched, f.group_running, f.available, f.policy
     ):
-        yield (
+        yield fact(
+            "refused-but-fits",
             f"seq {f.seq}: a step of {f.num_new_tokens} token(s) + {f.lookahead} lookahead was "
             f"refused although it needs {f.need} block(s) and {f.available} are free or "
-            f"evictable (policy: {f.policy.describe()})"
+            f"evictable (policy: {f.policy.describe()})",
+            seqs=(f.seq,), need=f.need, expected="granted", observed="refused",
         )
 
 
@@ -451,7 +557,7 @@ def reserve_completeness(facts: ReserveFacts) -> Iterator[str]:
     "KVCacheManager.get_computed_blocks / BlockPool.cache_full_blocks (V1)",
     kind="transition",
 )
-def hit_completeness(facts: HitFacts) -> Iterator[str]:
+def hit_completeness(facts: HitFacts) -> Iterator[Violation]:
     """A prefix lookup returns every leading full block whose key is cached and whose KV is
     computed, and a full block becomes findable by its key by the end of the operation that
     computed it.
@@ -463,15 +569,20 @@ def hit_completeness(facts: HitFacts) -> Iterator[str]:
     """
     f = facts
     if f.got_tokens < f.min_blocks * f.block_size:
-        yield (
+        yield fact(
+            "missed-hit",
             f"seq {f.seq}: {f.expected_blocks} leading block(s) are cached and computed, the "
             f"lookup may leave out {f.expected_blocks - f.min_blocks}, yet it returned "
-            f"{f.got_tokens} token(s)"
+            f"{f.got_tokens} token(s)",
+            seqs=(f.seq,), expected=f.min_blocks * f.block_size, observed=f.got_tokens,
         )
     if f.unpublished:
-        yield (
+        # The table slots (block indices of the sequence), not block ids.
+        yield fact(
+            "unpublished",
             f"seq {f.seq}: full block(s) {list(f.unpublished)} were computed by this operation "
-            f"but none is findable by its key afterwards"
+            f"but none is findable by its key afterwards",
+            seqs=(f.seq,), expected="findable", observed=f.unpublished,
         )
 
 
@@ -482,7 +593,7 @@ def hit_completeness(facts: HitFacts) -> Iterator[str]:
     "preemption (V1); max_admission_blocks_per_request sizing (V1 0.33)",
     kind="transition",
 )
-def progress(facts: ProgressFacts) -> Iterator[str]:
+def progress(facts: ProgressFacts) -> Iterator[Violation]:
     """With no new arrivals, the modelled scheduler loop (oldest first, preempting the newest)
     finishes every admitted request within ``progress_bound`` iterations, and a request that
     fits an empty pool is admitted once the pool is empty.
@@ -495,24 +606,32 @@ def progress(facts: ProgressFacts) -> Iterator[str]:
     """
     f = facts
     for seq, held_alone in f.refused_when_empty:
-        yield (
+        yield fact(
+            "refused-alone",
             f"seq {seq} was refused while no sequence held a block, although alone it holds "
-            f"{held_alone} block(s) of {f.num_blocks}"
+            f"{held_alone} block(s) of {f.num_blocks}",
+            seqs=(seq,), need=held_alone, expected="admitted", observed="refused",
         )
     for seq, held_alone in f.preempted_alone:
-        yield (
+        yield fact(
+            "preempted-alone",
             f"seq {seq} was preempted while no other sequence held a block, although it can run "
-            f"to its end alone holding {held_alone} block(s) of {f.num_blocks}"
+            f"to its end alone holding {held_alone} block(s) of {f.num_blocks}",
+            seqs=(seq,), need=held_alone, expected="runs to its end", observed="preempted",
         )
     if f.unfinished and f.repeated:
-        yield (
+        yield fact(
+            "livelock",
             f"after {f.iterations} scheduler iteration(s) with no new arrivals the loop is back in "
-            f"a state it was in, with request(s) {list(f.unfinished)} unfinished: it never ends"
+            f"a state it was in, with request(s) {list(f.unfinished)} unfinished: it never ends",
+            seqs=f.unfinished, expected="every request finishes", observed="a state repeats",
         )
     elif f.unfinished:
-        yield (
+        yield fact(
+            "unfinished",
             f"after {f.iterations} scheduler iteration(s) with no new arrivals (bound "
-            f"{f.bound}), request(s) {list(f.unfinished)} have not finished"
+            f"{f.bound}), request(s) {list(f.unfinished)} have not finished",
+            seqs=f.unfinished, expected=f.bound, observed=f.iterations,
         )
 
 
@@ -571,6 +690,13 @@ def normalized(state: KVState) -> tuple:
 
     tables = tuple(sorted((sid, t.device.value, t.slots) for sid, t in state.tables.items()))
     return (pool(state.gpu), pool(state.cpu), tables)
+
+
+def _taken(before: PoolView, after: PoolView) -> tuple[int, ...]:
+    """Blocks of a pool that left its free and evictable sets between ``before`` and ``after``:
+    what an allocation took."""
+    was = set(before.free) | set(before.evictable)
+    return tuple(sorted(was - set(after.free) - set(after.evictable)))
 
 
 def _state_diff(before: KVState, after: KVState) -> str:

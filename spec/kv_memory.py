@@ -15,11 +15,12 @@ invariants cannot see wrong sharing, a missed copy-on-write or a wrong eviction;
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from .state import DROPPED, Device, KVState, SeqModel, TableView
+from .violation import Violation, fact
 from .window import block_of, first_needed_position
 
 Cell = tuple[Device, int, int]
@@ -46,10 +47,35 @@ FaultKind = Literal["unmapped", "overwrite", "shared-write", "cached-write", "co
 @attrs.frozen
 class WriteFault:
     """A fact about one planned write that some invariant forbids; which one is the invariant
-    functions' business (spec/invariants.py: ``immutability``, ``admission-soundness``)."""
+    functions' business (spec/invariants.py: ``immutability``, ``admission-soundness``).
+
+    ``positions``: the position written first, then (an overwrite) the one it overwrites;
+    ``expected``/``observed``: the (position, token) a slot should keep and the one written
+    (an overwrite, a write against a cached key), or the holders a written block should have
+    and has (a missed copy-on-write)."""
 
     kind: FaultKind
     message: str
+    seq: int | None = None
+    device: str = ""
+    blocks: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    expected: Any = None
+    observed: Any = None
+    detail: str = ""  # the violation's kind when it is narrower than the fault's: "no-table"
+
+    def violation(self) -> Violation:
+        """The fault as a violation's facts, its kind the fault's (or its ``detail``)."""
+        return fact(
+            self.detail or self.kind,
+            self.message,
+            seqs=() if self.seq is None else (self.seq,),
+            device=self.device,
+            blocks=self.blocks,
+            positions=self.positions,
+            expected=self.expected,
+            observed=self.observed,
+        )
 
 
 # ---------------------------------------------------------------- accessors
@@ -100,7 +126,7 @@ def plan_step_writes(
     writes: list[Write] = []
     faults: list[WriteFault] = []
     if table is None:
-        faults.append(WriteFault(UNMAPPED, f"seq {seq.seq_id} has no block table"))
+        faults.append(WriteFault(UNMAPPED, f"seq {seq.seq_id} has no block table", seq.seq_id, detail="no-table"))
         return writes, faults
     pool = state.pool(table.device)
     cached = registered_through(before or state, state, table.device, dead)
@@ -112,6 +138,9 @@ def plan_step_writes(
                     UNMAPPED,
                     f"seq {seq.seq_id}: the step was accepted but position {pos} has no slot "
                     f"(table has {len(table.slots)} slots)",
+                    seq.seq_id,
+                    table.device.value,
+                    positions=(pos,),
                 )
             )
             continue
@@ -132,6 +161,12 @@ def plan_step_writes(
                     f"seq {seq.seq_id}: writing position {pos} into block {block} slot {off} "
                     f"overwrites position {was_pos} (token {was_token}) written there in this "
                     f"block's life",
+                    seq.seq_id,
+                    table.device.value,
+                    (block,),
+                    (pos, was_pos),
+                    expected=(was_pos, was_token),
+                    observed=kv,
                 )
             )
         # Filling an empty slot of a shared block with exactly what its cache key claims is
@@ -145,6 +180,12 @@ def plan_step_writes(
                     SHARED_WRITE,
                     f"seq {seq.seq_id}: writing position {pos} into block {block}, shared by "
                     f"{refcount} slots (missed copy-on-write)",
+                    seq.seq_id,
+                    table.device.value,
+                    (block,),
+                    (pos,),
+                    expected=1,
+                    observed=refcount,
                 )
             )
         if claimed is not None and claimed != kv:
@@ -154,6 +195,12 @@ def plan_step_writes(
                     f"seq {seq.seq_id}: writing position {pos} (token {kv[1]}) into block "
                     f"{block} slot {off}, which the prefix cache holds as position {claimed[0]} "
                     f"token {claimed[1]}",
+                    seq.seq_id,
+                    table.device.value,
+                    (block,),
+                    (pos,),
+                    expected=claimed,
+                    observed=kv,
                 )
             )
     return writes, faults
@@ -307,6 +354,10 @@ def copy_overwrites(
             COPY_OVERWRITE,
             f"copying {src[0].value} block {src[1]} into {dst[0].value} block {dst[1]} "
             f"overwrites live content at slot {w.cell[2]}",
+            device=dst[0].value,
+            blocks=(src[1], dst[1]),
+            expected=memory[w.cell],
+            observed=w.kv,
         )
         for w in writes
         if w.cell in memory and memory[w.cell] != w.kv
@@ -318,7 +369,7 @@ def copy_overwrites(
 
 def readback_faults(
     table: TableView, seq: SeqModel, block_size: int, window: int | None, memory: Memory
-) -> Iterable[str]:
+) -> Iterable[Violation]:
     """Positions the sequence's next token attends whose slot does not hold its own token."""
     lo = first_needed_position(seq.num_computed, window)
     slots, device, tokens = table.slots, table.device, seq.tokens
@@ -335,13 +386,26 @@ def readback_faults(
         cell = cell_of(table, pos, block_size)
         got = memory.get(cell) if cell is not None else None
         if cell is None:
-            yield f"seq {seq.seq_id}: attended position {pos} has no slot (dropped or missing)"
+            yield fact(
+                "no-slot",
+                f"seq {seq.seq_id}: attended position {pos} has no slot (dropped or missing)",
+                seqs=(seq.seq_id,),
+                device=device.value,
+                positions=(pos,),
+            )
             continue
         if got != (pos, seq.tokens[pos]):
             shown = "nothing written" if got is None else f"position {got[0]} token {got[1]}"
-            yield (
+            yield fact(
+                "wrong-kv",
                 f"seq {seq.seq_id}: position {pos} reads {shown} from block {cell[1]} "
-                f"slot {cell[2]}, expected its own token {seq.tokens[pos]}"
+                f"slot {cell[2]}, expected its own token {seq.tokens[pos]}",
+                seqs=(seq.seq_id,),
+                device=device.value,
+                blocks=(cell[1],),
+                positions=(pos,),
+                expected=(pos, seq.tokens[pos]),
+                observed=got,
             )
 
 
@@ -395,6 +459,9 @@ def plan_state_write(
                 UNMAPPED,
                 f"seq {seq.seq_id}: the step leaves the state after {end} tokens but slot "
                 f"{(end - 1) // block_size} has no block ({shown})",
+                seq.seq_id,
+                positions=(end - 1,),
+                detail="no-state-block",
             )
         ]
     kv = state_of(seq.tokens[:end])
@@ -408,6 +475,11 @@ def plan_state_write(
                 CACHED_WRITE,
                 f"seq {seq.seq_id}: writing the state after {end} tokens into block {block}, "
                 f"which the prefix cache holds as the state after {claimed[0]} tokens",
+                seq.seq_id,
+                table.device.value,
+                (block,),
+                expected=claimed[0],
+                observed=end,
             )
         )
     pool = state.pool(table.device)
@@ -418,6 +490,11 @@ def plan_state_write(
                 SHARED_WRITE,
                 f"seq {seq.seq_id}: writing the state after {end} tokens into block {block}, "
                 f"shared by {refcount} slots",
+                seq.seq_id,
+                table.device.value,
+                (block,),
+                expected=1,
+                observed=refcount,
             )
         )
     return [Write(cell, kv)], faults
@@ -425,7 +502,7 @@ def plan_state_write(
 
 def state_readback_faults(
     table: TableView, seq: SeqModel, block_size: int, memory: Memory
-) -> Iterable[str]:
+) -> Iterable[Violation]:
     """The state the sequence's next token reads: the state after exactly its computed tokens,
     in ``state_block``."""
     p = seq.num_computed
@@ -433,12 +510,24 @@ def state_readback_faults(
         return
     block = state_block(table, p, block_size)
     if block is None:
-        yield f"seq {seq.seq_id}: the state after its {p} computed tokens has no block"
+        yield fact(
+            "no-state-block",
+            f"seq {seq.seq_id}: the state after its {p} computed tokens has no block",
+            seqs=(seq.seq_id,),
+            positions=(p - 1,),
+        )
         return
     got = memory.get((table.device, block, STATE_SLOT))
     if got != state_of(seq.tokens[:p]):
         shown = "nothing written" if got is None else f"the state after {got[0]} tokens"
-        yield (
+        yield fact(
+            "wrong-kv",
             f"seq {seq.seq_id}: block {block} holds {shown}, expected the state after its "
-            f"{p} computed tokens"
+            f"{p} computed tokens",
+            seqs=(seq.seq_id,),
+            device=table.device.value,
+            blocks=(block,),
+            positions=(p - 1,),
+            expected=p,
+            observed=None if got is None else got[0],
         )

@@ -17,19 +17,13 @@ import attrs
 from .config import Config
 from .errors import KVSpecError
 from .state import Device, KVState, PoolView, Status, World
+from .violation import Violation
+
+__all__ = ["INVARIANTS", "DuplicateInvariant", "Invariant", "Violation", "invariant"]
 
 
 class DuplicateInvariant(KVSpecError):
     """A second check registered under an invariant ID that already names one."""
-
-
-@attrs.frozen
-class Violation:
-    invariant: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.invariant}] {self.message}"
 
 
 Applies = Callable[[Config], "str | None"]
@@ -86,11 +80,17 @@ def invariant(
     applies: Applies = always,
 ):
     """Register a check under its stable ID; its docstring is the statement.  ``applies``
-    gives the reason the invariant says nothing under a configuration (None: it applies)."""
+    gives the reason the invariant says nothing under a configuration (None: it applies).
 
-    def register(fn: Callable[..., Iterator[str]]) -> Callable[..., list[Violation]]:
+    The check yields violations with their facts (``spec.violation.fact``), which the registry
+    names by ``id``; a check that yields a bare sentence gets a violation with no facts."""
+
+    def register(fn: Callable[..., Iterator[Violation | str]]) -> Callable[..., list[Violation]]:
         def check(*args, **kwargs) -> list[Violation]:
-            return [Violation(id, msg) for msg in fn(*args, **kwargs)]
+            return [
+                found.named(id) if isinstance(found, Violation) else Violation(id, found)
+                for found in fn(*args, **kwargs)
+            ]
 
         check.__name__ = fn.__name__
         check.__doc__ = fn.__doc__

@@ -32,6 +32,7 @@ from .events import replay
 from .prefix_hash import PrefixKey
 from .registry import invariant, live_tables, needs_prefix_caching, pools
 from .state import Device, PoolView, World
+from .violation import Violation, fact
 
 
 def _extra_text(extra: tuple[object, ...]) -> str:
@@ -46,7 +47,7 @@ def _extra_text(extra: tuple[object, ...]) -> str:
     "Request.cache_salt/lora_request/mm_features (vllm/v1/request.py)",
     applies=needs_prefix_caching,
 )
-def prefix_cache_isolation(world: World) -> Iterator[str]:
+def prefix_cache_isolation(world: World) -> Iterator[Violation]:
     """No prefix-cache hit crosses a cache-salt, LoRA-adapter or multimodal-content domain: a
     block a live sequence holds is cached, if at all, under a key of that sequence's own domain
     (``ExtraKeys.for_chain``), and two live sequences share a block only when their domains
@@ -71,7 +72,7 @@ def prefix_cache_isolation(world: World) -> Iterator[str]:
 
 def block_isolation(
     world: World, device: Device, block: int, holders: Iterable[tuple[int, int]], keys: Iterable[PrefixKey]
-) -> Iterator[str]:
+) -> Iterator[Violation]:
     """``prefix-cache-isolation`` on one block: ``holders`` are the (live sequence, slot) pairs
     that hold it, ``keys`` the keys the cache map names it under."""
     B = world.config.block_size
@@ -86,14 +87,28 @@ def block_isolation(
                 continue  # another chain: prefix-cache-consistency's business
             own = seq.extra.for_chain(n)
             if key.extra != own:
-                yield (
+                yield fact(
+                    "cross-domain-key",
                     f"seq {seq.seq_id} ({seq.extra.describe()}) holds {device.value} "
                     f"block {block} at slot {i}, cached under the same tokens in another "
-                    f"domain ({_extra_text(key.extra)}; its own: {_extra_text(own)})"
+                    f"domain ({_extra_text(key.extra)}; its own: {_extra_text(own)})",
+                    seqs=(seq.seq_id,),
+                    device=device.value,
+                    blocks=(block,),
+                    expected=_extra_text(own),
+                    observed=_extra_text(key.extra),
                 )
     if len(domains) > 1:
         shown = "; ".join(f"seqs {sids} in {_extra_text(d)}" for d, sids in sorted(domains.items(), key=str))
-        yield f"{device.value} block {block} is shared across domains: {shown}"
+        yield fact(
+            "cross-domain-share",
+            f"{device.value} block {block} is shared across domains: {shown}",
+            seqs=sorted({s for sids in domains.values() for s in sids}),
+            device=device.value,
+            blocks=(block,),
+            expected=1,
+            observed=len(domains),
+        )
 
 
 @invariant(
@@ -103,7 +118,7 @@ def block_isolation(
     "(vllm/v1/core/block_pool.py, vllm/distributed/kv_events.py)",
     applies=needs_prefix_caching,
 )
-def event_consistency(world: World) -> Iterator[str]:
+def event_consistency(world: World) -> Iterator[Violation]:
     """Replaying the pool's KV-cache event stream from empty yields exactly its prefix-cache map
     after every operation: each key as many times as blocks are cached under it; no event
     removes a key that is not stored, and none announces a key the map does not hold.
@@ -119,7 +134,7 @@ def event_consistency(world: World) -> Iterator[str]:
             continue
         live, faults = replay(pool.events)
         for fault in faults:
-            yield f"{device.value}: {fault}"
+            yield fact("bad-event", f"{device.value}: {fault}", device=device.value)
         cached = Counter(key for key, _ in pool.cached)
         for key in sorted(set(live) | set(cached), key=key_order):
             fault = event_key_fault(device, pool, key, live[key], cached[key])
@@ -132,16 +147,21 @@ def key_order(key: PrefixKey) -> tuple:
     return (len(key.chain), key.chain, str(key.extra))
 
 
-def event_key_fault(device: Device, pool: PoolView, key: PrefixKey, said: int, held: int) -> str | None:
+def event_key_fault(device: Device, pool: PoolView, key: PrefixKey, said: int, held: int) -> Violation | None:
     """``event-consistency`` on one key: the stream says ``said`` blocks are cached under it,
     the map holds ``held``."""
     if said == held:
         return None
     blocks = sorted(b for k, b in pool.cached if k == key)
-    return (
+    return fact(
+        "stream-differs",
         f"{device.value}: the event stream says {said} block(s) cached under the "
         f"{len(key.chain)}-token chain {_short(key.chain)} ({_extra_text(key.extra)}), "
-        f"the cache map holds {held} {blocks} ({len(pool.events or ())} events so far)"
+        f"the cache map holds {held} {blocks} ({len(pool.events or ())} events so far)",
+        device=device.value,
+        blocks=blocks,
+        expected=held,
+        observed=said,
     )
 
 

@@ -116,6 +116,13 @@ class CompletenessObserver:
     def admission_refused(
         self, before: KVState, seq_id: int, tokens: Sequence[int], k: int, extra, answer: str
     ) -> list[Violation]:
+        return admission_completeness(self.admission_facts(before, seq_id, tokens, k, extra, answer))
+
+    def admission_facts(
+        self, before: KVState, seq_id: int, tokens: Sequence[int], k: int, extra, answer: str
+    ) -> AdmissionFacts:
+        """The admission of ``seq_id`` as the spec sees it in the pool ``before`` it: its need
+        under the declared policy, the hits it revives, the reserve, what it holds alone."""
         config, policy = self.driver.config, self.policy
         B, W = config.block_size, config.sliding_window
         lookahead = self.driver.lookahead
@@ -134,7 +141,7 @@ class CompletenessObserver:
         others = any(
             m.status is Status.RUNNING for s, m in self.driver.seqs.items() if s != seq_id
         )
-        facts = AdmissionFacts(
+        return AdmissionFacts(
             seq=seq_id,
             answer=answer,
             prompt_len=len(tokens),
@@ -147,7 +154,6 @@ class CompletenessObserver:
             num_blocks=len(before.gpu.ids),
             policy=policy.describe(),
         )
-        return admission_completeness(facts)
 
     def lookup_done(
         self, before: KVState, seq_id: int, tokens: Sequence[int], extra, hit_tokens: int
@@ -168,6 +174,11 @@ class CompletenessObserver:
     # ------------------------------------------------------------ reservation
 
     def reserve_refused(self, before: KVState, seq_id: int, k: int, lookahead: int) -> list[Violation]:
+        return reserve_completeness(self.reserve_facts(before, seq_id, k, lookahead))
+
+    def reserve_facts(self, before: KVState, seq_id: int, k: int, lookahead: int) -> ReserveFacts:
+        """A running sequence's step as the spec sees it in the pool ``before`` it: its exact
+        need, and the blocks its group touches under the declared policy."""
         config = self.driver.config
         B = config.block_size
         model = self.driver.seqs[seq_id]
@@ -192,7 +203,7 @@ class CompletenessObserver:
             step_touched(m.num_computed, max(1, len(m.tokens) - m.num_computed), lookahead, B)
             for _, m in siblings
         )
-        facts = ReserveFacts(
+        return ReserveFacts(
             seq=seq_id,
             num_new_tokens=k,
             lookahead=lookahead,
@@ -202,7 +213,6 @@ class CompletenessObserver:
             available=len(before.gpu.free) + len(before.gpu.evictable),
             policy=self.policy,
         )
-        return reserve_completeness(facts)
 
     # ------------------------------------------------------------ publication
 

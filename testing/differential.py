@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import StrEnum
 
+import attrs
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
@@ -127,6 +128,10 @@ class Lockstep:
                 Violation(
                     f"differential/{mode.value}",
                     f"{op} on seq {seq}: {self.target.impl.name} gave {got}, the reference {want}",
+                    kind=op,
+                    seqs=() if seq is None else (seq,),
+                    expected=want,
+                    observed=got,
                 )
             )
 
@@ -172,7 +177,7 @@ class Lockstep:
 
     def check(self) -> list[Violation]:
         found = self.target.check() + [
-            Violation(v.invariant, f"(reference) {v.message}") for v in self.reference.check()
+            attrs.evolve(v, message=f"(reference) {v.message}") for v in self.reference.check()
         ]
         self._compare_tables()
         found += self.mismatches

@@ -264,7 +264,7 @@ class Driver:
         if self.has(Capability.ADMISSION_CHECK):
             answer = self.impl.can_admit(seq_id, tokens, num_new_tokens, extra)
             if answer is not Admission.OK:
-                self._refused(before, answer_ok=False, error=None)
+                self._refused(before, answer_ok=False, error=None, seq=seq_id)
                 self.pending.extend(
                     self.completeness.admission_refused(
                         before, seq_id, tokens, num_new_tokens, extra, answer.value
@@ -278,7 +278,8 @@ class Driver:
             # Without a separate check (V1), NoFreeBlocks is the implementation's own check
             # saying yes and its allocation then failing.
             ok = answer is Admission.OK or (answer is None and isinstance(err, NoFreeBlocks))
-            self._refused(before, answer_ok=ok, error=err)
+            need = self.completeness.admission_facts(before, seq_id, tokens, num_new_tokens, extra, "").need
+            self._refused(before, answer_ok=ok, error=err, seq=seq_id, need=need)
             if not ok:
                 self.pending.extend(
                     self.completeness.admission_refused(
@@ -327,7 +328,8 @@ class Driver:
         except Rejected as err:
             # NotAdmitted is the reservation check refusing; NoFreeBlocks is the allocation
             # failing after the check (legacy can_append_slots) said yes.
-            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err)
+            need = self.completeness.reserve_facts(before, seq_id, k, lookahead).need
+            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err, seq=seq_id, need=need)
             if not isinstance(err, NoFreeBlocks):
                 self.pending.extend(self.completeness.reserve_refused(before, seq_id, k, lookahead))
             self._record("step", args, f"refused: {type(err).__name__}")
@@ -424,7 +426,7 @@ class Driver:
             copies = getattr(self.impl, op)(seq_id)
         except Rejected as err:
             # NoFreeBlocks: the swap's own check (can_swap_out/in) said yes, then it failed.
-            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err)
+            self._refused(before, answer_ok=isinstance(err, NoFreeBlocks), error=err, seq=seq_id, device=dst)
             self._record(op, {"seq": seq_id}, f"refused: {type(err).__name__}")
             return False
         except Unsupported:
@@ -482,14 +484,28 @@ class Driver:
             self.pending.extend(immutability(faults))
             self.pending.extend(admission_soundness(unmapped=faults))
 
-    def _refused(self, before: KVState, *, answer_ok: bool, error: Exception | None) -> None:
+    def _refused(
+        self,
+        before: KVState,
+        *,
+        answer_ok: bool,
+        error: Exception | None,
+        seq: int | None = None,
+        need: int | None = None,
+        device: Device = Device.GPU,
+    ) -> None:
+        """A refusal or a failed allocation of ``seq``'s operation (``need``: the blocks the
+        spec computes it needs, when known; ``device``: the pool it allocates from): judged by
+        ``admission-soundness``."""
         after = self.impl.observe()
         first_needed = {
             sid: first_needed_block(m.num_computed, self.config.sliding_window, self.config.block_size)
             for sid, m in self.seqs.items()
             if m.status is Status.RUNNING and error is not None
         }
-        self.pending.extend(admission_soundness(answer_ok, error, before, after, first_needed))
+        self.pending.extend(
+            admission_soundness(answer_ok, error, before, after, first_needed, seq=seq, need=need, device=device)
+        )
         if error is not None and before != after and normalized(before) != normalized(after):
             self.refusal_window_drops += 1
         self._advance(after)

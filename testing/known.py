@@ -7,8 +7,9 @@ after which it showed, and, for a crash, the exception type and the target code 
 bug, reported once, shrunk on its own.
 
 A known finding is a narrow fingerprint of a FINDINGS.md entry: the fields above, the
-implementations and releases it concerns, the configuration features it needs, and a
-fragment of the violation message.  ``known_findings.toml`` next to this module ships the
+implementations and releases it concerns, the configuration features it needs, the kinds of
+violation it shows as (``Violation.kind``: a fact, never the violation's text) and, for a
+crash, a fragment of the target's exception text.  ``known_findings.toml`` next to this module ships the
 project's own; a run told to step past them discards an example that meets one (counting
 it) instead of ending its search there, so a release with a known crash is still searched
 behind it.  The file is read with the standard library (``tomllib``).
@@ -131,11 +132,32 @@ def fingerprint(error: BaseException, trace: Sequence[TraceStep] = ()) -> Finger
 
 
 def message_of(error: BaseException) -> str:
+    """The failure in words, for people."""
     if isinstance(error, SpecViolation):
         return "\n".join(str(v) for v in error.violations)
     if isinstance(error, PolicyDifference):
         return str(error)
     return f"{type(error).__name__}: {error}"
+
+
+@attrs.frozen
+class Evidence:
+    """What a known finding matches besides the fingerprint: the kinds of the failure's
+    violations (``Violation.kind``), and a crash's exception text (the target's words, the only
+    text matched)."""
+
+    kinds: frozenset[str] = frozenset()
+    crash: str = ""
+
+
+def evidence_of(error: BaseException) -> Evidence:
+    """The evidence of a failing example's exception: every kind its violations show, or the
+    exception text of a crash (a policy difference has neither)."""
+    if isinstance(error, SpecViolation):
+        return Evidence(kinds=frozenset(v.kind for v in error.violations if v.kind))
+    if isinstance(error, PolicyDifference):
+        return Evidence()
+    return Evidence(crash=f"{type(error).__name__}: {error}")
 
 
 # ------------------------------------------------------------------------ known findings
@@ -154,6 +176,7 @@ _KEYS = {
     "operation",
     "exception",
     "location",
+    "kind",
     "message",
     "impl",
     "releases",
@@ -186,7 +209,8 @@ class KnownFinding:
     operation: tuple[str, ...]
     exception: tuple[str, ...] = ()
     location: tuple[str, ...] = ()  # substrings of the fingerprint's location
-    message: tuple[str, ...] = ()  # substrings, one of which the failure's message contains
+    kind: tuple[str, ...] = ()  # violation kinds (``Violation.kind``), one of which the failure shows
+    message: tuple[str, ...] = ()  # a crash only: substrings, one of which its exception text contains
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
     requires: tuple[str, ...] = ()  # FEATURES the configuration must have
@@ -219,6 +243,12 @@ class KnownFinding:
                 release_key(releases[0]), release_key(releases[1])
             except (TypeError, ValueError, AttributeError) as err:
                 raise KnownFindingsError(f"{ident}: releases {releases}: {err}") from None
+        message = _strings(entry, "message")
+        if message and set(invariant) != {CRASH}:
+            raise KnownFindingsError(
+                f"{ident}: message matches a crash's exception text; a violation is matched by its "
+                f"kind (kind = [...], the Violation.kind its check gives)"
+            )
         requires = _strings(entry, "requires")
         bad = set(requires) - set(FEATURES)
         if bad:
@@ -230,7 +260,8 @@ class KnownFinding:
             operation=operation,
             exception=_strings(entry, "exception"),
             location=_strings(entry, "location"),
-            message=_strings(entry, "message"),
+            kind=_strings(entry, "kind"),
+            message=message,
             impl=_strings(entry, "impl"),
             releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
             requires=requires,
@@ -263,7 +294,7 @@ class KnownFinding:
         return release_key(self.releases[0]) <= key <= release_key(self.releases[1])
 
     def matches(
-        self, fp: Fingerprint, message: str, config: Config | None, ops: Collection[str] | None = None
+        self, fp: Fingerprint, evidence: Evidence, config: Config | None, ops: Collection[str] | None = None
     ) -> bool:
         """Whether a failure is this finding; ``ops``: the operations of its trace (None: not
         known, ``after`` is not checked)."""
@@ -273,7 +304,9 @@ class KnownFinding:
             return False
         if self.location and not any(part in fp.location for part in self.location):
             return False
-        if self.message and not any(part in message for part in self.message):
+        if self.kind and not any(k in evidence.kinds for k in self.kind):
+            return False
+        if self.message and not any(part in evidence.crash for part in self.message):
             return False
         if config is not None and not all(FEATURES[f](config) for f in self.requires):
             return False
@@ -309,11 +342,11 @@ def load_known(paths: Iterable[Path]) -> list[KnownFinding]:
 def which_known(
     known: Iterable[KnownFinding],
     fp: Fingerprint,
-    message: str,
+    evidence: Evidence,
     config: Config | None,
     ops: Collection[str] | None = None,
 ) -> KnownFinding | None:
-    return next((k for k in known if k.matches(fp, message, config, ops)), None)
+    return next((k for k in known if k.matches(fp, evidence, config, ops)), None)
 
 
 Labelled = tuple[Fingerprint, KnownFinding | None]
@@ -329,24 +362,24 @@ def label_failures(
     """Every distinct failure ``error`` carries, each with the known finding it matches.
 
     A SpecViolation carries every invariant the operation violated: one fingerprint per
-    invariant (in the order checked), each matched on that invariant's own messages, so a known
+    invariant (in the order checked), each matched on the kinds of that invariant's own violations, so a known
     finding met in an operation does not name (and hide) another invariant the same operation
     broke.  A target's exception is one failure."""
     known = list(known)
     if not isinstance(error, SpecViolation):
         steps = list(trace)
         fp = fingerprint(error, steps)
-        return [(fp, which_known(known, fp, message_of(error), config, {s.op for s in steps}))]
+        return [(fp, which_known(known, fp, evidence_of(error), config, {s.op for s in steps}))]
     steps = error.trace or list(trace)
     operation = steps[-1].op if steps else "teardown"
     ops = {s.op for s in steps}
-    messages: dict[str, list[str]] = {}
+    kinds: dict[str, set[str]] = {}
     for violation in error.violations:
-        messages.setdefault(violation.invariant, []).append(str(violation))
+        kinds.setdefault(violation.invariant, set()).add(violation.kind)
     labelled: list[Labelled] = []
-    for invariant, lines in messages.items():
+    for invariant, shown in kinds.items():
         fp = Fingerprint(invariant, operation)
-        labelled.append((fp, which_known(known, fp, "\n".join(lines), config, ops)))
+        labelled.append((fp, which_known(known, fp, Evidence(kinds=frozenset(shown - {""})), config, ops)))
     # What a finding met in this operation declares it breaks alongside is that finding.
     met = [k for _, k in labelled if k is not None]
     labelled = [

@@ -143,6 +143,13 @@ def differing(head: Observation, base: Observation, mode: Mode) -> list[str]:
 _COPIES = re.compile(r"copies=\[[^\]]*\]")
 
 
+def crash_violation(crash: tuple[str, ...]) -> Violation:
+    """A crash (exception type, module, function) as a violation: its kind the exception
+    type, its observed value where it was raised."""
+    kind, where = crash[0], ".".join(crash[1:3])
+    return Violation(CRASH, f"{kind} in {where}", kind=kind, observed=where)
+
+
 def _key(key: Any) -> str:
     chain = ",".join(map(str, key.chain))
     return f"[{chain}]{'+' + repr(key.extra) if key.extra else ''}"
@@ -296,7 +303,7 @@ class _Session:
         observation = observe(d, self.events_seen, crash)
         self.events_seen = self._events()
         if crash:
-            found = [*found, Violation(CRASH, f"{crash[0]} in {crash[1]}.{crash[2]}")]
+            found = [*found, crash_violation(crash)]
         return Reply(
             result=result if isinstance(result, bool | int | type(None)) else bool(result),
             observation=observation,
@@ -675,7 +682,8 @@ class LockstepDriver:
         self.stats.restarts += 1
         crash = ("ChildDied", "process", op)
         step = TraceStep(op, {}, "the process ended", Crash(op, "ChildDied", str(answer)[:200], "?"))
-        return Reply(None, Observation(outcome=f"{op}: crashed", crash=crash), (Violation(CRASH, str(answer)[:300]),),
+        died = Violation(CRASH, str(answer)[:300], kind="ChildDied", observed=op)
+        return Reply(None, Observation(outcome=f"{op}: crashed", crash=crash), (died,),
                      step, dict(self.seqs), self.operations, tripped=True)
 
     def _judge(self, op: str, head_answer: Any, base_answer: Any) -> Any:
@@ -780,7 +788,7 @@ class LockstepMachine(KVCacheMachine):
         if head == base:
             self.lockstep_stats.shared_crashes += 1
             reject()
-        found = [(Violation(CRASH, f"{c[0]} in {c[1]}.{c[2]}"),) if c else () for c in (head, base)]
+        found = [(crash_violation(c),) if c else () for c in (head, base)]
         verdict = Verdict(
             judge(*found), 1, "construct", "crash", Observation("construct", head), Observation("construct", base),
             *found, (), None, config, Mode.OUTCOMES,

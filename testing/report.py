@@ -90,7 +90,7 @@ def build_report(
         "target": dict(target),
         "config": config_to_json(config) if config is not None else None,
         "run": dict(run),
-        "violations": [{"invariant": v.invariant, "message": v.message} for v in violations],
+        "violations": [v.to_json() for v in violations],
         "invariants": {i: invariant_entry(i) for i in violated if i in INVARIANTS},
         "error": error,
         "trace": [s.to_json() for s in trace],

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import pprint
 import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.spec.kv_memory import SHARED_WRITE
 
 from .driver import TraceStep
 from .implementations import VLLM
@@ -73,8 +75,7 @@ class NotReproducible:
 def _only_cow_immutability(violations: Sequence[Violation]) -> bool:
     """The harness checks the copy-on-write half of immutability (a write into a block shared
     by several slots); overwrites within a block's life need the shadow memory."""
-    msgs = [v.message for v in violations if v.invariant == "immutability"]
-    return any("missed copy-on-write" in m for m in msgs)
+    return any(v.invariant == "immutability" and v.kind == SHARED_WRITE for v in violations)
 
 
 def generate(
@@ -192,15 +193,7 @@ def _header(
     checks: Sequence[str],
 ) -> str:
     def wrap(text: str, indent: str) -> list[str]:
-        words, out, line = text.split(), [], indent
-        for w in words:
-            if len(line) + len(w) + 1 > 92 and line.strip():
-                out.append(line.rstrip())
-                line = indent
-            line += w + " "
-        if line.strip():
-            out.append(line.rstrip())
-        return out
+        return textwrap.wrap(text, 92, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
 
     lines = [
         f"kvspec reproducer: {checks[0]} on vLLM {meta.get('vllm_version', '?')} ({impl}).",

@@ -268,6 +268,11 @@ class SchedulerDriver:
                         "kv-readback",
                         f"seq {s.seq_id}: the scheduler starts its step at position {s.start} "
                         f"but the worker has computed {seq.num_computed} positions",
+                        kind="step-start",
+                        seqs=(s.seq_id,),
+                        positions=(s.start,),
+                        expected=seq.num_computed,
+                        observed=s.start,
                     )
                 )
                 continue  # the worker cannot run a step that skips positions or repeats them
@@ -283,6 +288,11 @@ class SchedulerDriver:
                     Violation(
                         "kv-readback",
                         f"seq {s.seq_id}: draft tokens scheduled before the prompt is computed",
+                        kind="drafts-in-prompt",
+                        seqs=(s.seq_id,),
+                        positions=(start + plain,),
+                        expected=len(seq.tokens),
+                        observed=start + plain,
                     )
                 )
                 continue
@@ -334,6 +344,9 @@ class SchedulerDriver:
                     Violation(
                         "kv-readback",
                         f"group {g.spec.name}: seq {seq.seq_id} is scheduled but has no block table",
+                        kind="no-table",
+                        seqs=(seq.seq_id,),
+                        group=g.spec.name,
                     )
                 )
                 continue
@@ -357,10 +370,10 @@ class SchedulerDriver:
         after ``end`` (spec/kv_memory.py ``plan_state_write``)."""
         table = view.tables[seq.seq_id]
         if start:
-            for message in state_readback_faults(
+            for v in state_readback_faults(
                 table, attrs.evolve(seq, num_computed=start), g.spec.block_size, self.memory
             ):
-                self.pending.append(Violation("kv-readback", f"group {g.spec.name}: {message}"))
+                self.pending.append(v.named("kv-readback").in_group(g.spec.name))
         return plan_state_write(view, seq, end, g.spec.block_size, self.memory, before=before)
 
     def _discard(self, seq: SeqModel, positions: range) -> None:
@@ -393,10 +406,16 @@ class SchedulerDriver:
         collisions = getattr(self.target, "hash_collisions", ())
         for h, a, b in collisions:
             message = f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}"
+            kind = "hash-collision"
             if a.chain == b.chain:
                 # Equal tokens: what the hash failed to tell apart is the domain (extra keys).
                 message += f", the same tokens in two domains: {_domain(a)} and {_domain(b)}"
-            found.append(Violation("prefix-cache-consistency", message))
+                kind = "domain-collision"
+            found.append(
+                Violation("prefix-cache-consistency", message, kind=kind, expected=_domain(a), observed=_domain(b))
+                if kind == "domain-collision"
+                else Violation("prefix-cache-consistency", message, kind=kind, expected=a.chain, observed=b.chain)
+            )
         return found
 
     def finish(self) -> list[Violation]:

@@ -28,6 +28,7 @@ from kvspec.adapters.recording import Line, Recorder, Unrecordable
 from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError, NoFreeBlocks
 from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.spec.kv_memory import OVERWRITE
 from kvspec.spec.state import Device, Status, TableView
 
 from .driver import Driver, TraceStep, apply_step
@@ -277,11 +278,10 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
             '    pytest.fail(f"[refcount-exact] refcounts: expected {expected}, observed {observed}")',
         ]
     if "window-bound" in ids:
-        message = next(v.message for v in recording.violations if v.invariant == "window-bound")
-        m = re.match(r"seq (\d+) holds (\d+) blocks .* needs at most (\d+)", message)
-        if m:
+        over = next(v for v in recording.violations if v.invariant == "window-bound")
+        if over.seqs and isinstance(over.expected, int):
             named.append("window-bound")
-            seq, bound = int(m.group(1)), int(m.group(3))
+            seq, bound = over.seqs[0], over.expected
             helpers += _readers(recording, "gpu_block_ids") or []
             lines += [
                 f"held = gpu_block_ids(mgr, {seq})",
@@ -305,18 +305,13 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
     return lines, helpers, named
 
 
-OVERWRITE = re.compile(r"seq (\d+): writing position (\d+) into block (\d+) slot (\d+) overwrites position (\d+)")
-UNWRITTEN_HIT = re.compile(r"gpu block (\d+) can be handed out as a cache hit for (\[[\d, ]*\])")
-
-
 def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]]) -> list[str]:
     """Two positions of one sequence mapped to one slot: the later write destroys the earlier."""
     for v in recording.violations:
-        m = OVERWRITE.match(v.message) if v.invariant == "immutability" else None
         readers = _readers(recording, "slot_of")
-        if m is None or readers is None:
+        if v.invariant != "immutability" or v.kind != OVERWRITE or readers is None:
             continue
-        seq, new, _, _, old = (int(g) for g in m.groups())
+        (seq,), (new, old) = v.seqs, v.positions
         helpers += readers
         B = recording.driver.config.block_size
         return [
@@ -332,11 +327,12 @@ def _uncomputed_hit_check(recording: Recording, helpers: list[Callable[..., Any]
     """A block the allocator marks computed although no sequence has computed its positions."""
     d = recording.driver
     for v in recording.violations:
-        m = UNWRITTEN_HIT.match(v.message) if v.invariant == "prefix-cache-consistency" else None
         readers = _readers(recording, "marked_computed")
-        if m is None or readers is None:
+        if v.invariant != "prefix-cache-consistency" or v.kind != "uncomputed-hit" or readers is None:
             continue
-        block, tokens = int(m.group(1)), m.group(2)
+        if v.device != Device.GPU.value or not isinstance(v.expected, tuple):
+            continue
+        (block,), tokens = v.blocks, list(v.expected)
         computed = ", ".join(f"seq {s} {d.seqs[s].num_computed}" for s in sorted(d.seqs))
         helpers += readers
         return [

@@ -1,21 +1,26 @@
 """A picture of a counterexample: the block-table timeline, as SVG, inside a one-file HTML page.
 
-One row per sequence and block-table slot, one column per operation of the trace.  A cell
-shows the block the slot holds after that operation, its refcount when shared, and whether the
-prefix cache maps it; a slot a sliding window dropped is grey.  The cells the violation names
-(its blocks, else its sequences) in the failing column are outlined in red.
+One row per sequence and block-table slot, one column per operation of the trace (every one
+of them, and "free all" when the violation showed at the end of the run).  A cell shows the
+block the slot holds after that operation, its refcount when shared, and whether the prefix
+cache maps it; a slot a sliding window dropped is grey.  Every sequence the violation names
+has a row, a table or not, labelled with the KV-cache group it names.  Under the tables, a
+pool row gives the free and evictable blocks after each operation, and the failing column
+adds what the verdict rests on: the need the spec computed and the blocks the allocation took.
+The cells the violation names in the failing column are outlined in red.
 
-The frames come from replaying the trace through the driver on the implementation that
-failed, so the picture shows the target's own state, not a re-rendering of the report's text.
-The SVG is drawn with drawsvg; every cell carries ``data-*`` attributes (op, seq, slot, block,
-refcount) so that a browser test can read back what is visible.
+Everything named comes from the violations' facts (``spec.violation.Violation``: sequences,
+group, blocks, positions, pool, need, taken), never from their text.  The frames come from
+replaying the trace through the driver on the implementation that failed, so the picture
+shows the target's own state.  The SVG is drawn with drawsvg; every cell carries ``data-*``
+attributes (op, seq, slot, block, refcount; the pool's free, evictable, need, taken) so that
+a browser test can read back what is visible.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +34,7 @@ from kvspec.spec.state import DROPPED, Device
 from .driver import Driver, TraceStep, apply_step
 
 CELL_W, CELL_H = 64, 22
-LABEL_W, HEADER_H, FOOT_H = 84, 56, 12
+LABEL_W, HEADER_H, FOOT_H = 108, 56, 12
 COLOURS = {
     "held": "#dbeafe",
     "shared": "#fed7aa",
@@ -37,8 +42,11 @@ COLOURS = {
     "dropped": "#e5e7eb",
     "cpu": "#e9d5ff",
     "empty": "#ffffff",
+    "missing": "#fef2f2",
+    "pool": "#f9fafb",
 }
 OFFENDING = "#dc2626"
+CHAR_W = 6.7  # the width of one 11 px monospace character
 TIMES = "\u00d7"  # the multiplication sign before a refcount
 
 
@@ -51,6 +59,10 @@ class Frame:
     tables: Mapping[int, tuple[str, tuple[int | None, ...]]]  # seq -> (device, slots)
     refcounts: Mapping[int, int]
     cached: Mapping[int, str]  # GPU block -> short form of the key it is cached under
+    free: int = 0  # GPU blocks on the free list
+    evictable: int = 0  # GPU blocks kept for their cached content
+    num_blocks: int = 0
+    found: tuple[str, ...] = ()  # the invariants the replay saw violated after this operation
 
 
 @attrs.frozen
@@ -58,25 +70,58 @@ class Film:
     frames: tuple[Frame, ...]
     violations: tuple[Violation, ...]
     crash: str | None
+    block_size: int = 1
+    crashed_seqs: tuple[int, ...] = ()  # the sequences the crashed operation names
+
+    @property
+    def failing(self) -> int:
+        """The column the verdict is drawn in: the last frame's."""
+        return self.frames[-1].index
 
 
-def film(impl: Implementation, trace: Sequence[TraceStep], focus: Sequence[str] | None = None) -> Film:
-    """Replay ``trace`` on ``impl`` and keep a frame after each operation, up to the failure."""
+def film(
+    impl: Implementation,
+    trace: Sequence[TraceStep],
+    focus: Sequence[str] | None = None,
+    violations: Sequence[Violation] = (),
+) -> Film:
+    """Replay every operation of ``trace`` on ``impl``, keeping a frame after each.
+
+    ``violations`` are the ones the report shows (None given: those the replay finds at the
+    end).  A shrunk trace ends with the operation they showed after; when the replay does not
+    see them there (they showed when the run freed every sequence), a "free all" frame follows.
+    Violations of other invariants met on the way are noted in their frames and replayed past."""
     driver = Driver(impl, focus=focus)
     frames = [_frame(driver, 0, "start")]
+    found: list[Violation] = []
     for index, step in enumerate(trace, 1):
         try:
             apply_step(driver, step)
         except Exception as err:
             frames.append(_frame(driver, index, _label(step)))
-            return Film(tuple(frames), (), f"{type(err).__name__}: {err}")
-        frames.append(_frame(driver, index, _label(step)))
+            return _film(driver, frames, violations, f"{type(err).__name__}: {err}", _named_seqs(step))
         found = driver.check()
-        if found:
-            return Film(tuple(frames), tuple(found), None)
-    found = driver.free_all()
-    frames.append(_frame(driver, len(trace) + 1, "free all"))
-    return Film(tuple(frames), tuple(found), None)
+        frames.append(_frame(driver, index, _label(step), found))
+    wanted = {v.invariant for v in violations}
+    seen = {v.invariant for v in found}
+    if not (wanted & seen if wanted else seen):
+        try:
+            found = driver.free_all()
+        except Exception as err:
+            frames.append(_frame(driver, len(trace) + 1, "free all"))
+            return _film(driver, frames, violations, f"{type(err).__name__}: {err}", ())
+        frames.append(_frame(driver, len(trace) + 1, "free all", found))
+    return _film(driver, frames, tuple(violations) or tuple(found), None, ())
+
+
+def _film(
+    driver: Driver, frames: list[Frame], violations: Sequence[Violation], crash: str | None, seqs: Sequence[int]
+) -> Film:
+    return Film(tuple(frames), tuple(violations), crash, driver.config.block_size, tuple(seqs))
+
+
+def _named_seqs(step: TraceStep) -> tuple[int, ...]:
+    return tuple(step.args[k] for k in ("seq", "parent", "child") if isinstance(step.args.get(k), int))
 
 
 def _label(step: TraceStep) -> str:
@@ -84,7 +129,7 @@ def _label(step: TraceStep) -> str:
     return f"{step.op} s{seq}" if seq is not None else step.op
 
 
-def _frame(driver: Driver, index: int, label: str) -> Frame:
+def _frame(driver: Driver, index: int, label: str, found: Sequence[Violation] = ()) -> Frame:
     state = driver.state
     tables = {
         sid: (t.device.value, tuple(t.slots)) for sid, t in sorted(state.tables.items()) if t.slots
@@ -93,52 +138,118 @@ def _frame(driver: Driver, index: int, label: str) -> Frame:
     for key, block in state.gpu.cached:
         tail = list(key.chain[-3:])
         cached[block] = f"…{tail}" if len(key.chain) > 3 else str(list(key.chain))
-    return Frame(index, label, tables, dict(state.gpu.refcounts), cached)
+    return Frame(
+        index,
+        label,
+        tables,
+        dict(state.gpu.refcounts),
+        cached,
+        len(state.gpu.free),
+        len(state.gpu.evictable),
+        len(state.gpu.ids),
+        tuple(dict.fromkeys(v.invariant for v in found)),
+    )
+
+
+# ---------------------------------------------------------------- what the violation names
+
+
+def named_seqs(film: Film) -> list[int]:
+    """Every sequence the violations name (their ``seqs`` facts), else the crashed operation's."""
+    seqs = [s for v in film.violations for s in v.seqs] or list(film.crashed_seqs)
+    return list(dict.fromkeys(seqs))
+
+
+def group_of(film: Film) -> dict[int, str]:
+    """Sequence -> the KV-cache group a violation names it in."""
+    return {s: v.group for v in film.violations if v.group for s in v.seqs}
+
+
+def offending_cells(film: Film) -> tuple[int, set[tuple[int, int]]]:
+    """The failing column and the (seq, slot) cells in it that the violations name: the slots
+    holding the GPU blocks they name, the slots of the positions they name, else every slot of
+    the sequences they name."""
+    last = film.frames[-1]
+    gpu = Device.GPU.value
+    blocks = {b for v in film.violations if v.device in ("", gpu) for b in v.blocks}
+    cells = {
+        (sid, i)
+        for sid, (device, slots) in last.tables.items()
+        for i, b in enumerate(slots)
+        if device == gpu and b is not None and b in blocks
+    }
+    cells |= {(s, p // film.block_size) for v in film.violations for s in v.seqs for p in v.positions}
+    if not cells:
+        seqs = set(named_seqs(film))
+        cells = {(sid, i) for sid, (_, slots) in last.tables.items() if sid in seqs for i in range(len(slots))}
+        cells |= {(sid, 0) for sid in seqs if sid not in last.tables}
+    return last.index, cells
+
+
+def verdict_facts(film: Film) -> dict[str, Any]:
+    """The pool, need and taken facts of the first violation that carries any of them."""
+    for v in film.violations:
+        facts = {"pool": v.pool, "need": v.need, "taken": v.taken}
+        facts = {k: value for k, value in facts.items() if value not in (None, ())}
+        if facts:
+            return facts
+    return {}
 
 
 # ---------------------------------------------------------------- drawing
 
 
-def offending_cells(film: Film) -> tuple[int, set[tuple[int, int]]]:
-    """The failing column and the (seq, slot) cells in it that the violation names."""
-    last = film.frames[-1]
-    text = " ".join(v.message for v in film.violations) + " " + (film.crash or "")
-    blocks = {int(b) for b in re.findall(r"block (\d+)", text)}
-    seqs = {int(s) for s in re.findall(r"seqs? \[?(\d+)", text)}
-    cells = {
-        (sid, i)
-        for sid, (device, slots) in last.tables.items()
-        for i, b in enumerate(slots)
-        if device == Device.GPU.value and b is not None and b in blocks
-    }
-    if not cells:
-        cells = {(sid, i) for sid, (_, slots) in last.tables.items() if sid in seqs for i in range(len(slots))}
-    return last.index, cells
+def rows_of(film: Film) -> list[tuple[int, int]]:
+    """(seq, slot) rows: every slot any frame shows, every cell the violations name, and a row
+    for each named sequence that holds no table."""
+    rows = {(sid, i) for f in film.frames for sid, (_, slots) in f.tables.items() for i in range(len(slots))}
+    rows |= offending_cells(film)[1]
+    shown = {sid for sid, _ in rows}
+    rows |= {(sid, 0) for sid in named_seqs(film) if sid not in shown}
+    return sorted(rows)
 
 
 def timeline_svg(film: Film, config: Config, title: str = "") -> str:
-    rows = sorted(
-        {(sid, i) for f in film.frames for sid, (_, slots) in f.tables.items() for i in range(len(slots))}
-    )
+    rows = rows_of(film)
     columns = film.frames[1:]
     failing, offending = offending_cells(film)
+    groups = group_of(film)
+    facts = verdict_facts(film)
+    extra_rows = 1 + bool(facts)  # the pool row, and the verdict's facts
     width = LABEL_W + CELL_W * max(1, len(columns)) + FOOT_H
-    height = HEADER_H + CELL_H * max(1, len(rows)) + FOOT_H
+    height = HEADER_H + CELL_H * (max(1, len(rows)) + extra_rows) + FOOT_H
     d = dw.Drawing(width, height, font_family="monospace")
     d.append(dw.Title(title or f"kvspec block-table timeline ({config.describe()})"))
     for c, frame in enumerate(columns):
         x = LABEL_W + c * CELL_W
-        header = dw.Group(class_="op" + (" offending" if frame.index == failing else ""), data_op=frame.index)
+        header = dw.Group(
+            class_="op" + (" offending" if frame.index == failing else ""),
+            data_op=frame.index,
+            data_found=",".join(frame.found),
+        )
         colour = OFFENDING if frame.index == failing else "#111827"
-        header.append(dw.Text(str(frame.index), 11, x + CELL_W / 2, 18, text_anchor="middle", fill=colour))
+        mark = "*" if frame.found and frame.index != failing else ""
+        header.append(dw.Text(f"{frame.index}{mark}", 11, x + CELL_W / 2, 18, text_anchor="middle", fill=colour))
         header.append(dw.Text(frame.label, 9, x + CELL_W / 2, 36, text_anchor="middle", fill=colour))
+        if frame.found:
+            header.append(dw.Title(f"after op {frame.index} the replay saw: {', '.join(frame.found)}"))
         d.append(header)
     for r, (sid, slot) in enumerate(rows):
         y = HEADER_H + r * CELL_H
-        d.append(dw.Text(f"s{sid}[{slot}]", 11, 6, y + CELL_H * 0.7, class_="row"))
+        group = groups.get(sid, "")
+        label = f"{group} s{sid}[{slot}]" if group else f"s{sid}[{slot}]"
+        d.append(dw.Text(label, 11, 6, y + CELL_H * 0.7, class_="row", data_seq=sid, data_slot=slot, data_group=group))
         for c, frame in enumerate(columns):
             named = (sid, slot) in offending and frame.index == failing
             d.append(_cell(frame, sid, slot, LABEL_W + c * CELL_W, y, named))
+    y = HEADER_H + len(rows) * CELL_H
+    d.append(dw.Text("pool free", 11, 6, y + CELL_H * 0.7, class_="row pool-row"))
+    for c, frame in enumerate(columns):
+        d.append(_pool_cell(frame, LABEL_W + c * CELL_W, y))
+    if facts:
+        y += CELL_H
+        d.append(dw.Text("verdict", 11, 6, y + CELL_H * 0.7, class_="row verdict-row"))
+        d.append(_verdict_cell(facts, LABEL_W + (len(columns) - 1) * CELL_W, y, failing))
     return d.as_svg()
 
 
@@ -148,7 +259,7 @@ def _cell(frame: Frame, sid: int, slot: int, x: float, y: float, offending: bool
     present = slot < len(slots)
     rc = frame.refcounts.get(block, 0) if block is not None and device == Device.GPU.value else 0
     if not present:
-        kind, text = "empty", ""
+        kind, text = ("missing" if offending else "empty"), ""
     elif block is DROPPED:
         kind, text = "dropped", "·"
     elif device == Device.CPU.value:
@@ -178,21 +289,118 @@ def _cell(frame: Frame, sid: int, slot: int, x: float, y: float, offending: bool
     )
     if text:
         group.append(dw.Text(text, 11, x + CELL_W / 2, y + CELL_H * 0.7, text_anchor="middle"))
-    tip = f"after op {frame.index}: seq {sid} slot {slot}: " + (text or "empty")
+    tip = f"after op {frame.index}: seq {sid} slot {slot}: " + (text or "no block")
     if block in frame.cached:
         tip += f" cached as {frame.cached[block]}"
     group.append(dw.Title(tip))
     return group
 
 
+def _pool_cell(frame: Frame, x: float, y: float) -> dw.Group:
+    group = dw.Group(
+        class_="pool",
+        data_op=frame.index,
+        data_free=frame.free,
+        data_evictable=frame.evictable,
+        data_num_blocks=frame.num_blocks,
+    )
+    group.append(dw.Rectangle(x + 1, y + 1, CELL_W - 2, CELL_H - 2, fill=COLOURS["pool"], stroke="#9ca3af"))
+    text = f"{frame.free}" + (f"+{frame.evictable}e" if frame.evictable else "") + f"/{frame.num_blocks}"
+    group.append(dw.Text(text, 11, x + CELL_W / 2, y + CELL_H * 0.7, text_anchor="middle"))
+    group.append(
+        dw.Title(f"after op {frame.index}: {frame.free} free, {frame.evictable} evictable of {frame.num_blocks} blocks")
+    )
+    return group
+
+
+def _verdict_cell(facts: Mapping[str, Any], x: float, y: float, failing: int) -> dw.Group:
+    """The verdict's facts in the failing column's row, written out leftwards from its right
+    edge: the pool the operation met, the need, the blocks the allocation took."""
+    pool, need, taken = facts.get("pool"), facts.get("need"), facts.get("taken", ())
+    group = dw.Group(
+        class_="verdict",
+        data_op=failing,
+        data_need="" if need is None else need,
+        data_taken=",".join(map(str, taken)),
+        data_pool_free="" if pool is None else pool.free,
+        data_pool_evictable="" if pool is None else pool.evictable,
+    )
+    said = []
+    if pool is not None:
+        evictable = f" + {pool.evictable} evictable" if pool.evictable else ""
+        said.append(f"met {pool.free} free{evictable} of {pool.num_blocks}")
+    if need is not None:
+        said.append(f"need {need}")
+    if taken:
+        said.append(f"took {list(taken)}")
+    text = " · ".join(said)
+    right = x + CELL_W - 1
+    left = max(LABEL_W + 1.0, min(x + 1, right - CHAR_W * len(text) - 8))
+    group.append(dw.Rectangle(left, y + 1, right - left, CELL_H - 2, fill="#fee2e2", stroke=OFFENDING))
+    group.append(dw.Text(text, 11, right - 4, y + CELL_H * 0.7, text_anchor="end"))
+    group.append(
+        dw.Title(
+            f"after op {failing}: the pool it met, the need the spec's admission arithmetic computes under "
+            f"the target's declared policy, and the blocks the allocation took: {text}"
+        )
+    )
+    return group
+
+
 # ---------------------------------------------------------------- the page
 
 
+FACT_WORDS = {
+    "kind": "kind",
+    "seqs": "sequences",
+    "group": "KV-cache group",
+    "device": "device",
+    "blocks": "blocks",
+    "positions": "positions",
+    "expected": "expected",
+    "observed": "observed",
+    "pool": "the pool it met",
+    "need": "need (the spec's admission arithmetic, under the target's declared policy)",
+    "taken": "what the allocation took (blocks out of the free and evictable sets)",
+}
+
+
+def _fact_text(name: str, value: Any) -> str:
+    if name == "pool" and isinstance(value, Mapping):
+        return f"{value.get('free')} free, {value.get('evictable')} evictable of {value.get('num_blocks')} blocks"
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def facts_table(found: Sequence[Mapping[str, Any]]) -> str:
+    """The facts of every violation (a report's ``violations`` entries), one row each, with
+    ``data-violation`` (its index) and ``data-fact`` (the fact's name) for a browser to read."""
+    e = html.escape
+    rows = []
+    for i, v in enumerate(found):
+        for name, words in FACT_WORDS.items():
+            if name not in v:
+                continue
+            value = v[name]
+            raw = json.dumps(value, sort_keys=True)
+            rows.append(
+                f"<tr data-violation='{i}' data-fact='{name}' data-value='{e(raw, quote=True)}'>"
+                f"<td>{e(v.get('invariant', ''))}</td><th>{e(words)}</th><td>{e(_fact_text(name, value))}</td></tr>"
+            )
+    if not rows:
+        return "<p id='facts'>The violations carry no facts beyond their text.</p>"
+    return "<table id='facts'><tr><th>invariant</th><th>fact</th><th>value</th></tr>" + "".join(rows) + "</table>"
+
+
 def report_html(report: Mapping[str, Any], svg: str) -> str:
-    """One self-contained page: what was found, the timeline, the trace, how to reproduce."""
+    """One self-contained page: what was found and the facts behind it, the timeline, the
+    trace, how to reproduce."""
     e = html.escape
     found = report.get("violations") or []
-    items = "".join(f"<li><b>[{e(v['invariant'])}]</b> {e(v['message'])}</li>" for v in found)
+    items = "".join(
+        f"<li data-invariant='{e(v['invariant'], quote=True)}' data-kind='{e(v.get('kind', ''), quote=True)}'>"
+        f"<b>[{e(v['invariant'])}]</b> {e(v['message'])}</li>"
+        for v in found
+    )
     if report.get("error"):
         items += f"<li><b>crash</b> {e(str(report['error']))}</li>"
     trace = "".join(f"<li>{e(line.split('. ', 1)[-1])}</li>" for line in report.get("trace_text", []))
@@ -206,14 +414,21 @@ def report_html(report: Mapping[str, Any], svg: str) -> str:
         f"<title>kvspec: {e(report.get('impl', ''))} {e(str(report.get('outcome', '')))}</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:80em}"
         "li{margin:.2em 0}code,pre{background:#f3f4f6;padding:.2em}"
+        "td,th{text-align:left;padding:.1em .6em;vertical-align:top}"
         ".timeline{overflow-x:auto;border:1px solid #e5e7eb;padding:.5em}</style>",
         "</head><body>",
         f"<h1>kvspec {e(str(report.get('outcome', '')))} on {e(str(where))}</h1>",
         f"<p>Configuration: <code>{e(json.dumps(report.get('config')))}</code></p>",
         f"<h2>Found</h2><ul id='found'>{items}</ul>",
+        "<h2>The facts behind the verdict</h2>",
+        facts_table(found),
         "<h2>Block-table timeline</h2>",
-        "<p>Rows: sequence[slot]; columns: operations. A cell shows the block, &times;refcount when not 1, "
-        "# when cached; grey: dropped by the window; red: what the violation names.</p>",
+        "<p>Rows: sequence[slot] (a red-tinted cell: a slot the violation names that the table does not "
+        "have); columns: every operation of the trace (* : the replay saw another invariant violated "
+        "there). A cell shows the block, &times;refcount when not 1, # when cached; grey: dropped by "
+        "the window; red: what the violation names. The pool row gives free(+evictable)/all blocks after "
+        "each operation; the verdict row, in the failing column, the need (n) the spec computed and the "
+        "number of blocks the allocation took (t).</p>",
         f"<div class='timeline' id='timeline'>{svg_body}</div>",
         f"<h2>Trace</h2><ol id='trace'>{trace}</ol>",
         "<h2>Reproduce</h2>",

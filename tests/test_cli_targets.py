@@ -84,6 +84,20 @@ def test_check_finds_the_seed_bug_and_writes_a_reproducer(release_run):
     assert Path(repro["path"]).is_file()
 
 
+def test_the_seed_reports_page_shows_the_pool_the_need_and_what_allocate_took(release_run, shown_report):
+    """report.html of the seed bug, read back in a browser (conftest.py ``shown_report``): every
+    operation, the sequence refused, and the facts: can_allocate answered OK to an admission
+    whose need exceeds the pool, and allocate kept the blocks it took."""
+    _, out = release_run
+    path = seed_report(out)
+    report = json.loads(path.read_text())
+    shown = shown_report(path.with_name("report.html"), report)
+    (v,) = [v for v in report["violations"] if v.get("kind") == "ok-then-failed"]
+    assert v["need"] > v["pool"]["free"] + v["pool"]["evictable"], v
+    assert v["taken"], v
+    assert shown["verdict"]["need"] == str(v["need"])
+
+
 def test_reproducer_fails_under_plain_pytest_naming_the_invariant(release_run):
     _, out = release_run
     repro = Path(json.loads(seed_report(out).read_text())["reproducer"]["path"])

@@ -294,9 +294,12 @@ def test_after_narrows_a_finding_to_traces_that_hold_the_operations():
     f8 = next(k for k in load_known([SHIPPED]) if k.id == "F8")
     windowed = Config(block_size=3, num_blocks=13, num_cpu_blocks=1, sliding_window=3)
     crash = Fingerprint(CRASH, "step", "AssertionError", "vllm/core/block/naive_block.py:_append_token_ids_no_cow")
-    assert f8.matches(crash, "AssertionError: ", windowed, {"admit", "fork", "step"})
-    assert not f8.matches(crash, "AssertionError: ", windowed, {"admit", "step"})  # no fork: not F8
-    assert not f8.matches(crash, "AssertionError: ", Config(block_size=3, num_blocks=13), {"fork", "step"})
+    from kvspec.testing.known import Evidence
+
+    said = Evidence(crash="AssertionError: ")
+    assert f8.matches(crash, said, windowed, {"admit", "fork", "step"})
+    assert not f8.matches(crash, said, windowed, {"admit", "step"})  # no fork: not F8
+    assert not f8.matches(crash, said, Config(block_size=3, num_blocks=13), {"fork", "step"})
 
 
 def test_a_known_finding_not_met_prints_the_budget_that_reaches_it():
@@ -326,21 +329,21 @@ def _sieve_case():
     from kvspec.testing.driver import TraceStep
 
     a = KnownFinding(
-        "A", "a", ("admission-soundness",), ("admit",), message=("answered OK",), alongside=("no-leak",)
+        "A", "a", ("admission-soundness",), ("admit",), kind=("ok-then-failed",), alongside=("no-leak",)
     )
     g = KnownFinding("G", "g", ("window-bound",), ("admit",), go_on=True)
     config = Config(block_size=2, num_blocks=4, sliding_window=2)
     driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
     sieve = Sieve(frozenset(), [a, g], frozenset({"A", "G"}))
 
-    def show(*violations: tuple[str, str]):
-        error = SpecViolation([Violation(i, m) for i, m in violations], driver.trace)
+    def show(*violations: tuple[str, ...]):
+        error = SpecViolation([Violation(*v) for v in violations], driver.trace)
         return sieve(error, driver)  # type: ignore[arg-type]
 
     return sieve, show
 
 
-KNOWN_A = ("admission-soundness", "the admission check answered OK, then the allocation failed")
+KNOWN_A = ("admission-soundness", "the admission check answered OK, then the allocation failed", "ok-then-failed")
 KNOWN_G = ("window-bound", "seq 0 holds 3 blocks but ... needs at most 2")
 UNKNOWN = ("refcount-exact", "block 1 has refcount 2 with 1 holder(s)")
 

@@ -96,16 +96,16 @@ def test_a_stalled_request_of_0_33_is_labelled_c3():
     from kvspec.cli.shapes import SCHEDULER_IMPL
     from kvspec.spec.invariants import Violation
     from kvspec.testing.driver import TraceStep
-    from kvspec.testing.known import SHIPPED, fingerprint, load_known, message_of, which_known
+    from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
 
     trace = [TraceStep("arrive", {"seq": 0}), TraceStep("step", {})]
-    stalled = Violation("progress", "seq 0 was preempted while no other sequence held a block, ...")
+    stalled = Violation("progress", "seq 0 was preempted while ...", kind="preempted-alone", seqs=(0,))
     error = SpecViolation([stalled], trace)
     known = load_known([SHIPPED])
 
     def label(version: str):
         concern = [k for k in known if k.concerns(SCHEDULER_IMPL, version)]
-        return which_known(concern, fingerprint(error), message_of(error), None, {s.op for s in trace})
+        return which_known(concern, fingerprint(error), evidence_of(error), None, {s.op for s in trace})
 
     assert label("0.33.0") is not None and label("0.33.0").id == "C3"
     assert label("0.12.0") is None

@@ -121,9 +121,9 @@ def test_transition_invariants_make_their_own_violations():
     """Write facts carry no invariant ID: the spec functions decide which ID a fact breaks."""
     unmapped = WriteFault(UNMAPPED, "seq 0: position 4 has no slot")
     overwrite = WriteFault(OVERWRITE, "seq 0: position 4 overwrites position 2")
-    assert immutability([unmapped, overwrite]) == [Violation("immutability", overwrite.message)]
+    assert immutability([unmapped, overwrite]) == [Violation("immutability", overwrite.message, kind=OVERWRITE)]
     assert admission_soundness(unmapped=[unmapped, overwrite]) == [
-        Violation("admission-soundness", unmapped.message)
+        Violation("admission-soundness", unmapped.message, kind=UNMAPPED)
     ]
     before = _world(**_healthy()).state
     after = _world(**{**_healthy(), "refcounts": [1, 1, 1], "free": []}).state
@@ -138,3 +138,18 @@ def test_every_invariant_states_itself_and_names_vllm_code():
     for inv in INVARIANTS.values():
         assert len(inv.statement) > 40, inv.id
         assert "vllm" in inv.concerns.lower() or "V1" in inv.concerns or "legacy" in inv.concerns
+
+
+def test_a_violation_round_trips_through_json_and_stays_hashable():
+    from kvspec.spec.violation import PoolFacts
+
+    v = Violation(
+        "admission-soundness", "the admission check answered OK, then the allocation failed",
+        kind="ok-then-failed", seqs=[1], device="gpu", expected=[[2, 5]], observed={"b": [1]},
+        pool=PoolFacts(free=2, evictable=1, num_blocks=8), need=3, taken=[4, 5],
+    )
+    data = v.to_json()
+    assert data["pool"] == {"free": 2, "evictable": 1, "num_blocks": 8} and data["taken"] == [4, 5]
+    assert "group" not in data and "positions" not in data  # unset facts are left out
+    assert Violation.from_json(data) == v and hash(v) == hash(Violation.from_json(data))
+    assert str(v) == "[admission-soundness] the admission check answered OK, then the allocation failed"

@@ -47,6 +47,9 @@ def test_stateful_broken_variant_is_caught(name, invariant):
         )
     found = {v.invariant for v in caught.value.violations}
     assert found == {invariant}, f"{name}: expected {invariant}, got {sorted(found)}"
+    # Each carries its facts: the kind of failure, and at least one fact of what it is about.
+    for v in caught.value.violations:
+        assert v.kind and set(v.facts()) - {"kind"}, v.to_json()
     # The shrunk trace is short enough to read and cite.
     assert 1 <= len(caught.value.trace) <= 25, caught.value
 

@@ -1,53 +1,64 @@
 """The counterexample picture: the SVG timeline and report.html, read back in a real browser.
 
-The browser test needs Debian's Chromium and the playwright Python package (driven at that
-executable; nothing is downloaded).  ``.ci/run`` installs both; elsewhere it skips, naming
-``apt-get install chromium`` and ``pip install -e '.[browser]'``.
+The browser tests need Debian's Chromium and the playwright Python package (driven at that
+executable; nothing is downloaded; the ``browser`` and ``shown_report`` fixtures in
+conftest.py).  ``.ci/run`` installs both; elsewhere they skip, naming ``apt-get install
+chromium`` and ``pip install -e '.[browser]'``.  Each page is read back against its report on
+reference broken variants: every operation of the trace, a row for every sequence the violation
+names, and the facts behind the verdict (for an admission: the pool, the need, what the
+allocation took).
 """
 
 from __future__ import annotations
 
-import shutil
+import os
 from pathlib import Path
 
 import pytest
 from kvspec.reference.broken import BROKEN
 from kvspec.spec.config import Config
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.timeline import film, offending_cells, report_html, timeline_svg
+from kvspec.spec.violation import PoolFacts, Violation
+from kvspec.testing.driver import TraceStep, replay
+from kvspec.testing.report import build_report
+from kvspec.testing.timeline import film, offending_cells, report_html, rows_of, timeline_svg, verdict_facts
 
 CONFIG = Config(block_size=4, num_blocks=8)
 TRACE = [
     TraceStep("admit", {"seq": 0, "tokens": [1, 2, 3, 4, 5], "num_new_tokens": 5, "next_token": 6}),
     TraceStep("fork", {"parent": 0, "child": 1}),
 ]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
+# The seed bug's shape on its broken variant: the check counts the window, admission takes the
+# whole prompt, so seq 1 is answered OK and its allocation fails; it never gets a table.
+ADMISSION_CONFIG = Config(block_size=2, num_blocks=5, sliding_window=4)
+ADMISSION_TRACE = [
+    TraceStep("admit", {"seq": 0, "tokens": [1, 2, 3], "num_new_tokens": 3, "next_token": 4}),
+    TraceStep("step", {"seq": 0, "num_new_tokens": 1, "next_token": 5}),
+    TraceStep("admit", {"seq": 1, "tokens": list(range(10, 19)), "num_new_tokens": 2, "next_token": 0}),
 ]
+# A window one block too generous: window-bound breaks on every decode step past the window.
+WINDOW_CONFIG = Config(block_size=2, num_blocks=8, sliding_window=2)
+WINDOW_TRACE = [
+    TraceStep("admit", {"seq": 0, "tokens": [1, 2, 3, 4, 5], "num_new_tokens": 5, "next_token": 6}),
+    *(TraceStep("step", {"seq": 0, "num_new_tokens": 1, "next_token": 7 + i}) for i in range(4)),
+]
+CASES = {
+    "fork-without-incref": (CONFIG, TRACE),
+    "window-capped-admission": (ADMISSION_CONFIG, ADMISSION_TRACE),
+}
 
 
-def _film():
-    return film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE)
+def _film(variant: str = "fork-without-incref", violations=()):
+    config, trace = CASES[variant]
+    return film(BROKEN[variant].cls(config), trace, violations=violations)
 
 
-def _report(f) -> dict:
-    return {
-        "impl": "broken:fork-without-incref",
-        "outcome": "violated",
-        "config": {"block_size": 4, "num_blocks": 8},
-        "violations": [{"invariant": v.invariant, "message": v.message} for v in f.violations],
-        "trace_text": [f"{i}. {s.describe()}" for i, s in enumerate(TRACE, 1)],
-        "reproducer": {"path": None, "reason": "not a vLLM target"},
-        "command": ["kvspec", "check", "--impl", "broken:fork-without-incref"],
-    }
+def _report(variant: str, trace, violations) -> dict:
+    config = CASES[variant][0]
+    return build_report(
+        outcome="violated", impl=f"broken:{variant}", implementation_name=variant, target={}, config=config,
+        run={}, trace=trace, violations=violations, reproducer={"path": None, "reason": "not a vLLM target"},
+        command=["kvspec", "check", "--impl", f"broken:{variant}"],
+    )
 
 
 def test_the_film_stops_at_the_violation_and_names_its_cells():
@@ -63,54 +74,115 @@ def test_the_svg_has_one_cell_per_row_and_operation():
     svg = timeline_svg(_film(), CONFIG)
     assert svg.count('class="cell') == 2 * 2 * len(TRACE)  # 2 sequences x 2 slots x 2 operations
     assert svg.count('class="cell offending"') == 4
+    assert svg.count('class="pool"') == len(TRACE)
 
 
-@pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    if CHROMIUM is None:
-        pytest.skip("no Chromium: `apt-get install chromium` (Debian) makes this browser test run")
-    playwright = pytest.importorskip(
-        "playwright.sync_api", reason="no playwright: `pip install -e '.[browser]'` makes this browser test run"
-    )
+def test_the_film_draws_every_operation_past_other_violations():
+    """The replay goes on past a violation it meets before the reported one (a run that
+    stepped past a known finding, or watched other invariants), marking it in its column."""
+    trace, config = WINDOW_TRACE, WINDOW_CONFIG
+    found, driver = replay(BROKEN["off-by-one-window"].cls(config), trace[:3])
+    assert [v.invariant for v in found] == ["window-bound"] and len(driver.trace) == 3  # met at op 3
+    reported = Violation("kv-readback", "shown at the last operation", kind="no-slot", seqs=(0,), positions=(5,))
+    f = film(BROKEN["off-by-one-window"].cls(config), trace, violations=[reported])
+    assert [fr.index for fr in f.frames] == list(range(len(trace) + 2))  # start, every op, free all
+    assert "window-bound" in f.frames[3].found
+    assert f.failing == len(trace) + 1 and f.violations == (reported,)
+
+
+def test_a_named_sequence_without_a_table_gets_a_row_and_the_admission_its_facts():
+    f = _film("window-capped-admission")
+    (v,) = f.violations
+    assert (v.invariant, v.kind, v.seqs) == ("admission-soundness", "ok-then-failed", (1,))
+    assert v.pool == PoolFacts(free=3, evictable=0, num_blocks=5) and v.need == 1
+    assert all(1 not in fr.tables for fr in f.frames)  # seq 1 never holds a table
+    assert (1, 0) in rows_of(f) and offending_cells(f) == (3, {(1, 0)})
+    assert verdict_facts(f) == {"pool": v.pool, "need": 1}
+    svg = timeline_svg(f, ADMISSION_CONFIG)
+    assert 'class="verdict"' in svg and 'data-need="1"' in svg and 'data-kind="missing"' in svg
+
+
+def test_a_group_the_violation_names_labels_its_rows():
     f = _film()
-    path = Path(tmp_path_factory.mktemp("report")) / "report.html"
-    path.write_text(report_html(_report(f), timeline_svg(f, CONFIG)))
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        try:
-            tab = browser.new_page()
-            tab.goto(path.as_uri())
-            yield tab, f
-        finally:
-            browser.close()
+    grouped = tuple(Violation(v.invariant, v.message, kind=v.kind, seqs=(0, 1), group="swa") for v in f.violations)
+    svg = timeline_svg(film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE, violations=grouped), CONFIG)
+    assert svg.count('data-group="swa"') == 4 and "swa s1[1]" in svg
 
 
-def test_the_browser_shows_the_state_after_every_operation(page):
-    tab, f = page
-    cells = tab.eval_on_selector_all(
-        "#timeline g.cell",
-        """els => els.map(g => {
-            const r = g.getBoundingClientRect();
-            return {op: +g.dataset.op, seq: +g.dataset.seq, slot: +g.dataset.slot,
-                    block: g.dataset.block, text: g.textContent.trim(), visible: r.width > 0 && r.height > 0,
-                    offending: g.classList.contains('offending')};
-        })""",
-    )
-    assert cells and all(c["visible"] for c in cells)
-    for c in cells:
+@pytest.mark.parametrize("variant", sorted(CASES))
+def test_the_browser_shows_every_operation_row_and_fact(variant, shown_report, tmp_path):
+    f = _film(variant)
+    config, trace = CASES[variant]
+    report = _report(variant, trace, f.violations)
+    page = tmp_path / "report.html"
+    page.write_text(report_html(report, timeline_svg(f, config)))
+    shown = shown_report(page, report)
+    for c in shown["cells"]:
         _, slots = f.frames[c["op"]].tables.get(c["seq"], ("", ()))
         want = slots[c["slot"]] if c["slot"] < len(slots) else None
         assert c["block"] == ("" if want is None else str(want)), c
         if want is not None:
             assert c["text"].startswith(str(want)), c
     _, named = offending_cells(f)
-    shown = {(c["seq"], c["slot"]) for c in cells if c["offending"]}
-    assert shown == named
+    assert {(c["seq"], c["slot"]) for c in shown["cells"] if c["offending"]} == named
+    assert [p["free"] for p in shown["pool"]] == [fr.free for fr in f.frames[1:]]
 
 
-def test_the_page_lists_the_violation_and_the_trace(page):
-    tab, _ = page
-    found = tab.inner_text("#found")
-    assert "[refcount-exact]" in found and "block 0" in found
-    trace = tab.eval_on_selector_all("#trace li", "els => els.map(e => e.textContent)")
-    assert len(trace) == len(TRACE) and trace[1].startswith("fork(")
+def test_the_page_lists_the_violation_and_the_trace(shown_report, tmp_path):
+    f = _film()
+    report = _report("fork-without-incref", TRACE, f.violations)
+    page = tmp_path / "report.html"
+    page.write_text(report_html(report, timeline_svg(f, CONFIG)))
+    shown = shown_report(page, report)
+    assert [x["invariant"] for x in shown["found"]] == ["refcount-exact", "refcount-exact"]
+    assert {x["kind"] for x in shown["found"]} == {"wrong-refcount"}
+    assert len(shown["trace"]) == len(TRACE) and shown["trace"][1].startswith("fork(")
+    blocks = {f["value"][0] for f in shown["facts"] if f["fact"] == "blocks"}
+    assert blocks == {0, 1}
+
+
+def test_a_page_read_back_against_a_wrong_report_fails(shown_report, tmp_path):
+    """The reader is shown able to fail: a page that leaves out a named sequence's row and an
+    operation's column does not pass for the report."""
+    f = _film("window-capped-admission")
+    config, trace = CASES["window-capped-admission"]
+    report = _report("window-capped-admission", trace, f.violations)
+    short = film(BROKEN["window-capped-admission"].cls(config), trace[:2])  # as a film that stopped early
+    page = tmp_path / "report.html"
+    page.write_text(report_html(report, timeline_svg(short, config)))
+    with pytest.raises(AssertionError):
+        shown_report(page, report)
+
+
+def test_report_html_is_written_beside_report_json_by_check(tmp_path, shown_report):
+    """``kvspec check`` on a broken variant writes report.html that passes the read-back."""
+    from kvspec.cli.main import main
+    from kvspec.testing.report import load_report
+
+    code = main(["check", "--impl", "broken:window-capped-admission", "--profile", "ci", "--examples", "60",
+                 "--invariant", "admission-soundness", "--out", str(tmp_path), "--no-verify"])
+    assert code == 1
+    pages = sorted(tmp_path.rglob("report.html"))
+    assert pages
+    for page in pages:
+        report = load_report(Path(page).with_name("report.json"))
+        shown = shown_report(page, report)
+        if any(v.get("kind") == "ok-then-failed" for v in report["violations"]):
+            assert shown["verdict"] is not None
+
+
+REPORTS = os.environ.get("KVSPEC_REPORT_DIR")
+
+
+@pytest.mark.skipif(
+    not REPORTS,
+    reason="reads back the pages of a real run: KVSPEC_REPORT_DIR=DIR after "
+    "`kvspec check --vllm 0.6.3.post1 --seed 1 --examples 50 --out DIR` makes it run",
+)
+def test_every_page_of_a_real_run_reads_back(shown_report):
+    from kvspec.testing.report import load_report
+
+    pages = sorted(Path(str(REPORTS)).rglob("report.html"))
+    assert pages, f"no report.html under {REPORTS}"
+    for page in pages:
+        shown_report(page, load_report(page.with_name("report.json")))

@@ -90,7 +90,7 @@ def test_c3_is_found_from_scratch_by_the_scheduler_machine():
     from hypothesis.stateful import run_state_machine_as_test
     from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
     from kvspec.testing import SpecViolation
-    from kvspec.testing.known import SHIPPED, fingerprint, load_known, message_of, which_known
+    from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
     from kvspec.testing.scheduler_machine import SchedulerMachine
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -117,5 +117,5 @@ def test_c3_is_found_from_scratch_by_the_scheduler_machine():
     assert {v.invariant for v in caught.value.violations} == {"progress"}, caught.value
     known = [k for k in load_known([SHIPPED]) if k.concerns("v1-scheduler", "0.33.0")]
     ops = {s.op for s in caught.value.trace}
-    label = which_known(known, fingerprint(caught.value), message_of(caught.value), None, ops)
+    label = which_known(known, fingerprint(caught.value), evidence_of(caught.value), None, ops)
     assert label is not None and label.id == "C3", caught.value
