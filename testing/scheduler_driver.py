@@ -406,16 +406,18 @@ class SchedulerDriver:
         collisions = getattr(self.target, "hash_collisions", ())
         for h, a, b in collisions:
             message = f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}"
-            kind = "hash-collision"
             if a.chain == b.chain:
                 # Equal tokens: what the hash failed to tell apart is the domain (extra keys).
                 message += f", the same tokens in two domains: {_domain(a)} and {_domain(b)}"
-                kind = "domain-collision"
-            found.append(
-                Violation("prefix-cache-consistency", message, kind=kind, expected=_domain(a), observed=_domain(b))
-                if kind == "domain-collision"
-                else Violation("prefix-cache-consistency", message, kind=kind, expected=a.chain, observed=b.chain)
-            )
+                found.append(
+                    Violation("prefix-cache-consistency", message, kind="domain-collision",
+                              expected=_domain(a), observed=_domain(b))
+                )
+            else:
+                found.append(
+                    Violation("prefix-cache-consistency", message, kind="hash-collision",
+                              expected=a.chain, observed=b.chain)
+                )
         return found
 
     def finish(self) -> list[Violation]:
