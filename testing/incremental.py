@@ -394,7 +394,7 @@ class IncrementalChecker:
             if delta is None or dirty is None or inv.id in dirty or rule is None:
                 messages = [v.message for v in inv.check(world)]
             else:
-                messages = list(rule(self, world, delta))
+                messages = [f.message if isinstance(f, Violation) else f for f in rule(self, world, delta)]
             if messages:
                 out[inv.id] = messages
         self.dirty = set(out)
