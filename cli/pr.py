@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 from kvspec.targets.registry import Target, TargetError, parse, release_key
 from kvspec.testing.golden import TAG as GOLDEN_TAG
+from kvspec.testing.known import DIFFERS
 from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
 from rich.markup import escape
 from rich.table import Table
@@ -370,10 +371,18 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
         if entry.get("machine") != "scheduler":
             continue  # the block manager's verdicts are the lockstep's business
         base = replays_on(Path(entry["report"]), base_flags)
-        verdicts.append({**entry, "base": base, "regression": base != "reproduces"})
+        # A policy difference breaks no invariant: where BASE does not show it, it is a
+        # behaviour change (spec/: the declared policies are release facts), never a regression.
+        differs = entry.get("fingerprint", {}).get("invariant") == DIFFERS
+        new = base != "reproduces"
+        verdicts.append({**entry, "base": base, "regression": new and not differs, "change": new and differs})
     out.rule("scheduler verdicts of HEAD, replayed on BASE")
     for v in verdicts:
-        kind = "[bold red]REGRESSION[/]" if v["regression"] else "on both sides alike"
+        kind = (
+            "[bold red]REGRESSION[/]" if v["regression"]
+            else "[yellow]behaviour change[/]" if v["change"]
+            else "on both sides alike"
+        )
         shown = f"{v['fingerprint']['invariant']} in {v['fingerprint']['operation']}"
         out.print(f"{kind}: {escape(shown)} (BASE: {v['base']}): {escape(v['report'])}", soft_wrap=True)
     if not verdicts:
@@ -401,8 +410,11 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         summary["scheduler"] = scheduler
         summary["scheduler_regressions"] = sum(v["regression"] for v in scheduler)
         summary["regressions"] += summary["scheduler_regressions"]
+        summary["scheduler_changes"] = sum(v["change"] for v in scheduler)
+        summary["changes"] = summary.get("changes", 0) + summary["scheduler_changes"]
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
     regressions, changes = run.by_kind(Kind.REGRESSION), run.by_kind(Kind.CHANGE)
+    changes = [*changes, *(v for v in scheduler if v["change"])]
     scheduler_regressions = sum(v["regression"] for v in scheduler)
     if regressions or scheduler_regressions:
         n = len(regressions) + scheduler_regressions
