@@ -118,6 +118,11 @@ class Recorder:
                 if f.init and not _is_default(f, getattr(value, f.name))
             }
             return f"{self.imported(type(value))}({self.arguments((), fields)})"
+        if isinstance(value, set | frozenset):
+            inner = ", ".join(sorted(self.render(v) for v in value))
+            return f"{type(value).__name__}({{{inner}}})" if value else f"{type(value).__name__}()"
+        if type(value).__module__.startswith("vllm") and _default_constructed(value):
+            return f"{self.imported(type(value))}()"  # e.g. SamplingParams(), a msgspec Struct too
         fields = getattr(type(value), "__struct_fields__", None)
         if fields is not None:  # a msgspec Struct (e.g. LoRARequest): its fields by keyword
             return f"{self.imported(type(value))}({self.arguments((), _struct_fields(value, fields))})"
