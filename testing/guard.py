@@ -222,20 +222,20 @@ class Failure:
     error: BaseException
 
 
-def _waits_on_a_child() -> bool:
-    """Whether this process has a live child (Linux ``/proc``; elsewhere never)."""
+def _children() -> frozenset[int]:
+    """The live children of this process (Linux ``/proc``; elsewhere none)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return False
+        return frozenset()
+    pids: set[int] = set()
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/children") as f:
-                if f.read().strip():
-                    return True
-        except OSError:
+                pids.update(int(pid) for pid in f.read().split())
+        except (OSError, ValueError):
             continue
-    return False
+    return frozenset(pids)
 
 
 def _rss() -> int:
@@ -270,6 +270,7 @@ class Guard:
         self._start = 0.0
         self._progress = 0.0  # when the running call last imported a module (or started)
         self._modules = 0  # len(sys.modules) then
+        self._children_before: frozenset[int] = frozenset()  # live children when the call began
         self._baseline = 0
         self._armed = False
         self._timer = False
@@ -359,7 +360,7 @@ class Guard:
         now = time.monotonic()
         if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
             self._modules, self._progress = len(sys.modules), now
-        elif timeout is not None and now - self._progress >= timeout and _waits_on_a_child():
+        elif timeout is not None and now - self._progress >= timeout and _children() - self._children_before:
             self._progress = now
         if timeout is not None:
             elapsed = now - self._start
@@ -389,6 +390,9 @@ class Guard:
             return fn(*args, **kw)
         self._start = self._progress = time.monotonic()
         self._modules = len(sys.modules)
+        # Only a child the call started is the call's work: a process the host already had
+        # (a test runner's helper, an earlier call's leftover) says nothing about this call.
+        self._children_before = _children()
         self._op = op
         try:
             result = fn(*args, **kw)

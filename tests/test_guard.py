@@ -128,6 +128,18 @@ def test_a_call_waiting_on_a_child_process_is_not_hung():
         guard.call("construct", None, time.sleep, 0.8)
 
 
+def test_a_child_the_host_already_had_does_not_keep_a_hung_call_alive():
+    """Under pytest-xdist a worker may have a child of its own; it is not the call's work."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
+        with guard.armed(), pytest.raises(TargetHung):
+            guard.call("free", None, time.sleep, 2.0)
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def test_a_target_that_swallows_the_limit_is_stopped_again():
     def swallow_once() -> None:
         try:
