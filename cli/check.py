@@ -543,7 +543,7 @@ def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) 
     try:
         with captured_fds():
             shot = film(factory_for(impl)(o.config), o.trace, o.focus, o.violations)
-        svg = timeline_svg(shot, o.config)
+        svg = timeline_svg(shot, o.config.describe())
     except Exception as error:  # the picture is a courtesy: the report stands without it
         out.print(f"[yellow]no timeline picture[/]: {escape(f'{type(error).__name__}: {error}')}")
         return

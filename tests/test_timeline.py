@@ -67,11 +67,11 @@ def test_the_film_stops_at_the_violation_and_names_its_cells():
     assert len(f.frames) == 1 + len(TRACE)
     column, cells = offending_cells(f)
     assert column == 2
-    assert cells == {(0, 0), (0, 1), (1, 0), (1, 1)}  # blocks 0 and 1, held by both sequences
+    assert cells == {("", 0, 0), ("", 0, 1), ("", 1, 0), ("", 1, 1)}  # blocks 0 and 1, held by both sequences
 
 
 def test_the_svg_has_one_cell_per_row_and_operation():
-    svg = timeline_svg(_film(), CONFIG)
+    svg = timeline_svg(_film(), CONFIG.describe())
     assert svg.count('class="cell') == 2 * 2 * len(TRACE)  # 2 sequences x 2 slots x 2 operations
     assert svg.count('class="cell offending"') == 4
     assert svg.count('class="pool"') == len(TRACE)
@@ -95,18 +95,19 @@ def test_a_named_sequence_without_a_table_gets_a_row_and_the_admission_its_facts
     (v,) = f.violations
     assert (v.invariant, v.kind, v.seqs) == ("admission-soundness", "ok-then-failed", (1,))
     assert v.pool == PoolFacts(free=3, evictable=0, num_blocks=5) and v.need == 1
-    assert all(1 not in fr.tables for fr in f.frames)  # seq 1 never holds a table
-    assert (1, 0) in rows_of(f) and offending_cells(f) == (3, {(1, 0)})
+    assert all(("", 1) not in fr.tables for fr in f.frames)  # seq 1 never holds a table
+    assert ("", 1, 0) in rows_of(f) and offending_cells(f) == (3, {("", 1, 0)})
     assert verdict_facts(f) == {"pool": v.pool, "need": 1}
-    svg = timeline_svg(f, ADMISSION_CONFIG)
+    svg = timeline_svg(f, ADMISSION_CONFIG.describe())
     assert 'class="verdict"' in svg and 'data-need="1"' in svg and 'data-kind="missing"' in svg
 
 
 def test_a_group_the_violation_names_labels_its_rows():
     f = _film()
     grouped = tuple(Violation(v.invariant, v.message, kind=v.kind, seqs=(0, 1), group="swa") for v in f.violations)
-    svg = timeline_svg(film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE, violations=grouped), CONFIG)
-    assert svg.count('data-group="swa"') == 4 and "swa s1[1]" in svg
+    svg = timeline_svg(film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE, violations=grouped), CONFIG.describe())
+    assert svg.count('class="row" data-seq') == 4 and svg.count('data-group="swa"') == 4 + 4 * len(TRACE)
+    assert "swa s1[1]" in svg
 
 
 @pytest.mark.parametrize("variant", sorted(CASES))
@@ -115,16 +116,16 @@ def test_the_browser_shows_every_operation_row_and_fact(variant, shown_report, t
     config, trace = CASES[variant]
     report = _report(variant, trace, f.violations)
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(f, config)))
+    page.write_text(report_html(report, timeline_svg(f, config.describe())))
     shown = shown_report(page, report)
     for c in shown["cells"]:
-        _, slots = f.frames[c["op"]].tables.get(c["seq"], ("", ()))
+        _, slots = f.frames[c["op"]].tables.get(("", c["seq"]), ("", ()))
         want = slots[c["slot"]] if c["slot"] < len(slots) else None
         assert c["block"] == ("" if want is None else str(want)), c
         if want is not None:
             assert c["text"].startswith(str(want)), c
     _, named = offending_cells(f)
-    assert {(c["seq"], c["slot"]) for c in shown["cells"] if c["offending"]} == named
+    assert {("", c["seq"], c["slot"]) for c in shown["cells"] if c["offending"]} == named
     assert [p["free"] for p in shown["pool"]] == [fr.free for fr in f.frames[1:]]
 
 
@@ -132,7 +133,7 @@ def test_the_page_lists_the_violation_and_the_trace(shown_report, tmp_path):
     f = _film()
     report = _report("fork-without-incref", TRACE, f.violations)
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(f, CONFIG)))
+    page.write_text(report_html(report, timeline_svg(f, CONFIG.describe())))
     shown = shown_report(page, report)
     assert [x["invariant"] for x in shown["found"]] == ["refcount-exact", "refcount-exact"]
     assert {x["kind"] for x in shown["found"]} == {"wrong-refcount"}
@@ -149,7 +150,7 @@ def test_a_page_read_back_against_a_wrong_report_fails(shown_report, tmp_path):
     report = _report("window-capped-admission", trace, f.violations)
     short = film(BROKEN["window-capped-admission"].cls(config), trace[:2])  # as a film that stopped early
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(short, config)))
+    page.write_text(report_html(report, timeline_svg(short, config.describe())))
     with pytest.raises(AssertionError):
         shown_report(page, report)
 
