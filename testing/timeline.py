@@ -37,6 +37,7 @@ from kvspec.spec.interface import Implementation
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import DROPPED, Device, PoolView, TableView
 
+from .differential import Mode
 from .driver import Driver, TraceStep, apply_step
 from .scheduler_replay import SchedulerSession, in_context
 
@@ -117,19 +118,24 @@ def scheduler_film(
     trace: Sequence[TraceStep],
     focus: Sequence[str] | None = None,
     violations: Sequence[Violation] = (),
+    mode: Mode | None = None,
 ) -> Film:
     """Replay every operation of a scheduler machine's ``trace`` on ``target`` (a scheduler
     built in ``shape``), keeping a frame after each, as ``film`` does; the scheduler machine's
-    teardown (drain, then abort every request) takes the place of "free all".  The replay
-    compares against no reference scheduler: the picture shows the target's own state."""
-    session = SchedulerSession(target, shape, None, focus)
-    sizes = {g.name: g.block_size for g in session.machine.d.state.groups}
+    teardown (drain, then abort every request) takes the place of "free all".  ``mode``: compare
+    against the reference scheduler in that mode (a policy difference's verdict), whose
+    difference, once met, ends the film as a violation would."""
+    session = SchedulerSession(target, shape, mode, focus)
+    sizes = {g.spec.name: g.spec.block_size for g in session.machine.d.state.groups}
 
     def shot(index: int, label: str, found: Sequence[Violation]) -> Frame:
         return _hybrid_frame(session.machine.d.state, index, label, found)
 
     return in_context(
-        lambda: _replayed(trace, violations, sizes, session.apply, session.check, session.finish, shot)
+        lambda: _replayed(
+            trace, violations, sizes, session.apply, session.check, session.finish, shot,
+            ended=lambda: session.difference is not None,
+        )
     )
 
 
@@ -141,11 +147,13 @@ def _replayed(
     check: Callable[[], Sequence[Violation]],
     finish: Callable[[], Sequence[Violation]],
     shot: Callable[[int, str, Sequence[Violation]], Frame],
+    ended: Callable[[], bool] = lambda: False,
 ) -> Film:
     """The replay loop both films share: ``apply`` each step and ``check`` after it, ``shot``
     taking the frame; a crash ends the film at the step that raised.  When the violations shown
     (``violations``; none given: those found at the end) were not seen after the last step,
-    ``finish`` runs the end of the run as one more column."""
+    ``finish`` runs the end of the run as one more column, unless the replay ``ended`` on a
+    verdict of another kind."""
     frames = [shot(0, "start", ())]
     found: Sequence[Violation] = []
     for index, step in enumerate(trace, 1):
@@ -159,7 +167,7 @@ def _replayed(
         frames.append(shot(index, _label(step), found))
     wanted = {v.invariant for v in violations}
     seen = {v.invariant for v in found}
-    if not (wanted & seen if wanted else seen):
+    if not ended() and not (wanted & seen if wanted else seen):
         try:
             found = finish()
         except Exception as err:
@@ -482,6 +490,33 @@ def facts_table(found: Sequence[Mapping[str, Any]]) -> str:
     return "<table id='facts'><tr><th>invariant</th><th>fact</th><th>value</th></tr>" + "".join(rows) + "</table>"
 
 
+DIFFERENCE_WORDS = {
+    "compared": "what was compared",
+    "target": "what the target gave",
+    "reference": "what the reference scheduler gave under the policy",
+    "policy": "the declared policy",
+    "release": "the release (or target) whose policy it is",
+    "seq": "sequence",
+    "group": "KV-cache group",
+    "mode": "the differential's mode",
+}
+
+
+def difference_table(difference: Mapping[str, Any] | None) -> str:
+    """A policy difference's facts (a scheduler verdict's ``policy_difference``), one row each,
+    with ``data-difference`` (the fact's name) and its value for a browser to read."""
+    if not difference:
+        return ""
+    e = html.escape
+    rows = "".join(
+        f"<tr data-difference='{name}' data-value='{e(json.dumps(difference[name]), quote=True)}'>"
+        f"<th>{e(words)}</th><td>{e(str(difference[name]))}</td></tr>"
+        for name, words in DIFFERENCE_WORDS.items()
+        if difference.get(name) is not None
+    )
+    return f"<table id='difference'>{rows}</table>"
+
+
 def report_html(report: Mapping[str, Any], svg: str) -> str:
     """One self-contained page: what was found and the facts behind it, the timeline, the
     trace, how to reproduce."""
@@ -494,6 +529,10 @@ def report_html(report: Mapping[str, Any], svg: str) -> str:
     )
     if report.get("error"):
         items += f"<li><b>crash</b> {e(str(report['error']))}</li>"
+    difference = report.get("policy_difference")
+    if difference:
+        compared = e(difference["compared"], quote=True)
+        items += f"<li data-difference='{compared}'><b>differs</b> {e(difference['message'])}</li>"
     trace = "".join(f"<li>{e(line.split('. ', 1)[-1])}</li>" for line in report.get("trace_text", []))
     repro = report.get("reproducer") or {}
     target = report.get("target") or {}
@@ -513,13 +552,16 @@ def report_html(report: Mapping[str, Any], svg: str) -> str:
         f"<h2>Found</h2><ul id='found'>{items}</ul>",
         "<h2>The facts behind the verdict</h2>",
         facts_table(found),
+        difference_table(difference),
         "<h2>Block-table timeline</h2>",
-        "<p>Rows: sequence[slot] (a red-tinted cell: a slot the violation names that the table does not "
-        "have); columns: every operation of the trace (* : the replay saw another invariant violated "
-        "there). A cell shows the block, &times;refcount when not 1, # when cached; grey: dropped by "
-        "the window; red: what the violation names. The pool row gives free(+evictable)/all blocks after "
-        "each operation; the verdict row, in the failing column, the need (n) the spec computed and the "
-        "number of blocks the allocation took (t).</p>",
+        "<p>Rows: group sequence[slot] (a scheduler's KV-cache groups each have their rows; a block "
+        "manager's take the group the violation names; a red-tinted cell: a slot the violation names that "
+        "the table does not have); columns: every operation of the trace, and the end of the run when the "
+        "violation showed there (* : the replay saw another invariant violated there). A cell shows the "
+        "block, &times;refcount when not 1, # when cached; grey: dropped by the window; red: what the "
+        "violation names. The pool row gives free(+evictable)/all blocks after each operation; the verdict "
+        "row, in the failing column, the pool the operation met, the need the spec computed and the blocks "
+        "the allocation took.</p>",
         f"<div class='timeline' id='timeline'>{svg_body}</div>",
         f"<h2>Trace</h2><ol id='trace'>{trace}</ol>",
         "<h2>Reproduce</h2>",

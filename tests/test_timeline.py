@@ -12,6 +12,8 @@ allocation took).
 from __future__ import annotations
 
 import os
+import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,115 @@ def test_every_page_of_a_real_run_reads_back(shown_report):
     assert pages, f"no report.html under {REPORTS}"
     for page in pages:
         shown_report(page, load_report(page.with_name("report.json")))
+
+
+# ---------------------------------------------------------------- scheduler verdicts
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def read_page(page: Path) -> dict:
+    """What a report.html draws, read from its markup (no browser): the operations' columns,
+    the rows' (group, seq), the cells, the listed facts and the policy difference's."""
+    text = page.read_text()
+    start, end = text.index("<svg"), text.index("</svg>") + len("</svg>")
+    svg = ET.fromstring(text[start:end])
+    groups = list(svg.iter(f"{SVG}g"))
+    html_part = text[:start] + text[end:]
+    return {
+        "ops": [int(g.get("data-op")) for g in groups if g.get("class", "").split()[:1] == ["op"]],
+        "offending_ops": [int(g.get("data-op")) for g in groups if g.get("class") == "op offending"],
+        "rows": {(t.get("data-group"), int(t.get("data-seq"))) for t in svg.iter(f"{SVG}text") if t.get("data-seq")},
+        "cells": [g.attrib for g in groups if g.get("class", "").startswith("cell")],
+        "facts": re.findall(r"data-violation='(\d+)' data-fact='(\w+)'", html_part),
+        "difference": re.findall(r"data-difference='(\w+)'", html_part),
+    }
+
+
+def check_scheduler_page(page: Path, report: dict) -> dict:
+    """A scheduler report's page draws every operation of its trace (and the teardown when the
+    violation showed there), a row in the named group (every group when none is named) for
+    every request a violation names, every violation's facts, and a policy difference's."""
+    shown = read_page(page)
+    trace, found = report["trace"], report["violations"]
+    assert shown["ops"][: len(trace)] == list(range(1, len(trace) + 1)), shown["ops"]
+    assert len(shown["ops"]) in (len(trace), len(trace) + 1)
+    assert shown["offending_ops"] == shown["ops"][-1:]
+    groups = {g for g, _ in shown["rows"]}
+    for v in found:
+        for seq in v.get("seqs", []):
+            for group in [v["group"]] if v.get("group") else groups:
+                assert (group, seq) in shown["rows"], (v, shown["rows"])
+    want = {(str(i), k) for i, v in enumerate(found) for k in v if k not in ("invariant", "message")}
+    assert set(shown["facts"]) == want
+    if found:
+        assert any("offending" in c["class"] and int(c["data-op"]) == shown["ops"][-1] for c in shown["cells"])
+    if report.get("policy_difference"):
+        assert "compared" in shown["difference"] and "target" in shown["difference"]
+    return shown
+
+
+@pytest.fixture(scope="module")
+def scheduler_reports(tmp_path_factory):
+    """The report folders of a scheduler search on a broken scheduler (reference/
+    broken_scheduler.py ``no-draft-rollback``): an invariant verdict in a hybrid shape, one in a
+    one-group shape, and a policy difference."""
+    import contextlib
+    import io
+
+    from kvspec.cli.shapes import run_scheduler_search, write_scheduler_reports
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+
+    base = tmp_path_factory.mktemp("scheduler")
+    run = run_scheduler_search(
+        BROKEN_SCHEDULERS["no-draft-rollback"].cls, profile="ci", examples=150, steps=None, seed=3, focus=None
+    )
+    shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
+    with contextlib.redirect_stdout(io.StringIO()):
+        entries = write_scheduler_reports(run, base, 1, lambda: dict(shared), "")
+    assert entries
+    return [Path(e["report"]) for e in entries]
+
+
+def test_every_scheduler_verdict_gets_a_page_that_draws_it(scheduler_reports):
+    from kvspec.testing.report import load_report
+
+    reports = scheduler_reports
+    kinds = {load_report(r)["verdict"]["kind"] for r in reports}
+    assert {"invariant", "differential"} <= kinds, kinds
+    hybrid = 0
+    for path in reports:
+        report = load_report(path)
+        shown = check_scheduler_page(path.with_name("report.html"), report)
+        hybrid += len({g for g, _ in shown["rows"]}) > 1
+    assert hybrid, "no verdict in a shape of several KV-cache groups"
+
+
+def test_the_offline_reader_fails_a_page_that_leaves_out_an_operation(scheduler_reports, tmp_path):
+    """The markup reader is shown able to fail: a page drawn from the trace cut short of its
+    last operation does not pass for the report."""
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+    from kvspec.spec.groups import Shape
+    from kvspec.testing.report import load_report, trace_from_json
+    from kvspec.testing.timeline import scheduler_film
+
+    reports = scheduler_reports
+    report = next(load_report(r) for r in reports if load_report(r)["violations"])
+    shape, trace = Shape(**report["shape"]), trace_from_json(report["trace"])
+    short = scheduler_film(BROKEN_SCHEDULERS["no-draft-rollback"].cls(shape), shape, trace[:-1])
+    page = tmp_path / "report.html"
+    page.write_text(report_html(report, timeline_svg(short, shape.describe())))
+    with pytest.raises(AssertionError):
+        check_scheduler_page(page, report)
+
+
+def test_the_browser_reads_back_every_scheduler_page(scheduler_reports, shown_report):
+    from kvspec.testing.report import load_report
+
+    reports = scheduler_reports
+    for path in reports:
+        report = load_report(path)
+        shown = shown_report(path.with_name("report.html"), report)
+        for v in report["violations"]:
+            if v.get("group"):
+                assert {(v["group"], s) for s in v["seqs"]} <= {(r["group"], r["seq"]) for r in shown["rows"]}
