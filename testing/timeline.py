@@ -19,8 +19,8 @@ Everything named comes from the violations' facts (``spec.violation.Violation``:
 group, blocks, positions, pool, need, taken), never from their text.  The frames come from
 replaying the trace through the driver on the implementation that failed, so the picture
 shows the target's own state.  The SVG is drawn with drawsvg; every cell carries ``data-*``
-attributes (op, seq, slot, block, refcount; the pool's free, evictable, need, taken) so that
-a browser test can read back what is visible.
+attributes (op and its label, group, seq, slot, block, refcount; the pool's free, evictable,
+need, taken) so that a browser test can read back what is visible.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Film:
     crash: str | None
     block_sizes: Mapping[str, int]  # group -> its block size (tokens per slot)
     crashed_seqs: tuple[int, ...] = ()  # the sequences the crashed operation names
+    seqs: tuple[int, ...] = ()  # every sequence the trace's operations name
 
     @property
     def failing(self) -> int:
@@ -156,13 +157,14 @@ def _replayed(
     verdict of another kind."""
     frames = [shot(0, "start", ())]
     found: Sequence[Violation] = []
+    seqs = tuple(dict.fromkeys(s for step in trace for s in _named_seqs(step)))
     for index, step in enumerate(trace, 1):
         try:
             apply(step)
         except Exception as err:
             frames.append(shot(index, _label(step), ()))
             return Film(tuple(frames), tuple(violations), f"{type(err).__name__}: {err}", block_sizes,
-                        _named_seqs(step))
+                        _named_seqs(step), seqs)
         found = check()
         frames.append(shot(index, _label(step), found))
     wanted = {v.invariant for v in violations}
@@ -172,9 +174,9 @@ def _replayed(
             found = finish()
         except Exception as err:
             frames.append(shot(len(trace) + 1, FREE_ALL, ()))
-            return Film(tuple(frames), tuple(violations), f"{type(err).__name__}: {err}", block_sizes)
+            return Film(tuple(frames), tuple(violations), f"{type(err).__name__}: {err}", block_sizes, (), seqs)
         frames.append(shot(len(trace) + 1, FREE_ALL, found))
-    return Film(tuple(frames), tuple(violations) or tuple(found), None, block_sizes)
+    return Film(tuple(frames), tuple(violations) or tuple(found), None, block_sizes, (), seqs)
 
 
 def _named_seqs(step: TraceStep) -> tuple[int, ...]:
@@ -288,8 +290,10 @@ def verdict_facts(film: Film) -> dict[str, Any]:
 
 
 def rows_of(film: Film) -> list[Row]:
-    """(group, seq, slot) rows: every slot any frame shows, every cell the violations name, and
-    a row for each named sequence that holds no table in a group the violations name."""
+    """(group, seq, slot) rows: every slot any frame shows, every cell the violations name, a
+    row for each named sequence that holds no table in a group the violations name, and one in
+    every group for each sequence of the trace that never held a table there (a request that
+    arrived and got no block is drawn too)."""
     rows = {
         (group, sid, i)
         for f in film.frames
@@ -300,6 +304,7 @@ def rows_of(film: Film) -> list[Row]:
     shown = {(group, sid) for group, sid, _ in rows}
     groups = {g for v in film.violations for g in _groups_named(film, v)} or set(film.block_sizes)
     rows |= {(g, sid, 0) for g in groups for sid in named_seqs(film) if (g, sid) not in shown}
+    rows |= {(g, sid, 0) for g in film.block_sizes for sid in film.seqs if (g, sid) not in shown}
     return sorted(rows)
 
 
@@ -321,6 +326,7 @@ def timeline_svg(film: Film, setting: str) -> str:
         header = dw.Group(
             class_="op" + (" offending" if frame.index == failing else ""),
             data_op=frame.index,
+            data_label=frame.label,
             data_found=",".join(frame.found),
         )
         colour = OFFENDING if frame.index == failing else "#111827"

@@ -34,7 +34,7 @@ READ_PAGE = """() => {
     const seen = g => { const r = g.getBoundingClientRect(); return r.width > 0 && r.height > 0; };
     const verdict = document.querySelector('#timeline g.verdict');
     return {
-        ops: all('#timeline g.op', g => ({op: +g.dataset.op, found: g.dataset.found,
+        ops: all('#timeline g.op', g => ({op: +g.dataset.op, found: g.dataset.found, label: g.dataset.label,
                                           offending: g.classList.contains('offending'), visible: seen(g)})),
         cells: all('#timeline g.cell', g => ({op: +g.dataset.op, seq: +g.dataset.seq, slot: +g.dataset.slot,
                                               group: g.dataset.group,
@@ -89,6 +89,9 @@ def shown_report(browser):
         assert all(o["visible"] for o in shown["ops"]) and all(c["visible"] for c in shown["cells"])
         assert ops[: len(trace)] == list(range(1, len(trace) + 1)), ops  # every operation drawn
         assert len(ops) in (len(trace), len(trace) + 1), ops  # and "free all" when it showed there
+        labels = [o["label"] for o in shown["ops"]]
+        assert [x.split()[0] for x in labels[: len(trace)]] == [s["op"] for s in trace], labels
+        assert labels[len(trace) :] in ([], ["free all"]), labels
         assert len(shown["trace"]) == len(trace)
         failing = ops[-1]
         assert [o["op"] for o in shown["ops"] if o["offending"]] == [failing]
@@ -123,7 +126,9 @@ def shown_report(browser):
                 assert not before or before[0]["free"] == v["pool"]["free"], (before, v["pool"])
         else:
             assert shown["verdict"] is None
-        if found:
+        if any(v.get(k) for v in found for k in ("seqs", "blocks", "positions")):
+            # A violation naming no sequence, block or position (a hash collision seen as a
+            # request arrives) marks its column only.
             assert any(c["offending"] and c["op"] == failing for c in shown["cells"])
         return shown
 

@@ -22,7 +22,15 @@ from kvspec.spec.config import Config
 from kvspec.spec.violation import PoolFacts, Violation
 from kvspec.testing.driver import TraceStep, replay
 from kvspec.testing.report import build_report
-from kvspec.testing.timeline import film, offending_cells, report_html, rows_of, timeline_svg, verdict_facts
+from kvspec.testing.timeline import (
+    FREE_ALL,
+    film,
+    offending_cells,
+    report_html,
+    rows_of,
+    timeline_svg,
+    verdict_facts,
+)
 
 CONFIG = Config(block_size=4, num_blocks=8)
 TRACE = [
@@ -206,6 +214,7 @@ def read_page(page: Path) -> dict:
     html_part = text[:start] + text[end:]
     return {
         "ops": [int(g.get("data-op")) for g in groups if g.get("class", "").split()[:1] == ["op"]],
+        "labels": [g.get("data-label") for g in groups if g.get("class", "").split()[:1] == ["op"]],
         "offending_ops": [int(g.get("data-op")) for g in groups if g.get("class") == "op offending"],
         "rows": {(t.get("data-group"), int(t.get("data-seq"))) for t in svg.iter(f"{SVG}text") if t.get("data-seq")},
         "cells": [g.attrib for g in groups if g.get("class", "").startswith("cell")],
@@ -216,21 +225,26 @@ def read_page(page: Path) -> dict:
 
 def check_scheduler_page(page: Path, report: dict) -> dict:
     """A scheduler report's page draws every operation of its trace (and the teardown when the
-    violation showed there), a row in the named group (every group when none is named) for
+    violation showed there), a row for every request that arrived, a row in the named group (every group when none is named) for
     every request a violation names, every violation's facts, and a policy difference's."""
     shown = read_page(page)
     trace, found = report["trace"], report["violations"]
     assert shown["ops"][: len(trace)] == list(range(1, len(trace) + 1)), shown["ops"]
     assert len(shown["ops"]) in (len(trace), len(trace) + 1)
+    # Each column is its operation's, and a last one past the trace is the end of the run.
+    assert [label.split()[0] for label in shown["labels"][: len(trace)]] == [s["op"] for s in trace]
+    assert shown["labels"][len(trace) :] in ([], [FREE_ALL])
     assert shown["offending_ops"] == shown["ops"][-1:]
     groups = {g for g, _ in shown["rows"]}
+    arrived = {s["args"]["seq"] for s in trace if s["op"] == "arrive"}
+    assert arrived <= {seq for _, seq in shown["rows"]}, (arrived, shown["rows"])  # every request
     for v in found:
         for seq in v.get("seqs", []):
             for group in [v["group"]] if v.get("group") else groups:
                 assert (group, seq) in shown["rows"], (v, shown["rows"])
     want = {(str(i), k) for i, v in enumerate(found) for k in v if k not in ("invariant", "message")}
     assert set(shown["facts"]) == want
-    if found:
+    if any(v.get(k) for v in found for k in ("seqs", "blocks", "positions")):
         assert any("offending" in c["class"] and int(c["data-op"]) == shown["ops"][-1] for c in shown["cells"])
     if report.get("policy_difference"):
         assert "compared" in shown["difference"] and "target" in shown["difference"]
