@@ -225,8 +225,9 @@ def read_page(page: Path) -> dict:
 
 def check_scheduler_page(page: Path, report: dict) -> dict:
     """A scheduler report's page draws every operation of its trace (and the teardown when the
-    violation showed there), a row for every request that arrived, a row in the named group (every group when none is named) for
-    every request a violation names, every violation's facts, and a policy difference's."""
+    violation showed there), a row for every request that arrived, a row in the named group
+    (every group when none is named) for every request a violation names, every violation's
+    facts, and a policy difference's."""
     shown = read_page(page)
     trace, found = report["trace"], report["violations"]
     assert shown["ops"][: len(trace)] == list(range(1, len(trace) + 1)), shown["ops"]
