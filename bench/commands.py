@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
@@ -42,30 +41,35 @@ def _describe_workload(w: dict[str, Any]) -> str:
     return f"{window}, {caching}, {swap}{lookahead}, N<={w.get('max_blocks', 32)}"
 
 
-def _out(args) -> tuple[Path | None, Path | None]:
-    return (Path(args.results) if args.results else None, Path(args.md) if args.md else None)
+def _out(results: str | None, md: str | None) -> tuple[Path | None, Path | None]:
+    return (Path(results) if results else None, Path(md) if md else None)
 
 
 # ---------------------------------------------------------------- throughput
 
 
-def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_throughput(
+    *, targets: list[str] | None, examples: int, steps: int, profile_examples: int, repeats: int,
+    results: str | None, md: str | None,
+) -> dict[str, Any]:
+    """Oracle steps/s against a raw replay of the same traces, per target (None: every one of
+    THROUGHPUT_TARGETS), best of ``repeats``; a cProfile over ``profile_examples`` (0: none)."""
     info = machine_info()
-    targets = args.targets or list(THROUGHPUT_TARGETS)
-    results = []
+    results_dir, md_file = _out(results, md)
+    targets = targets or list(THROUGHPUT_TARGETS)
+    rows = []
     with Timer() as timer:
         for target in targets:
             workload = THROUGHPUT_TARGETS.get(target, THROUGHPUT_TARGETS["reference"])
-            results.append(_attempt(
+            rows.append(_attempt(
                 target, workload, lambda t=target, w=workload: run_worker(
-                    t, "throughput", {"workload": w, "examples": args.examples,
-                                      "steps": args.steps, "repeats": args.repeats,
-                                      "profile_examples": args.profile_examples})))
-    data = {"machine": info, "command": command_line(), "results": results}
-    results_dir, md = _out(args)
+                    t, "throughput", {"workload": w, "examples": examples,
+                                      "steps": steps, "repeats": repeats,
+                                      "profile_examples": profile_examples})))
+    data = {"machine": info, "command": command_line(), "results": rows}
     data["seconds"] = timer.seconds
     save_result("throughput", data, results_dir)
-    write_section("throughput", render_throughput(data, timer.seconds), md)
+    write_section("throughput", render_throughput(data, timer.seconds), md_file)
     return data
 
 
@@ -230,13 +234,22 @@ def _scheduler_variant_cases(names: list[str] | None) -> list[dict[str, Any]]:
     return cases
 
 
-def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_ttc(
+    *, seeds: int, variants: list[str] | None, findings: list[str] | None,
+    scheduler_variants: list[str] | None, merge: bool, max_examples: int, steps: int,
+    explain: list[str], results: str | None, md: str | None,
+) -> dict[str, Any]:
+    """Time to the first counterexample over ``seeds`` seeds: the broken variants (None: all),
+    the pinned findings (None: all) and the broken schedulers (None: all); ``merge`` keeps the
+    saved rows of the cases this run does not run; ``explain`` also runs these cases with
+    hypothesis' explain phase."""
     from kvspec.reference.broken import BROKEN
 
     info = machine_info()
-    seeds = list(range(args.seeds))
+    results_dir, md_file = _out(results, md)
+    seed_list = list(range(seeds))
     cases: list[tuple[str, str, str, dict[str, Any], list[str] | None]] = []
-    names = BROKEN if args.variants is None else args.variants
+    names = BROKEN if variants is None else variants
     for name in sorted(names):
         v = BROKEN[name]
         workload = dict(TTC_BROKEN_WORKLOAD)
@@ -247,8 +260,8 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((name, f"broken:{name}", f"broken:{name}", workload, sorted(v.catches)))
     scheduler_cases: list[dict[str, Any]] = []
     only: dict[str, str] = {}  # case -> the one known finding it counts (others stepped past)
-    findings = list(TTC_FINDINGS) + list(TTC_SCHEDULER_FINDINGS) if args.findings is None \
-        else args.findings
+    findings = list(TTC_FINDINGS) + list(TTC_SCHEDULER_FINDINGS) if findings is None \
+        else findings
     for key in findings:
         if key in TTC_SCHEDULER_FINDINGS:
             label, target, scheduler, shapes, focus = TTC_SCHEDULER_FINDINGS[key]
@@ -262,13 +275,12 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((key, label, target, workload, focus))
         if key in TTC_OTHERS_STEPPED_PAST:
             only[key] = key
-    scheduler_cases += _scheduler_variant_cases(args.scheduler_variants)
+    scheduler_cases += _scheduler_variant_cases(scheduler_variants)
     if not cases and not scheduler_cases:
         raise SystemExit("nothing to run: every case list given is empty")
-    results_dir, md = _out(args)
-    results: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     earlier: dict[str, Any] = {}
-    if args.merge:
+    if merge:
         import json
 
         from .common import RESULTS
@@ -279,25 +291,25 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
 
     def record(r: dict[str, Any], name: str, label: str) -> None:
         r["label"], r["case"], r["run"] = label, name, run_no
-        results.append(r)
+        rows.append(r)
         # Saved as it goes: a long run cut short keeps the cases it finished.
         save_result("ttc-progress", {"machine": info, "command": command_line(),
-                                     "results": results}, results_dir)
+                                     "results": rows}, results_dir)
 
     with Timer() as timer:
         for name, label, target, workload, focus in cases:
-            for explain in ([False, True] if name in (args.explain or []) else [False]):
+            for with_explain in ([False, True] if name in explain else [False]):
                 r = run_worker(target, "ttc", {
-                    "workload": workload, "focus": focus or None, "seeds": seeds,
-                    "max_examples": args.max_examples, "steps": args.steps,
-                    "explain": explain, "finding": only.get(name),
+                    "workload": workload, "focus": focus or None, "seeds": seed_list,
+                    "max_examples": max_examples, "steps": steps,
+                    "explain": with_explain, "finding": only.get(name),
                 })
-                record(r, name, label + (" (with the explain phase)" if explain else ""))
+                record(r, name, label + (" (with the explain phase)" if with_explain else ""))
         for case in scheduler_cases:
             r = run_worker(case.get("target", "reference"), "ttc-scheduler", {
                 "scheduler": case["scheduler"], "shapes": case["shapes"],
                 "focus": case["focus"] or None, "differential": case.get("differential", False),
-                "seeds": seeds, "max_examples": args.max_examples, "steps": args.steps,
+                "seeds": seed_list, "max_examples": max_examples, "steps": steps,
             })
             r["shapes"] = case["shapes"]
             record(r, case["case"], case["label"])
@@ -305,13 +317,13 @@ def cmd_ttc(args: argparse.Namespace) -> dict[str, Any]:
     run = {"machine": info, "command": command_line(), "seconds": timer.seconds}
     if earlier:
         runs = earlier.get("runs") or [{k: earlier.get(k) for k in ("machine", "command", "seconds")}]
-        done = {r["case"] for r in results}
+        done = {r["case"] for r in rows}
         kept = [dict(r, run=r.get("run", 0)) for r in earlier["results"] if r["case"] not in done]
-        data = _prune_runs({"runs": [*runs, run], "results": kept + results})
+        data = _prune_runs({"runs": [*runs, run], "results": kept + rows})
     else:
-        data = {"runs": [run], "results": results}
+        data = {"runs": [run], "results": rows}
     save_result("ttc", data, results_dir)
-    write_section("ttc", render_ttc(data), md)
+    write_section("ttc", render_ttc(data), md_file)
     return data
 
 
@@ -437,22 +449,24 @@ SCALE_DIMENSIONS: dict[str, list[dict[str, Any]]] = {
 SCALE_TARGETS = ("reference", "v1@0.33.0")
 
 
-def cmd_scale(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_scale(*, targets: list[str] | None, quick: bool, results: str | None, md: str | None) -> dict[str, Any]:
+    """Cost per step against pool size, live sequences and prompt length (``quick``: the two
+    smallest points per dimension)."""
     info = machine_info()
-    targets = args.targets or list(SCALE_TARGETS)
+    targets = targets or list(SCALE_TARGETS)
     dims = SCALE_DIMENSIONS
-    if args.quick:
+    if quick:
         dims = {k: v[:2] for k, v in dims.items()}
     points = [dict(p, dimension=d) for d, ps in dims.items() for p in ps]
-    results = []
+    rows = []
     with Timer() as timer:
         for target in targets:
-            results.append(run_worker(target, "scale", {"points": points}))
-    data = {"machine": info, "command": command_line(), "results": results}
-    results_dir, md = _out(args)
+            rows.append(run_worker(target, "scale", {"points": points}))
+    data = {"machine": info, "command": command_line(), "results": rows}
+    results_dir, md_file = _out(results, md)
     data["seconds"] = timer.seconds
     save_result("scale", data, results_dir)
-    write_section("scale", render_scale(data, timer.seconds), md)
+    write_section("scale", render_scale(data, timer.seconds), md_file)
     return data
 
 
@@ -509,8 +523,9 @@ def render_scale(data: dict[str, Any], seconds: float | None = None) -> str:
 # ---------------------------------------------------------------- render
 
 
-def cmd_render(args: argparse.Namespace) -> None:
-    """Re-render sections from saved results (after editing notes or the renderers)."""
+def cmd_render(*, names: list[str], results: str | None, md: str | None) -> None:
+    """Re-render sections from saved results (after editing notes or the renderers); no
+    ``names``: every saved one."""
     import json
 
     from .common import RESULTS
@@ -519,12 +534,12 @@ def cmd_render(args: argparse.Namespace) -> None:
 
     renderers = {"throughput": render_throughput, "ttc": render_ttc, "scale": render_scale,
                  "proofs": render_proofs, "mutation": render_mutation}
-    results_dir, md = _out(args)
+    results_dir, md_file = _out(results, md)
     directory = results_dir or RESULTS
-    for name in args.names or list(renderers):
+    for name in names or list(renderers):
         path = directory / f"{name}.json"
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        write_section(name, renderers[name](data, data.get("seconds")), md)
+        write_section(name, renderers[name](data, data.get("seconds")), md_file)
         print(f"rendered {name} from {path}")

@@ -169,18 +169,22 @@ def main(examples: int, limit: float, only: list[str] | None = None) -> list[dic
     return rows
 
 
-def cmd_crosshair(args) -> dict[str, Any]:
+def cmd_crosshair(
+    *, examples: int, limit: float, cases: list[str] | None, results: str | None, md: str | None
+) -> dict[str, Any]:
+    """hypothesis' CrossHair backend against random search on the same properties: ``examples``
+    per case and backend, ``limit`` wall-clock seconds per case, the ``cases`` named (None: all)."""
     from pathlib import Path
 
     from .common import Timer, command_line, machine_info, save_result, write_section
 
     info = machine_info()
     with Timer() as timer:
-        rows = main(args.examples, args.limit, args.cases)
+        rows = main(examples, limit, cases)
     data = {"machine": info, "command": command_line(), "rows": rows, "seconds": timer.seconds,
-            "examples": args.examples, "limit": args.limit}
-    save_result("crosshair", data, Path(args.results) if args.results else None)
-    write_section("crosshair", render_crosshair(data), Path(args.md) if args.md else None)
+            "examples": examples, "limit": limit}
+    save_result("crosshair", data, Path(results) if results else None)
+    write_section("crosshair", render_crosshair(data), Path(md) if md else None)
     return data
 
 

@@ -14,7 +14,6 @@ loaded (which must be none).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import subprocess
@@ -98,21 +97,7 @@ def report(venv: Path, traces: list[Path]) -> int:
     return 1 if wrong else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.lean_trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", required=True, type=Path)
-    r.add_argument("cmd", nargs=argparse.REMAINDER)
-    s = sub.add_parser("report")
-    s.add_argument("--venv", required=True, type=Path)
-    s.add_argument("traces", nargs="+", type=Path)
-    args = p.parse_args(argv)
-    if args.command == "run":
-        return run(args.out, [c for c in args.cmd if c != "--"])
-    return report(args.venv.expanduser().resolve(), args.traces)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from .__main__ import main
+
+    sys.exit(main(["lean-trace", *sys.argv[1:]]))

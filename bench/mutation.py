@@ -30,7 +30,6 @@ Nothing in the installed venv is touched.  For a target release:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import importlib.abc
@@ -48,6 +47,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .common import (
     REPO,
     RESULTS,
@@ -62,6 +63,32 @@ from .common import (
     write_section,
 )
 from .mutants import Mutant, enumerate_mutants, mutate_tree
+
+
+@attrs.frozen(kw_only=True)
+class MutateOptions:
+    """What one ``python -m bench mutate`` run does (cli/bench.py documents each option)."""
+
+    targets: list[str] | None  # None: every target of TARGETS
+    max_mutants: int  # the uniform sample's size per target
+    invariants: list[str] | None  # the only invariants the oracle watches (None: every one)
+    oracle: str  # "check" (what `kvspec check --vllm X` runs) or "narrow" (the KVCacheMachine)
+    shape_examples: int | None  # scheduler-shape examples per mutant (None: ``examples``)
+    reach: bool  # bench.reach's straight-line scenarios instead of the oracle (with ``assemble``)
+    seeds: int | None  # each of ``keys`` under this many hypothesis seeds (with ``assemble``)
+    search: str  # the machine: "default" (KVCacheMachine) or "swarm"
+    assemble: str | None  # a kept work directory to rebuild a cut-short run's result from
+    keys: list[str] | None  # exactly these mutants instead of a sample
+    no_replay: bool  # do not replay a survivor on the baseline's traces
+    no_vllm_tests: bool  # skip vLLM's own unit tests on the mutants
+    examples: int  # hypothesis examples per mutant
+    timeout: float  # seconds per mutant
+    jobs: int  # mutants run at a time
+    modules: list[str] | None  # restrict to these module names
+    list_only: bool  # only generate and count the mutants
+    keep: bool  # keep the temporary work directory
+    results: str | None  # the JSON results' directory (None: bench/results)
+    md: str | None  # the markdown file to update (None: BENCHMARKS.md)
 
 TARGETS: dict[str, dict[str, Any]] = {
     "v1@0.33.0": {
@@ -501,8 +528,6 @@ def baseline(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _config_json(config) -> dict[str, Any]:
-    import attrs
-
     return attrs.asdict(config)
 
 
@@ -757,13 +782,13 @@ def _spawn_worker(target: str, task: str, params: dict[str, Any], log_path: Path
     return json.loads(out.read_text())
 
 
-def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_target(target: str, opts: MutateOptions, workdir: Path) -> dict[str, Any]:
     """Uniform sample of every generated mutant of the target's mutated modules; each one
     through the oracle (if the baseline covered it; an uncovered mutant survives by
     construction) and through vLLM's own unit tests of the release."""
     spec = TARGETS[target]
-    modules = [m for m in spec["mutate"] if not args.modules or m in args.modules
-               or m.rsplit(".", 1)[1] in args.modules]
+    modules = [m for m in spec["mutate"] if not opts.modules or m in opts.modules
+               or m.rsplit(".", 1)[1] in opts.modules]
     site = site_packages(target)
     copies = workdir / "src"
     paths: dict[str, str] = {}
@@ -777,20 +802,20 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
         if name in modules:
             mutants += enumerate_mutants(name, src.read_text())
     print(f"{target}: {len(mutants)} mutants in {len(modules)} modules")
-    if args.list:
+    if opts.list_only:
         return {"target": target, "generated": len(mutants),
                 "by_module": dict(Counter(m.module for m in mutants))}
-    progress = (Path(args.results) if args.results else RESULTS) / (
-        _progress_name(target, args.oracle))
+    progress = (Path(opts.results) if opts.results else RESULTS) / (
+        _progress_name(target, opts.oracle))
     progress.parent.mkdir(parents=True, exist_ok=True)
     progress.write_text("")
     shape_examples = 0
-    if args.oracle == "check" and split_target(target)[0] == "v1":
-        shape_examples = args.shape_examples if args.shape_examples is not None else args.examples
+    if opts.oracle == "check" and split_target(target)[0] == "v1":
+        shape_examples = opts.shape_examples if opts.shape_examples is not None else opts.examples
     params = {"paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
-              "examples": args.examples, "steps": 40, "progress": str(progress),
-              "focus": args.invariants, "search": args.search, "replay": not args.no_replay,
-              "replays_file": str(workdir / "replays.json"), "oracle": args.oracle,
+              "examples": opts.examples, "steps": 40, "progress": str(progress),
+              "focus": opts.invariants, "search": opts.search, "replay": not opts.no_replay,
+              "replays_file": str(workdir / "replays.json"), "oracle": opts.oracle,
               "shape_examples": shape_examples}
     print(f"{target}: baseline (unmutated copies through the import hook, with coverage) ...")
     base = _spawn_worker(target, "mutation-baseline", params, workdir / "baseline.log")
@@ -802,7 +827,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
           f"({clean['examples']} examples, {clean['operations']} steps)")
     result: dict[str, Any] = {"target": target, "modules": modules, "baseline": base,
                               "generated": len(mutants), "workload": spec["workload"],
-                              "examples": args.examples, "progress": str(progress)}
+                              "examples": opts.examples, "progress": str(progress)}
     if clean["status"] != "survived" or base["traced"]["status"] != "survived":
         result["error"] = ("the unmutated code does not pass the oracle with this budget: "
                            f"{clean.get('error') or base['traced'].get('error')}")
@@ -811,14 +836,14 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
     cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
     covered = {m.key for m in mutants if _covered(m, cov_import, cov_run)}
-    chosen = sample(mutants, args.max_mutants)
-    if args.keys:  # a re-run of chosen mutants (say, the survivors under another search)
-        wanted = set(args.keys)
+    chosen = sample(mutants, opts.max_mutants)
+    if opts.keys:  # a re-run of chosen mutants (say, the survivors under another search)
+        wanted = set(opts.keys)
         chosen = [m for m in mutants if m.key in wanted]
     outdir = workdir / "mutants"
     outdir.mkdir(exist_ok=True)
     tests = None
-    if not args.no_vllm_tests:
+    if not opts.no_vllm_tests:
         tests = _vllm_tests_baseline(target, params, workdir, outdir)
         result["vllm_tests"] = tests
         if tests.get("error"):
@@ -826,7 +851,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
             return result
     n_cov = sum(m.key in covered for m in chosen)
     print(f"{target}: uniform sample of {len(chosen)} of {len(mutants)} mutants, {n_cov} of "
-          f"them covered by the baseline (timeout {args.timeout:.0f}s, {args.jobs} at a time)")
+          f"them covered by the baseline (timeout {opts.timeout:.0f}s, {opts.jobs} at a time)")
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
     jobs = [identity]
     not_run: dict[str, dict[str, Any]] = {}  # vLLM tests' verdicts that need no run
@@ -848,7 +873,7 @@ def run_target(target: str, args: argparse.Namespace, workdir: Path) -> dict[str
         print(f"{target}: vLLM's tests' verdicts of {sum('cached' in v for v in not_run.values())} "
               f"sampled mutants from {tests['verdicts']}")
     server = _spawn_worker(target, "mutation-server", {
-        **params, "jobs": jobs, "jobs_max": args.jobs, "timeout": args.timeout,
+        **params, "jobs": jobs, "jobs_max": opts.jobs, "timeout": opts.timeout,
         "tests": tests and tests["params"], "outdir": str(outdir),
         "verdicts": tests and tests["verdicts"]},
         workdir / "server.log", stream=True)
@@ -963,12 +988,12 @@ def _mutant_json(m: Mutant) -> dict[str, Any]:
             "original": m.original, "mutated": m.mutated, "describe": m.describe()}
 
 
-def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def assemble(target: str, workdir: Path, opts: MutateOptions) -> dict[str, Any]:
     """A target's result rebuilt from a kept work directory (``--keep``) and the progress
     file, for a run cut short: mutants without both verdicts are *missing* and left out of
     every figure (the render says how many)."""
     spec = TARGETS[target]
-    modules = [m for m in spec["mutate"] if not args.modules or m in args.modules]
+    modules = [m for m in spec["mutate"] if not opts.modules or m in opts.modules]
     mutants: list[Mutant] = []
     for name in modules:
         mutants += enumerate_mutants(name, (workdir / "src" / (name.replace(".", "/") + ".py"))
@@ -977,18 +1002,18 @@ def assemble(target: str, workdir: Path, args: argparse.Namespace) -> dict[str, 
     cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
     covered = {m.key for m in mutants if _covered(m, cov_import, cov_run)}
-    chosen = sample(mutants, args.max_mutants)
+    chosen = sample(mutants, opts.max_mutants)
     jobs = json.loads((workdir / "server.params.json").read_text())["jobs"]
     has_tests = any(j.get("kind") == "vllm-tests" for j in jobs)
     tested = {j["key"] for j in jobs if j.get("kind") == "vllm-tests"}
-    progress = (Path(args.results) if args.results else RESULTS) / (
-        _progress_name(target, args.oracle))
+    progress = (Path(opts.results) if opts.results else RESULTS) / (
+        _progress_name(target, opts.oracle))
     rows = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()]
     kv = {r["key"]: r for r in rows if r["job"] == "kvspec"}
     vt = {r["key"]: r for r in rows if r["job"] == "vllm-tests"}
     result: dict[str, Any] = {"target": target, "modules": modules, "baseline": base,
                               "generated": len(mutants), "workload": spec["workload"],
-                              "examples": args.examples, "progress": str(progress),
+                              "examples": opts.examples, "progress": str(progress),
                               "partial": True, "identity": kv.get("identity", {})}
     if has_tests:
         from .vllm_tests import SUITES, cache_root
@@ -1040,18 +1065,18 @@ def _assembled(target: str, workdir: Path) -> tuple[dict[str, Any], dict[str, st
     return spec, paths, mutants
 
 
-def cmd_reach(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_reach(opts: MutateOptions) -> dict[str, Any]:
     """``--reach --assemble WORKDIR``: the straight-line scenarios of ``bench.reach`` on every
     mutant the kept run's baseline covered (or on ``--keys``); saved as ``reach-<impl>.json``."""
     from .reach import SHAPES
 
-    (target,) = args.targets
-    workdir = Path(args.assemble)
+    (target,) = opts.targets
+    workdir = Path(opts.assemble)
     spec, paths, mutants = _assembled(target, workdir)
     base = json.loads((workdir / "baseline.out.json").read_text())
     cov_import = {k: set(v) for k, v in base["coverage_import"].items()}
     cov_run = {k: set(v) for k, v in base["coverage_run"].items()}
-    chosen = ([m for m in mutants if m.key in set(args.keys)] if args.keys else
+    chosen = ([m for m in mutants if m.key in set(opts.keys)] if opts.keys else
               [m for m in mutants if _covered(m, cov_import, cov_run)])
     identity = {"key": "identity", "module": None, "site": None, "op": None, "variant": None}
     jobs = [identity] + [{"key": m.key, "module": m.module, "site": m.site, "op": m.op,
@@ -1068,43 +1093,43 @@ def cmd_reach(args: argparse.Namespace) -> dict[str, Any]:
     result = {"target": target, "command": command_line(), "machine": machine_info(),
               "seconds": timer.seconds, "mutants": len(chosen), "killed": rows,
               "shapes": [list(x) for x in SHAPES]}
-    path = (Path(args.results) if args.results else RESULTS) / (
+    path = (Path(opts.results) if opts.results else RESULTS) / (
         f"reach-{split_target(target)[0]}.json")
     path.write_text(json.dumps(result, indent=1))
     print(f"{len(rows)} of {len(chosen)} mutants killed by a scenario; {path}")
     return result
 
 
-def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_seeds(opts: MutateOptions) -> dict[str, Any]:
     """``--seeds N --keys ... --assemble WORKDIR``: each mutant through the oracle under N
     hypothesis seeds (random search, not derandomized) with ``--search``'s machine and the
     run's budget; saved as ``search-<search>-<impl>.json`` (the search evidence)."""
-    (target,) = args.targets
-    workdir = Path(args.assemble)
+    (target,) = opts.targets
+    workdir = Path(opts.assemble)
     spec, paths, mutants = _assembled(target, workdir)
-    chosen = [m for m in mutants if m.key in set(args.keys or ())]
+    chosen = [m for m in mutants if m.key in set(opts.keys or ())]
     shape_examples = 0
-    if args.oracle == "check" and split_target(target)[0] == "v1":
-        shape_examples = args.shape_examples if args.shape_examples is not None else args.examples
+    if opts.oracle == "check" and split_target(target)[0] == "v1":
+        shape_examples = opts.shape_examples if opts.shape_examples is not None else opts.examples
     jobs = [{"key": f"{m.key}#{seed}", "module": m.module, "site": m.site, "op": m.op,
-             "variant": m.variant, "seed": seed} for m in chosen for seed in range(args.seeds)]
-    outdir = workdir / f"seeds-{args.search}"
+             "variant": m.variant, "seed": seed} for m in chosen for seed in range(opts.seeds)]
+    outdir = workdir / f"seeds-{opts.search}"
     outdir.mkdir(exist_ok=True)
-    print(f"{target}: {len(chosen)} mutants x {args.seeds} seeds, search {args.search}")
+    print(f"{target}: {len(chosen)} mutants x {opts.seeds} seeds, search {opts.search}")
     with Timer() as timer:
         rows = _spawn_worker(target, "mutation-server", {
             "paths": paths, "preimport": spec["preimport"], "workload": spec["workload"],
-            "examples": args.examples, "steps": 40, "progress": None, "focus": args.invariants,
-            "search": args.search, "replay": False, "oracle": args.oracle,
-            "shape_examples": shape_examples, "jobs": jobs, "jobs_max": args.jobs,
-            "timeout": args.timeout, "tests": None, "outdir": str(outdir)},
-            workdir / f"seeds-{args.search}.log", stream=True)
+            "examples": opts.examples, "steps": 40, "progress": None, "focus": opts.invariants,
+            "search": opts.search, "replay": False, "oracle": opts.oracle,
+            "shape_examples": shape_examples, "jobs": jobs, "jobs_max": opts.jobs,
+            "timeout": opts.timeout, "tests": None, "outdir": str(outdir)},
+            workdir / f"seeds-{opts.search}.log", stream=True)
     result = {"target": target, "command": command_line(), "machine": machine_info(),
-              "seconds": timer.seconds, "search": args.search, "seeds": args.seeds,
-              "examples": args.examples, "oracle": args.oracle, "shape_examples": shape_examples,
+              "seconds": timer.seconds, "search": opts.search, "seeds": opts.seeds,
+              "examples": opts.examples, "oracle": opts.oracle, "shape_examples": shape_examples,
               "mutants": [_mutant_json(m) for m in chosen], "runs": rows}
-    path = (Path(args.results) if args.results else RESULTS) / (
-        f"search-{args.search}-{split_target(target)[0]}.json")
+    path = (Path(opts.results) if opts.results else RESULTS) / (
+        f"search-{opts.search}-{split_target(target)[0]}.json")
     path.write_text(json.dumps(result, indent=1))
     for m in chosen:
         mine = [r for r in rows if r["key"].rsplit("#", 1)[0] == m.key]
@@ -1115,7 +1140,7 @@ def cmd_seeds(args: argparse.Namespace) -> dict[str, Any]:
     if all(p.exists() for p in both.values()):
         write_section("mutation-search", render_search(
             {k: json.loads(p.read_text()) for k, p in both.items()}),
-            Path(args.md) if args.md else None)
+            Path(opts.md) if opts.md else None)
     return result
 
 
@@ -1151,36 +1176,36 @@ def render_search(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_mutate(opts: MutateOptions) -> dict[str, Any]:
     """Run the targets one after the other; each target's result (with its own command,
     machine and settings) is saved as soon as it is done, replacing an earlier result for
     the same target and keeping the others."""
-    if getattr(args, "reach", False):
-        return cmd_reach(args)
-    if getattr(args, "seeds", None):
-        return cmd_seeds(args)
-    targets = args.targets or list(TARGETS)
-    results_dir = Path(args.results) if args.results else None
-    md = Path(args.md) if args.md else None
-    settings = {"examples": args.examples, "timeout": args.timeout, "jobs": args.jobs,
-                "oracle": args.oracle, "shape_examples": args.shape_examples,
-                "invariants": args.invariants, "search": args.search,
-                "max_mutants": args.max_mutants, "seed": SAMPLE_SEED}
+    if opts.reach:
+        return cmd_reach(opts)
+    if opts.seeds:
+        return cmd_seeds(opts)
+    targets = opts.targets or list(TARGETS)
+    results_dir = Path(opts.results) if opts.results else None
+    md = Path(opts.md) if opts.md else None
+    settings = {"examples": opts.examples, "timeout": opts.timeout, "jobs": opts.jobs,
+                "oracle": opts.oracle, "shape_examples": opts.shape_examples,
+                "invariants": opts.invariants, "search": opts.search,
+                "max_mutants": opts.max_mutants, "seed": SAMPLE_SEED}
     data: dict[str, Any] = {"results": []}
     for target in targets:
         info = machine_info()
-        workdir = (Path(args.assemble) if args.assemble else
+        workdir = (Path(opts.assemble) if opts.assemble else
                    Path(tempfile.mkdtemp(prefix=f"kvspec-mut-{split_target(target)[0]}-")))
         try:
             with Timer() as timer:
-                result = (assemble(target, workdir, args) if args.assemble
-                          else run_target(target, args, workdir))
+                result = (assemble(target, workdir, opts) if opts.assemble
+                          else run_target(target, opts, workdir))
         finally:
-            if not args.keep and not args.assemble:
+            if not opts.keep and not opts.assemble:
                 shutil.rmtree(workdir, ignore_errors=True)
             else:
                 print(f"kept {workdir}")
-        if args.list:
+        if opts.list_only:
             print(result)
             continue
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -1191,7 +1216,7 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
         # One result per target and oracle: a run under the CLI's oracle keeps the narrowed
         # oracle's figures beside it.
         data["results"] = [r for r in data["results"] if (r["target"], _oracle_of(r)) != (
-            target, args.oracle)] + [result]
+            target, opts.oracle)] + [result]
         order = list(TARGETS)
         data["results"].sort(key=lambda r: (order.index(r["target"]) if r["target"] in order
                                              else len(order), _oracle_of(r) != "check"))

@@ -8,9 +8,9 @@ point that blows up is reported as a timeout instead of stalling the run.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from .common import (
@@ -91,56 +91,60 @@ def bmc_grid(kind: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- command
 
 
-def cmd_proofs(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_proofs(
+    *, deep: bool, only: list[str] | None, grid: str, timeout: float, ob_timeout: float,
+    ob_timeout_deep: float, results: str | None, md: str | None,
+) -> dict[str, Any]:
+    """Each z3 obligation's time (those whose id starts with one of ``only``; None: all) at its
+    default bounds, with ``deep`` at its deep bounds too, each under a wall-clock limit; then the
+    BMC sweep ``grid`` ("none", "quick", "full") with a z3 ``timeout`` (s) per query."""
     info = machine_info()
     obligations = run_worker("reference", "proof-list", {})["obligations"]
     wanted = [o for o in obligations
-              if not args.only or any(o["id"].startswith(w) for w in args.only)]
+              if not only or any(o["id"].startswith(w) for w in only)]
     runs: list[dict[str, Any]] = []
-    grid: list[dict[str, Any]] = []
+    points: list[dict[str, Any]] = []
     with Timer() as timer:
-        for deep in ([False, True] if args.deep else [False]):
+        for at_deep in ([False, True] if deep else [False]):
             for o in wanted:
-                if o["deep_only"] and not deep:
+                if o["deep_only"] and not at_deep:
                     continue
-                limit = args.ob_timeout_deep if deep else args.ob_timeout
+                limit = ob_timeout_deep if at_deep else ob_timeout
                 try:
-                    runs.append(run_worker("reference", "proof", {"id": o["id"], "deep": deep},
+                    runs.append(run_worker("reference", "proof", {"id": o["id"], "deep": at_deep},
                                            timeout=limit, log=lambda _m: None))
                 except subprocess.TimeoutExpired:
-                    runs.append({"id": o["id"], "deep": deep, "outcome": f"> {limit:.0f} s",
+                    runs.append({"id": o["id"], "deep": at_deep, "outcome": f"> {limit:.0f} s",
                                  "ok": False, "seconds": None, "bounds": "", "detail": "",
                                  "expected": ""})
-                print(f"  {o['id']} {'deep' if deep else 'default'}: "
+                print(f"  {o['id']} {'deep' if at_deep else 'default'}: "
                       f"{runs[-1]['outcome']} {runs[-1]['seconds']}")
         given_up: set[str] = set()
-        for point in bmc_grid(args.grid):
+        for point in bmc_grid(grid):
             if point["sweep"] in given_up:
                 # Cost only grows along a sweep: past the first point that did not finish,
                 # the larger ones would only burn CPU on the same answer.
-                grid.append({**point, "seconds": None, "outcome": "skipped (smaller point "
+                points.append({**point, "seconds": None, "outcome": "skipped (smaller point "
                              "did not finish)", "describe": ""})
                 continue
-            params = {**point, "timeout_ms": int(args.timeout * 1000)}
+            params = {**point, "timeout_ms": int(timeout * 1000)}
             try:
-                grid.append(run_worker("reference", "bmc-point", params,
-                                       timeout=args.timeout * 3 + 30, log=lambda _m: None))
+                points.append(run_worker("reference", "bmc-point", params,
+                                       timeout=timeout * 3 + 30, log=lambda _m: None))
             except subprocess.TimeoutExpired:
-                grid.append({**params, "seconds": None, "outcome": "wall-clock timeout",
+                points.append({**params, "seconds": None, "outcome": "wall-clock timeout",
                              "describe": ""})
-            if grid[-1]["seconds"] is None or any(
-                w in str(grid[-1]["outcome"]) for w in ("unknown", "timeout", "canceled")
+            if points[-1]["seconds"] is None or any(
+                w in str(points[-1]["outcome"]) for w in ("unknown", "timeout", "canceled")
             ):
                 given_up.add(point["sweep"])
             print(f"  bmc {point['sweep']} {point['bounds']} k={point['depth']}: "
-                  f"{grid[-1]['outcome']} {grid[-1]['seconds']}")
-    data = {"machine": info, "command": command_line(), "obligations": runs, "bmc": grid,
-            "timeout": args.timeout}
-    results_dir = args.results and __import__("pathlib").Path(args.results)
-    md = args.md and __import__("pathlib").Path(args.md)
+                  f"{points[-1]['outcome']} {points[-1]['seconds']}")
+    data = {"machine": info, "command": command_line(), "obligations": runs, "bmc": points,
+            "timeout": timeout}
     data["seconds"] = timer.seconds
-    save_result("proofs", data, results_dir or None)
-    write_section("proofs", render_proofs(data, timer.seconds), md or None)
+    save_result("proofs", data, Path(results) if results else None)
+    write_section("proofs", render_proofs(data, timer.seconds), Path(md) if md else None)
     return data
 
 

@@ -9,9 +9,9 @@ share is over everything the runs reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -51,12 +51,10 @@ def measure(folders: list[Path]) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.reproducers", description=__doc__)
-    p.add_argument("folders", nargs="+", type=Path)
-    p.add_argument("--json", type=Path, help="also write the figures here")
-    args = p.parse_args()
-    result = measure(args.folders)
+def cmd_reproducers(*, folders: list[Path], json_path: Path | None) -> None:
+    """Print one line per report below ``folders`` and the share with a verified reproducer;
+    with ``json_path``, also write the figures there."""
+    result = measure(folders)
     for r in result["rows"]:
         size = f"{r['lines']} lines ({r['code_lines']} code)" if r["lines"] else r["reason"] or ""
         print(f"{r['status']:<16} {r['invariant']:<26} {size}  {r['report']}")
@@ -65,9 +63,11 @@ def main() -> None:
         f"{result['verified']} of {result['reports']} reported violations have a verified reproducer ({share}); "
         f"lines: median {result['lines_median']}, max {result['lines_max']}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from .__main__ import main
+
+    sys.exit(main(["reproducers", *sys.argv[1:]]))

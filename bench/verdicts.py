@@ -60,24 +60,28 @@ def run_one(version: str, seed: int, out: Path, timeout: float) -> dict[str, Any
     }
 
 
-def cmd_verdicts(args: Any) -> None:
+def cmd_verdicts(
+    *, releases: list[str], seeds: list[int], timeout: float, results: str | None, md: str | None
+) -> None:
+    """The default ``kvspec check --vllm X --seed S`` for every release and seed, each under
+    ``timeout`` seconds: exit code, time and every verdict line."""
     info = machine_info()
-    results = Path(args.results) if args.results else RESULTS
-    runs_dir = results / "verdict-runs"
+    results_dir = Path(results) if results else RESULTS
+    runs_dir = results_dir / "verdict-runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     start = time.monotonic()
-    for version in args.releases:
-        for seed in args.seeds:
-            row = run_one(version, seed, runs_dir / f"{version}-seed{seed}", args.timeout)
+    for version in releases:
+        for seed in seeds:
+            row = run_one(version, seed, runs_dir / f"{version}-seed{seed}", timeout)
             print(f"{version} seed {seed}: exit {row['exit']} in {row['seconds']} s", flush=True)
             for line in row["verdicts"]:
                 print(f"    {line}", flush=True)
             rows.append(row)
     data = {"machine": info, "command": command_line(), "runs": rows}
-    save_result("verdicts", data, results)
+    save_result("verdicts", data, results_dir)
     body = header(command_line(), info, time.monotonic() - start) + "\n\n" + table(
         ("release", "seed", "exit", "s", "verdict lines (kvspec check's own words)"),
         ([r["release"], r["seed"], r["exit"], r["seconds"], "<br>".join(r["verdicts"])] for r in rows),
     )
-    write_section("verdicts", body, Path(args.md) if args.md else None)
+    write_section("verdicts", body, Path(md) if md else None)

@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.groups import Shape
@@ -43,7 +43,17 @@ import kvspec
 
 from . import reach
 from .budget import UNBOUNDED_EXAMPLES, TimeBudget
-from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, captured_fds, err, first_lines, out
+from .common import (
+    EXIT_FOUND,
+    EXIT_KVSPEC_ERROR,
+    EXIT_OK,
+    UsageError,
+    captured_fds,
+    err,
+    first_lines,
+    out,
+    write_picture,
+)
 from .failures import (
     HEADLINE,
     KVSPEC_ERROR,
@@ -91,6 +101,9 @@ from .target import (
 )
 
 # ------------------------------------------------------------------------------ shared
+
+if TYPE_CHECKING:
+    from kvspec.testing.timeline import Film
 
 
 def check_invariant_ids(ids: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -514,7 +527,7 @@ def report_outcome(
     report.update(annotate or {})
     path = write_report(out_dir / "report.json", report)
     out.print(f"report: {path}", markup=False, soft_wrap=True)
-    write_picture(o, impl, out_dir, report)
+    draw_report(o, impl, out_dir, report)
     out.print(f"replay: kvspec replay {path}{replay_flags(here)}", markup=False, soft_wrap=True)
     return EXIT_KVSPEC_ERROR if o.status == KVSPEC_ERROR else EXIT_FOUND
 
@@ -528,28 +541,20 @@ def replay_flags(here: VllmHere | None) -> str:
     return ""
 
 
-def write_picture(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
-    """The block-table timeline (timeline.svg) and the one-file report.html beside report.json.
-
-    Drawn by replaying the trace on the target once more; not for a target that hung or ran
-    away with memory (replaying would do it again)."""
+def draw_report(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) -> None:
+    """The timeline and report.html of a block-manager report, drawn by replaying the trace on
+    the target once more; not for a target that hung or ran away with memory (replaying would
+    do it again)."""
     if o.status in (*STOPPED_BY_TARGET, KVSPEC_ERROR) or o.config is None:
         return
-    try:
-        from kvspec.testing.timeline import film, report_html, timeline_svg
-    except ImportError as error:  # a target venv provisioned before drawsvg was a dependency
-        out.print(f"[yellow]no timeline picture[/]: {escape(str(error))} (run `kvspec provision` again)")
-        return
-    try:
-        with captured_fds():
-            shot = film(factory_for(impl)(o.config), o.trace, o.focus, o.violations)
-        svg = timeline_svg(shot, o.config)
-    except Exception as error:  # the picture is a courtesy: the report stands without it
-        out.print(f"[yellow]no timeline picture[/]: {escape(f'{type(error).__name__}: {error}')}")
-        return
-    write_atomic(out_dir / "timeline.svg", svg)
-    page = write_atomic(out_dir / "report.html", report_html(report, svg))
-    out.print(f"picture: {page}", markup=False, soft_wrap=True)
+    config = o.config
+
+    def shoot() -> Film:
+        from kvspec.testing.timeline import film
+
+        return film(factory_for(impl)(config), o.trace, o.focus, o.violations)
+
+    write_picture(out_dir, report, shoot, config.describe())
 
 
 def _impl_name(impl: str, o: Outcome, name: str | None = None) -> str:

@@ -6,9 +6,15 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from kvspec.testing.timeline import Film
 
 # Results go to stdout; progress, notes and errors to stderr, so `kvspec ... > out` keeps the
 # results clean.  Width is fixed when not on a terminal so that captured output (tests, CI
@@ -69,3 +75,26 @@ def captured_fds() -> Iterator[list[str]]:
             os.close(saved[1])
             tmp.seek(0)
             sink.append(tmp.read().decode("utf-8", "replace"))
+
+
+def write_picture(out_dir: Path, report: Mapping[str, Any], shoot: Callable[[], Film], setting: str) -> None:
+    """The block-table timeline (timeline.svg) and the one-file report.html beside report.json:
+    ``shoot`` replays the report's trace into a film (testing/timeline.py), ``setting`` names
+    the configuration or shape in the picture's title.  The picture is a courtesy: when it
+    cannot be drawn the report stands without it, and the reason is printed."""
+    try:
+        from kvspec.testing.report import write_atomic
+        from kvspec.testing.timeline import report_html, timeline_svg
+    except ImportError as error:  # a target venv provisioned before drawsvg was a dependency
+        out.print(f"[yellow]no timeline picture[/]: {escape(str(error))} (run `kvspec provision` again)")
+        return
+    try:
+        with captured_fds():
+            shot = shoot()
+        svg = timeline_svg(shot, setting)
+    except Exception as error:
+        out.print(f"[yellow]no timeline picture[/]: {escape(f'{type(error).__name__}: {error}')}")
+        return
+    write_atomic(out_dir / "timeline.svg", svg)
+    page = write_atomic(out_dir / "report.html", report_html(report, svg))
+    out.print(f"picture: {page}", markup=False, soft_wrap=True)

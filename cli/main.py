@@ -233,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("selection", nargs="*", metavar="ID", help="obligation IDs or ID prefixes")
     p.add_argument("--deep", action="store_true", help="larger bounds, longer timeouts")
     p.add_argument("--list", action="store_true", help="list the obligations and exit")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
 
     p = sub.add_parser("bisect", help="replay a report across provisioned releases: first bad, first fixed")
     p.add_argument("report", metavar="REPORT.json")
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explain":
             return cmd_explain(args)
         if args.command == "prove":
-            return cmd_prove(args)
+            return cmd_prove(args.selection, args.deep, args.list, args.json)
         if args.command == "targets":
             if args.prune is not None:
                 return cmd_prune(args)
@@ -391,12 +392,35 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ prove
 
 
-def cmd_prove(args: argparse.Namespace) -> int:
-    """``python -m kvspec.proofs``'s table and exit code."""
-    from kvspec.proofs.__main__ import main as prove
+def cmd_prove(selection: list[str], deep: bool, list_only: bool, json_path: Path | None) -> int:
+    """Run the z3 obligations ``selection`` names (ID prefixes; none: all), or only list them;
+    print their table, and write their results as JSON to ``json_path`` when given.  0 when every
+    obligation came out as expected."""
+    # Imported here, not at the top: z3 is loaded only by the commands that need it.
+    from kvspec.proofs import run_all
+    from kvspec.proofs.core import select
+    from kvspec.proofs.report import console, summary, table, to_json
 
-    argv = [*args.selection, *(["--deep"] if args.deep else []), *(["--list"] if args.list else [])]
-    return prove(argv)
+    show = console()
+    chosen = select(selection or None, deep)
+    if not chosen:
+        show.print(f"no obligation matches {selection}")
+        return EXIT_USAGE
+    if list_only:
+        for ob in chosen:
+            show.print(f"{ob.id}  [{ob.expected}]  {ob.statement}")
+        return EXIT_OK
+    with show.status("proving...") as status:
+        results = run_all(
+            selection or None,
+            deep,
+            on_result=lambda r: status.update(f"proving... {r.obligation}: {r.outcome}"),
+        )
+    show.print(table(results, "kvspec prove" + (" (deep)" if deep else "")))
+    show.print(summary(results))
+    if json_path is not None:
+        json_path.write_text(to_json(results))
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FOUND
 
 
 # ------------------------------------------------------------------------------ targets

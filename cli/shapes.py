@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from hypothesis import seed as hypothesis_seed
@@ -45,7 +45,7 @@ from kvspec.testing.scheduler_reproducer import generate as generate_reproducer
 from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
-from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, err, out
+from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, err, out, write_picture
 from .failures import HEADLINE, KVSPEC_ERROR, STOPPED_BY_TARGET, TRACEBACK_LINES, print_kvspec_error
 from .search import (
     MAX_VIOLATIONS,
@@ -64,6 +64,9 @@ from .search import (
 # tens of milliseconds once imported), and runs fewer, longer-lived steps than the
 # block-manager machine.
 EXAMPLES_SHARE = 1  # as many examples as the block-manager search
+
+if TYPE_CHECKING:
+    from kvspec.testing.timeline import Film
 
 
 @attrs.define
@@ -426,6 +429,7 @@ class SchedulerRun:
 
     search: Search
     summary: ShapesOutcome  # every round's counts; the status of the run as a whole
+    factory: Callable[[Shape], Any]  # builds the scheduler searched (the pictures replay on it)
     implementation_name: str | None = None
 
 
@@ -487,7 +491,7 @@ def run_scheduler_search(
         seed=seed,
         difference=next((f.outcome.difference for f in search.found if f.outcome.difference is not None), None),
     )
-    return SchedulerRun(search, summary)
+    return SchedulerRun(search, summary, factory)
 
 
 def run_v1_shapes(
@@ -608,6 +612,28 @@ NO_REPRODUCER = {
 }
 
 
+def draw_scheduler_report(
+    o: ShapesOutcome, factory: Callable[[Shape], Any], where: Path, report: dict[str, Any]
+) -> None:
+    """A scheduler verdict's timeline and report.html (cli/common.py ``write_picture``): the
+    trace replayed on the scheduler ``factory`` builds again in the verdict's shape, watching the
+    verdict's invariants alone (so that the replay is not stopped by a finding the search
+    stepped past)."""
+    if o.status in (*STOPPED_BY_TARGET, KVSPEC_ERROR) or o.shape is None:
+        return
+    shape = o.shape
+    watched = sorted({v.invariant for v in o.violations}) or None
+
+    def shoot() -> Film:
+        from kvspec.testing.timeline import scheduler_film
+
+        # A policy difference is met against the reference scheduler: the replay compares again.
+        mode = DIFFERENTIAL_MODE if o.difference is not None else None
+        return scheduler_film(factory(shape), shape, o.trace, watched, o.violations, mode)
+
+    write_picture(where, report, shoot, shape.describe())
+
+
 def write_scheduler_reports(
     run: SchedulerRun,
     base: Path,
@@ -621,8 +647,10 @@ def write_scheduler_reports(
     "scheduler": the shape instead of a configuration), ``trace.txt`` and, where
     ``reproduce(outcome, fingerprint, folder)`` keeps one, the straight-line reproducer (its entry goes
     into the report).  ``report_base`` gives the fields every report of the run shares for an
-    outcome status (target, command, ...).  No timeline picture: testing/timeline.py replays
-    block-manager traces only.  The index entries of the run's summary."""
+    outcome status (target, command, ...).  Beside the report, its timeline (timeline.svg) and
+    report.html, drawn by replaying the trace on the scheduler searched, in the verdict's shape (not for
+    a scheduler that hung or ran away with memory, nor for kvspec's own error).  The index
+    entries of the run's summary."""
     entries = []
     total = len(run.search.found)
     for n, found in enumerate(run.search.found, first):
@@ -666,11 +694,7 @@ def write_scheduler_reports(
         path = write_report(where / "report.json", report)
         write_atomic(where / "trace.txt", "\n".join(report["trace_text"]) + "\n")
         out.print(f"report: {path}", markup=False, soft_wrap=True)
-        out.print(
-            "[yellow]no timeline picture[/]: testing/timeline.py draws block-manager traces only; "
-            f"the trace is in {escape(str(where / 'trace.txt'))}",
-            soft_wrap=True,
-        )
+        draw_scheduler_report(o, run.factory, where, report)
         out.print(f"replay: kvspec replay {path}{replay_hint}", markup=False, soft_wrap=True)
         entries.append({**verdict_json(found), "report": str(path)})
     print_found(run.search, setting=lambda f: f.outcome.shape.describe() if f.outcome.shape else "-",

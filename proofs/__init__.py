@@ -2,8 +2,8 @@
 
 Every obligation is registered under ``<invariant-id>/<name>`` (``core.OBLIGATIONS``) with the
 result it is expected to have: *proved*, or a *counterexample* where the obligation is about a
-known-buggy vLLM formula.  ``run_all`` runs them; ``python -m kvspec.proofs`` (and
-``kvspec prove``) prints the table and exits non-zero on any unexpected result.
+known-buggy vLLM formula.  ``run_all`` runs them; ``kvspec prove`` (cli/main.py) prints the
+table and exits non-zero on any unexpected result.
 
 Modules: ``window`` (blocks a window touches; vLLM's window formulas), ``admission`` (admission
 soundness of the reference and of vLLM 0.6.3's managers), ``bmc`` (bounded model checking and

@@ -1,4 +1,4 @@
-"""The table ``python -m kvspec.proofs`` prints."""
+"""The table ``kvspec prove`` prints."""
 
 from __future__ import annotations
 

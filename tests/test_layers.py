@@ -105,3 +105,43 @@ def test_no_import_cycle_inside_a_layer(package):
 def test_the_cycle_check_sees_a_cycle():
     assert _cycle({"invariants": {"tenancy"}, "tenancy": {"invariants"}}) == ["invariants", "tenancy", "invariants"]
     assert _cycle({"invariants": {"registry", "tenancy"}, "tenancy": {"registry"}, "registry": set()}) is None
+
+
+def _argparse_imports(source: str) -> list[int]:
+    """The lines of ``source`` that import argparse (``import argparse``, ``import argparse as
+    a``, ``from argparse import ...``), at any depth."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "argparse":
+            lines.append(node.lineno)
+    return lines
+
+
+def _modules_outside_cli() -> list[Path]:
+    """Every .py of the repository but cli/'s, the tests' and those of hidden folders (.venv)."""
+    tops = [p for p in ROOT.iterdir() if p.is_dir() and p.name not in ("cli", "tests") and not p.name.startswith(".")]
+    return sorted([*ROOT.glob("*.py"), *(p for top in tops for p in top.rglob("*.py"))])
+
+
+def test_only_cli_parses_command_lines():
+    """Every command line is parsed in cli/ (``python -m bench``'s too: cli/bench.py); the
+    modules below take typed parameters, never an argparse Namespace."""
+    walked = _modules_outside_cli()
+    assert {ROOT / "bench" / "commands.py", ROOT / "proofs" / "core.py", ROOT / "testing" / "driver.py"} <= set(walked)
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in walked for line in _argparse_imports(p.read_text())]
+    assert found == [], f"argparse imported outside cli/: {found}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import argparse\n", "import os, argparse as ap\n", "from argparse import Namespace\n",
+     "def f():\n    import argparse\n"],
+)
+def test_the_argparse_check_sees_an_import(source):
+    assert _argparse_imports(source) == [source.count("\n")]
+
+
+def test_the_argparse_check_passes_other_imports():
+    assert _argparse_imports("import argparsex\nfrom kvspec.cli import bench\n# import argparse\n") == []

@@ -272,3 +272,13 @@ def test_every_kind_a_known_finding_names_is_one_a_check_gives():
     named = {k: f.id for f in load_known([SHIPPED]) for k in f.kind}
     assert named, "no known finding names a kind"
     assert set(named) <= given, {k: named[k] for k in set(named) - given}
+
+
+def test_the_walk_covers_the_scheduler_verdicts():
+    """The modules that make, fingerprint, report and reproduce a scheduler verdict are among
+    those walked."""
+    walked = {str(p.relative_to(ROOT)) for p in _modules()}
+    assert {
+        "testing/scheduler_machine.py", "testing/scheduler_driver.py", "testing/scheduler_reproducer.py",
+        "testing/known.py", "testing/timeline.py", "cli/shapes.py", "cli/search.py",
+    } <= walked

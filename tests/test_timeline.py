@@ -12,6 +12,8 @@ allocation took).
 from __future__ import annotations
 
 import os
+import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,15 @@ from kvspec.spec.config import Config
 from kvspec.spec.violation import PoolFacts, Violation
 from kvspec.testing.driver import TraceStep, replay
 from kvspec.testing.report import build_report
-from kvspec.testing.timeline import film, offending_cells, report_html, rows_of, timeline_svg, verdict_facts
+from kvspec.testing.timeline import (
+    FREE_ALL,
+    film,
+    offending_cells,
+    report_html,
+    rows_of,
+    timeline_svg,
+    verdict_facts,
+)
 
 CONFIG = Config(block_size=4, num_blocks=8)
 TRACE = [
@@ -67,11 +77,11 @@ def test_the_film_stops_at_the_violation_and_names_its_cells():
     assert len(f.frames) == 1 + len(TRACE)
     column, cells = offending_cells(f)
     assert column == 2
-    assert cells == {(0, 0), (0, 1), (1, 0), (1, 1)}  # blocks 0 and 1, held by both sequences
+    assert cells == {("", 0, 0), ("", 0, 1), ("", 1, 0), ("", 1, 1)}  # blocks 0 and 1, held by both sequences
 
 
 def test_the_svg_has_one_cell_per_row_and_operation():
-    svg = timeline_svg(_film(), CONFIG)
+    svg = timeline_svg(_film(), CONFIG.describe())
     assert svg.count('class="cell') == 2 * 2 * len(TRACE)  # 2 sequences x 2 slots x 2 operations
     assert svg.count('class="cell offending"') == 4
     assert svg.count('class="pool"') == len(TRACE)
@@ -95,18 +105,19 @@ def test_a_named_sequence_without_a_table_gets_a_row_and_the_admission_its_facts
     (v,) = f.violations
     assert (v.invariant, v.kind, v.seqs) == ("admission-soundness", "ok-then-failed", (1,))
     assert v.pool == PoolFacts(free=3, evictable=0, num_blocks=5) and v.need == 1
-    assert all(1 not in fr.tables for fr in f.frames)  # seq 1 never holds a table
-    assert (1, 0) in rows_of(f) and offending_cells(f) == (3, {(1, 0)})
+    assert all(("", 1) not in fr.tables for fr in f.frames)  # seq 1 never holds a table
+    assert ("", 1, 0) in rows_of(f) and offending_cells(f) == (3, {("", 1, 0)})
     assert verdict_facts(f) == {"pool": v.pool, "need": 1}
-    svg = timeline_svg(f, ADMISSION_CONFIG)
+    svg = timeline_svg(f, ADMISSION_CONFIG.describe())
     assert 'class="verdict"' in svg and 'data-need="1"' in svg and 'data-kind="missing"' in svg
 
 
 def test_a_group_the_violation_names_labels_its_rows():
     f = _film()
     grouped = tuple(Violation(v.invariant, v.message, kind=v.kind, seqs=(0, 1), group="swa") for v in f.violations)
-    svg = timeline_svg(film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE, violations=grouped), CONFIG)
-    assert svg.count('data-group="swa"') == 4 and "swa s1[1]" in svg
+    svg = timeline_svg(film(BROKEN["fork-without-incref"].cls(CONFIG), TRACE, violations=grouped), CONFIG.describe())
+    assert svg.count('class="row" data-seq') == 4 and svg.count('data-group="swa"') == 4 + 4 * len(TRACE)
+    assert "swa s1[1]" in svg
 
 
 @pytest.mark.parametrize("variant", sorted(CASES))
@@ -115,16 +126,16 @@ def test_the_browser_shows_every_operation_row_and_fact(variant, shown_report, t
     config, trace = CASES[variant]
     report = _report(variant, trace, f.violations)
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(f, config)))
+    page.write_text(report_html(report, timeline_svg(f, config.describe())))
     shown = shown_report(page, report)
     for c in shown["cells"]:
-        _, slots = f.frames[c["op"]].tables.get(c["seq"], ("", ()))
+        _, slots = f.frames[c["op"]].tables.get(("", c["seq"]), ("", ()))
         want = slots[c["slot"]] if c["slot"] < len(slots) else None
         assert c["block"] == ("" if want is None else str(want)), c
         if want is not None:
             assert c["text"].startswith(str(want)), c
     _, named = offending_cells(f)
-    assert {(c["seq"], c["slot"]) for c in shown["cells"] if c["offending"]} == named
+    assert {("", c["seq"], c["slot"]) for c in shown["cells"] if c["offending"]} == named
     assert [p["free"] for p in shown["pool"]] == [fr.free for fr in f.frames[1:]]
 
 
@@ -132,7 +143,7 @@ def test_the_page_lists_the_violation_and_the_trace(shown_report, tmp_path):
     f = _film()
     report = _report("fork-without-incref", TRACE, f.violations)
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(f, CONFIG)))
+    page.write_text(report_html(report, timeline_svg(f, CONFIG.describe())))
     shown = shown_report(page, report)
     assert [x["invariant"] for x in shown["found"]] == ["refcount-exact", "refcount-exact"]
     assert {x["kind"] for x in shown["found"]} == {"wrong-refcount"}
@@ -149,7 +160,7 @@ def test_a_page_read_back_against_a_wrong_report_fails(shown_report, tmp_path):
     report = _report("window-capped-admission", trace, f.violations)
     short = film(BROKEN["window-capped-admission"].cls(config), trace[:2])  # as a film that stopped early
     page = tmp_path / "report.html"
-    page.write_text(report_html(report, timeline_svg(short, config)))
+    page.write_text(report_html(report, timeline_svg(short, config.describe())))
     with pytest.raises(AssertionError):
         shown_report(page, report)
 
@@ -186,3 +197,122 @@ def test_every_page_of_a_real_run_reads_back(shown_report):
     assert pages, f"no report.html under {REPORTS}"
     for page in pages:
         shown_report(page, load_report(page.with_name("report.json")))
+
+
+# ---------------------------------------------------------------- scheduler verdicts
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def read_page(page: Path) -> dict:
+    """What a report.html draws, read from its markup (no browser): the operations' columns,
+    the rows' (group, seq), the cells, the listed facts and the policy difference's."""
+    text = page.read_text()
+    start, end = text.index("<svg"), text.index("</svg>") + len("</svg>")
+    svg = ET.fromstring(text[start:end])
+    groups = list(svg.iter(f"{SVG}g"))
+    html_part = text[:start] + text[end:]
+    return {
+        "ops": [int(g.get("data-op")) for g in groups if g.get("class", "").split()[:1] == ["op"]],
+        "labels": [g.get("data-label") for g in groups if g.get("class", "").split()[:1] == ["op"]],
+        "offending_ops": [int(g.get("data-op")) for g in groups if g.get("class") == "op offending"],
+        "rows": {(t.get("data-group"), int(t.get("data-seq"))) for t in svg.iter(f"{SVG}text") if t.get("data-seq")},
+        "cells": [g.attrib for g in groups if g.get("class", "").startswith("cell")],
+        "facts": re.findall(r"data-violation='(\d+)' data-fact='(\w+)'", html_part),
+        "difference": re.findall(r"data-difference='(\w+)'", html_part),
+    }
+
+
+def check_scheduler_page(page: Path, report: dict) -> dict:
+    """A scheduler report's page draws every operation of its trace (and the teardown when the
+    violation showed there), a row for every request that arrived, a row in the named group
+    (every group when none is named) for every request a violation names, every violation's
+    facts, and a policy difference's."""
+    shown = read_page(page)
+    trace, found = report["trace"], report["violations"]
+    assert shown["ops"][: len(trace)] == list(range(1, len(trace) + 1)), shown["ops"]
+    assert len(shown["ops"]) in (len(trace), len(trace) + 1)
+    # Each column is its operation's, and a last one past the trace is the end of the run.
+    assert [label.split()[0] for label in shown["labels"][: len(trace)]] == [s["op"] for s in trace]
+    assert shown["labels"][len(trace) :] in ([], [FREE_ALL])
+    assert shown["offending_ops"] == shown["ops"][-1:]
+    groups = {g for g, _ in shown["rows"]}
+    arrived = {s["args"]["seq"] for s in trace if s["op"] == "arrive"}
+    assert arrived <= {seq for _, seq in shown["rows"]}, (arrived, shown["rows"])  # every request
+    for v in found:
+        for seq in v.get("seqs", []):
+            for group in [v["group"]] if v.get("group") else groups:
+                assert (group, seq) in shown["rows"], (v, shown["rows"])
+    want = {(str(i), k) for i, v in enumerate(found) for k in v if k not in ("invariant", "message")}
+    assert set(shown["facts"]) == want
+    if any(v.get(k) for v in found for k in ("seqs", "blocks", "positions")):
+        assert any("offending" in c["class"] and int(c["data-op"]) == shown["ops"][-1] for c in shown["cells"])
+    if report.get("policy_difference"):
+        assert "compared" in shown["difference"] and "target" in shown["difference"]
+    return shown
+
+
+@pytest.fixture(scope="module")
+def scheduler_reports(tmp_path_factory):
+    """The report folders of a scheduler search on a broken scheduler (reference/
+    broken_scheduler.py ``no-draft-rollback``): an invariant verdict in a hybrid shape, one in a
+    one-group shape, and a policy difference."""
+    import contextlib
+    import io
+
+    from kvspec.cli.shapes import run_scheduler_search, write_scheduler_reports
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+
+    base = tmp_path_factory.mktemp("scheduler")
+    run = run_scheduler_search(
+        BROKEN_SCHEDULERS["no-draft-rollback"].cls, profile="ci", examples=150, steps=None, seed=3, focus=None
+    )
+    shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
+    with contextlib.redirect_stdout(io.StringIO()):
+        entries = write_scheduler_reports(run, base, 1, lambda: dict(shared), "")
+    assert entries
+    return [Path(e["report"]) for e in entries]
+
+
+def test_every_scheduler_verdict_gets_a_page_that_draws_it(scheduler_reports):
+    from kvspec.testing.report import load_report
+
+    reports = scheduler_reports
+    kinds = {load_report(r)["verdict"]["kind"] for r in reports}
+    assert {"invariant", "differential"} <= kinds, kinds
+    hybrid = 0
+    for path in reports:
+        report = load_report(path)
+        shown = check_scheduler_page(path.with_name("report.html"), report)
+        hybrid += len({g for g, _ in shown["rows"]}) > 1
+    assert hybrid, "no verdict in a shape of several KV-cache groups"
+
+
+def test_the_offline_reader_fails_a_page_that_leaves_out_an_operation(scheduler_reports, tmp_path):
+    """The markup reader is shown able to fail: a page drawn from the trace cut short of its
+    last operation does not pass for the report."""
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+    from kvspec.spec.groups import Shape
+    from kvspec.testing.report import load_report, trace_from_json
+    from kvspec.testing.timeline import scheduler_film
+
+    reports = scheduler_reports
+    report = next(load_report(r) for r in reports if load_report(r)["violations"])
+    shape, trace = Shape(**report["shape"]), trace_from_json(report["trace"])
+    short = scheduler_film(BROKEN_SCHEDULERS["no-draft-rollback"].cls(shape), shape, trace[:-1])
+    page = tmp_path / "report.html"
+    page.write_text(report_html(report, timeline_svg(short, shape.describe())))
+    with pytest.raises(AssertionError):
+        check_scheduler_page(page, report)
+
+
+def test_the_browser_reads_back_every_scheduler_page(scheduler_reports, shown_report):
+    from kvspec.testing.report import load_report
+
+    reports = scheduler_reports
+    for path in reports:
+        report = load_report(path)
+        shown = shown_report(path.with_name("report.html"), report)
+        for v in report["violations"]:
+            if v.get("group"):
+                assert {(v["group"], s) for s in v["seqs"]} <= {(r["group"], r["seq"]) for r in shown["rows"]}

@@ -1,0 +1,44 @@
+"""``python -m bench``'s command line (cli/bench.py) fits the functions it runs: every
+subcommand's options bind to its function's keyword parameters, so that no option is dropped
+and no parameter is left without one."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+from kvspec.cli.bench import bench_parser, parse_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is a folder of the checkout
+from bench.__main__ import _command
+from bench.mutation import MutateOptions
+
+# The least each subcommand needs on its command line.
+REQUIRED = {"verdicts": ["--releases", "0.33.0"], "reproducers": ["/tmp"], "_worker": ["task", "{}", "out"],
+            "lean-trace": ["report", "--venv", "/tmp", "/tmp"]}
+
+
+def _subcommands() -> list[str]:
+    (sub,) = [a for a in bench_parser()._actions if a.dest == "command"]
+    return sorted(sub.choices)
+
+
+@pytest.mark.parametrize("name", _subcommands())
+def test_every_subcommands_options_bind_to_its_function(name):
+    parsed, options = parse_bench([name, *REQUIRED.get(name, [])])
+    assert parsed == name
+    if name == "mutate":
+        MutateOptions(**options)
+    elif name == "lean-trace":
+        assert options["lean_command"] == "report"
+    else:
+        inspect.signature(_command(name)).bind(**options)
+
+
+def test_a_missing_option_fails_the_binding():
+    _, options = parse_bench(["scale"])
+    del options["quick"]
+    with pytest.raises(TypeError):
+        inspect.signature(_command("scale")).bind(**options)
