@@ -216,11 +216,11 @@ def _rejected_drafts(adapter) -> tuple[SchedulerDriver, list]:
     return driver, []
 
 
-@requires_vllm("0.12.0", "0.23.0", pin="0.12.0")
+@requires_vllm("0.12.0", "0.25.1", pin="0.12.0")
 def test_v1_s2a_rejected_drafts_read_a_window_block_freed_by_the_optimistic_count(adapter):
     """FINDINGS V1-S2a as a straight line: the third step frees the window group's block 0 by
     the count that takes the two drafts in flight as accepted; both are rejected, so position 2
-    attends position 1 in the freed block.  Reproduces on 0.12.0, 0.19.1, 0.20.1 and 0.23.0
+    attends position 1 in the freed block.  Reproduces on 0.12.0, 0.19.1, 0.20.1, 0.23.0 and 0.25.1
     (0.10.2 refuses async scheduling with drafts); 0.30.0 frees by the processed count."""
     _, found = _rejected_drafts(adapter)
     assert [v.message for v in found if v.invariant == "kv-readback"] == [
@@ -317,7 +317,7 @@ def test_012_v1_s2b_one_request_caches_the_null_block_silently(adapter):
 def test_v1_s2b_control_the_async_trace_runs_from_0_19_1(adapter):
     """From 0.19.1 ``BlockPool.cache_full_blocks`` skips null blocks (0.19.1 block_pool.py:258-262),
     so the chunked-local group's nulled block 0 is not cached: both requests of V1-S2b's trace
-    finish, every invariant holding (0.19.1-0.23.0 still null it by the optimistic count, the
+    finish, every invariant holding (0.19.1-0.25.1 still null it by the optimistic count, the
     cause of V1-S2a)."""
     driver = _two_identical_requests(adapter, V1_S2B)
     assert not driver.seqs, "both requests finish"
