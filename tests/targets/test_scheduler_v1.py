@@ -194,6 +194,48 @@ def test_012_v1_s2a_is_reported_by_its_known_finding_and_replays(adapter, tmp_pa
     assert "kv-readback" in {v.invariant for v in again.violations}, again
 
 
+# FINDINGS V1-S2a's trace: full attention + a W=3 window, both B=2, EAGLE with 2 drafts, async
+# scheduling, no prefix caching; one request, every draft rejected.
+V1_S2A = Shape(
+    block_size=2, swa_block_size=2, sliding_window=3, extra_blocks=0, prefix_caching=False,
+    num_spec_tokens=2, async_scheduling=True, max_num_batched_tokens=16, max_model_len=16,
+    full_sequence_must_fit=False, max_tokens=3, eagle=True,
+)
+
+
+def _rejected_drafts(adapter) -> tuple[SchedulerDriver, list]:
+    """``arrive([0], max_tokens=3)``, then steps whose drafts the worker all rejects; returns
+    the driver and the first violations (none: the request ran to its end)."""
+    driver = SchedulerDriver(adapter(V1_S2A), async_depth=1)
+    driver.arrive(0, [0], 3)
+    for _ in range(6):
+        driver.step(bytes(4), bytes(4))  # accept code 0: no draft accepted
+        found = driver.check()
+        if found:
+            return driver, found
+    return driver, []
+
+
+@requires_vllm("0.12.0", "0.25.1", pin="0.12.0")
+def test_v1_s2a_rejected_drafts_read_a_window_block_freed_by_the_optimistic_count(adapter):
+    """FINDINGS V1-S2a as a straight line: the third step frees the window group's block 0 by
+    the count that takes the two drafts in flight as accepted; both are rejected, so position 2
+    attends position 1 in the freed block.  Reproduces on 0.12.0, 0.19.1, 0.20.1, 0.23.0 and 0.25.1
+    (0.10.2 refuses async scheduling with drafts); 0.30.0 frees by the processed count."""
+    _, found = _rejected_drafts(adapter)
+    assert [v.message for v in found if v.invariant == "kv-readback"] == [
+        "group swa: seq 0: attended position 1 has no slot (dropped or missing)"
+    ], found
+
+
+@requires_vllm("0.30.0", pin="0.33.0")
+def test_v1_s2a_control_the_rejected_drafts_run_to_the_end_from_0_30_0(adapter):
+    """vllm#47728: 0.30.0 on free a window's blocks by the processed-token count, so the same
+    trace keeps position 1 while it is attended and the request finishes."""
+    driver, found = _rejected_drafts(adapter)
+    assert found == [] and not driver.seqs, (found, driver.seqs)
+
+
 # FINDINGS V1-S2b: full attention + chunked-local C=2, both B=2, prefix caching, async
 # scheduling, the pool at the startup minimum; budget 8 of max_model_len 16.
 V1_S2B = Shape(
@@ -213,13 +255,13 @@ def _two_identical_requests(adapter, shape: Shape) -> SchedulerDriver:
     return driver
 
 
-@on_012
+@requires_vllm("0.10.2", "0.12.0", pin="0.12.0")
 def test_012_v1_s2b_async_chunked_local_caches_the_null_block(adapter):
     """FINDINGS V1-S2b: under async scheduling a block's hash waits for the token in flight,
     but the chunked-local group nulls the block once the optimistic count leaves its chunk
     (``remove_skipped_blocks`` before ``cache_blocks`` in ``allocate_slots``); 0.12.0 then
     caches the null block under the block's hash, and the second request with the same
-    prefix trips ``assert blk.block_hash is None`` (block_pool.py:257)."""
+    prefix trips ``assert blk.block_hash is None`` (block_pool.py:257; :136 in 0.10.2)."""
     with pytest.raises(AssertionError) as crash:
         _two_identical_requests(adapter, V1_S2B)
     where = crash.traceback[-1]
@@ -257,7 +299,7 @@ def test_012_v1_s2b_is_found_from_scratch(adapter):
         assert caught.traceback[-1].path.name == "block_pool.py", caught
 
 
-@on_012
+@requires_vllm("0.10.2", "0.12.0", pin="0.12.0")
 def test_012_v1_s2b_one_request_caches_the_null_block_silently(adapter):
     """The same trace with one request: no assert, but the chunked-local group's cache map
     names the null block, which ``prefix-cache-consistency`` reports."""
@@ -269,3 +311,13 @@ def test_012_v1_s2b_one_request_caches_the_null_block_silently(adapter):
         found += driver.check()
     assert found and all(v.invariant == "prefix-cache-consistency" for v in found), found
     assert "not a block of the pool" in found[0].message, found
+
+
+@requires_vllm("0.19.1", pin="0.33.0")
+def test_v1_s2b_control_the_async_trace_runs_from_0_19_1(adapter):
+    """From 0.19.1 ``BlockPool.cache_full_blocks`` skips null blocks (0.19.1 block_pool.py:258-262),
+    so the chunked-local group's nulled block 0 is not cached: both requests of V1-S2b's trace
+    finish, every invariant holding (0.19.1-0.25.1 still null it by the optimistic count, the
+    cause of V1-S2a)."""
+    driver = _two_identical_requests(adapter, V1_S2B)
+    assert not driver.seqs, "both requests finish"
