@@ -5,8 +5,8 @@ adapter named "X" key the same tokens alike and share blocks across the two doma
 
 0.20.1 ``_gen_lora_extra_hash_keys`` returns ``[lora_request.lora_name]`` (kv_cache_utils.py:472)
 and ``generate_block_hash_extra_keys`` appends ``request.cache_salt`` as it is (:522-530; 0.30.0
-the same at :571, 621-629); 0.33.0 tags each extra key with its kind: ``("lora", name, path)``,
-``("cache_salt", salt)`` (kv_cache_utils.py:590-607, 658-669).  The traces are the default
+the same at :571, 621-629); 0.31.0 tags each extra key with its kind: ``("lora", name, path)``,
+``("cache_salt", salt)`` (kv_cache_utils.py:567-584, 636-647; 0.33.0 at :590-607, 658-669).  The traces are the default
 run's (``kvspec check --vllm 0.20.1 --seed 1``: two admissions) and a hit across the domains,
 replayed through the V1 adapter.  vLLM's own Scheduler shows the same keys as one block hash
 learned for two keys with equal tokens in a LoRA and a salted domain (``prefix-cache-consistency``,
@@ -70,8 +70,8 @@ def test_fkv9_control_a_salt_unlike_the_adapters_name_misses():
     assert hit == 0 and not found
 
 
-@requires_vllm("0.33.0", pin="0.33.0")
-def test_fkv9_control_033_tags_the_keys_apart():
+@requires_vllm("0.31.0", pin="0.33.0")
+def test_fkv9_control_031_on_tags_the_keys_apart():
     _, hit, found = _salted_after_adapter("seq0")
     assert hit == 0 and not found
 
@@ -101,7 +101,7 @@ def test_fkv9_scheduler_form_one_hash_stands_for_a_lora_name_and_an_equal_salt()
 
 
 @requires_vllm("0.12.0", pin="0.30.0")
-def test_fkv9_scheduler_form_control_another_salt_or_033():
+def test_fkv9_scheduler_form_control_another_salt_or_031_on():
     assert _scheduler_collisions("seq2") == []
-    if parse(VLLM) >= parse("0.33.0"):
+    if parse(VLLM) >= parse("0.31.0"):
         assert _scheduler_collisions("seq1") == []
