@@ -1159,6 +1159,13 @@ def cmd_mutate(args: argparse.Namespace) -> dict[str, Any]:
         return cmd_reach(args)
     if getattr(args, "seeds", None):
         return cmd_seeds(args)
+    if args.oracle == "lockstep":
+        from .lockstep_mutation import measure
+
+        (target,) = args.targets
+        rows = measure(target, split_target(target)[1], site_packages(target),
+                       Path(args.results) if args.results else RESULTS, args.timeout, args.keys)
+        return {"target": target, "rows": rows}
     targets = args.targets or list(TARGETS)
     results_dir = Path(args.results) if args.results else None
     md = Path(args.md) if args.md else None
