@@ -5,8 +5,10 @@ Each mutant of a sampled mutation run (``mutation.json``) becomes HEAD of the re
 as BASE.  HEAD's tree is built cheaply: a folder whose ``vllm`` package mirrors the release's
 installed package through symlinks, except the directories leading to the mutated module,
 which are real, and the mutated module itself, written from the mutated AST
-(``bench.mutants.mutate_tree``).  Symlinked sub-packages keep their byte-compiled caches; the
-mutated module's folder gets no ``__pycache__``, so nothing stale is imported there.
+(``bench.mutants.mutate_tree``).  Symlinked sub-packages keep their byte-compiled caches; in
+a folder holding a written module the cache is a real folder of links without that module's
+bytecode.  The package's ``__init__.py`` is copied, so that the tree's ``vllm`` resolves to
+the tree.
 
 A mutant's outcome is read from the verdict's ``pr.json`` and exit code:
 
@@ -70,7 +72,13 @@ def overlay(src: Path, dst: Path, replaced: dict[Path, str]) -> None:
             inner = {Path(*p.parts[1:]): t for p, t in replaced.items() if p.parts[0] == entry.name}
             overlay(entry, dst / entry.name, inner)
         elif entry.name == "__pycache__" and files:
-            continue  # the replaced module's cached bytecode must not be found beside it
+            # The other modules' bytecode stays linked; the replaced ones' is left out, and
+            # whatever the interpreter writes lands here, never in the release's cache.
+            stems = {Path(name).stem + "." for name in files}
+            overlay(entry, dst / entry.name, {})
+            for cached in (dst / entry.name).iterdir():
+                if any(cached.name.startswith(stem) for stem in stems):
+                    cached.unlink()
         else:
             (dst / entry.name).symlink_to(entry)
 
@@ -81,7 +89,11 @@ def mutant_tree(site_packages: Path, key: str, root: Path) -> Path:
     rel = Path(*module.split(".")[1:]).with_suffix(".py")
     if root.exists():
         shutil.rmtree(root)
-    overlay(site_packages / "vllm", root / "vllm", {rel: mutated_source(site_packages, key)})
+    # The package's __init__.py is a real file too: kvspec tells which vllm a process imports
+    # by the resolved path of its origin (cli/target.py ``locate_vllm``).
+    init = Path("__init__.py")
+    replaced = {init: (site_packages / "vllm" / init).read_text(), rel: mutated_source(site_packages, key)}
+    overlay(site_packages / "vllm", root / "vllm", replaced)
     return root
 
 

@@ -1,5 +1,5 @@
 """The lockstep mutation oracle's pieces that need no vLLM: HEAD's overlay tree (only the
-mutated module is a real file, its folder has no bytecode cache) and the reading of a verdict."""
+mutated module is a real file, its bytecode is not linked) and the reading of a verdict."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def _package(root: Path) -> Path:
     (core / "pool.py").write_text("def f(n):\n    return n > 0\n")
     (core / "other.py").write_text("X = 1\n")
     (core / "__pycache__").mkdir()
+    (core / "__pycache__" / "pool.cpython-311.pyc").write_bytes(b"")
+    (core / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"")
     return root
 
 
@@ -32,7 +34,8 @@ def test_the_overlay_links_everything_but_the_mutated_module(tmp_path):
     assert not core.is_symlink() and not (head / "vllm" / "v1").is_symlink()
     assert not (core / "pool.py").is_symlink() and (core / "pool.py").read_text() == text
     assert (core / "other.py").is_symlink() and (head / "vllm" / "config").is_symlink()
-    assert not (core / "__pycache__").exists()
+    cache = core / "__pycache__"
+    assert not cache.is_symlink() and [p.name for p in cache.iterdir()] == ["other.cpython-311.pyc"]
     assert (site / "vllm/v1/core/pool.py").read_text() == "def f(n):\n    return n > 0\n"
 
 
