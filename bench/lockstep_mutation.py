@@ -207,12 +207,15 @@ def measure(target: str, version: str | None, site_packages: Path, results_dir: 
     ``keys``) through the PR verdict, into ``mutation-lockstep-<impl>.jsonl``."""
     if not version:
         raise SystemExit(f"{target}: the lockstep oracle needs a release (e.g. v1@0.33.0)")
-    chosen = keys or [m["key"] for m in sampled(results_dir / "mutation.json", target)]
+    mutants = sampled(results_dir / "mutation.json", target)
+    chosen = keys or [m["key"] for m in mutants]
     impl = target.split("@", 1)[0]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvspec-lockstep-mut-{impl}"
     work.mkdir(parents=True, exist_ok=True)
-    return run_keys(site_packages, chosen, version, results_dir / f"mutation-lockstep-{impl}.jsonl", work,
-                    timeout, flags)
+    results = results_dir / f"mutation-lockstep-{impl}.jsonl"
+    rows = run_keys(site_packages, chosen, version, results, work, timeout, flags)
+    print(render([json.loads(line) for line in results.read_text().splitlines() if line.strip()], mutants))
+    return rows
 
 
 def two_by_two(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dict[str, int]:
@@ -231,3 +234,21 @@ def two_by_two(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dic
         cell = f"lockstep {lock}, tests {'kill' if tests_kill(m) else 'miss'}"
         out[cell] = out.get(cell, 0) + 1
     return out
+
+
+def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
+    """The measured mutants as Markdown: the 2x2 against vLLM's own tests (with the plain
+    check's kills beside it), then one row per mutant."""
+    by_key = {m["key"]: m for m in mutants}
+    cells = two_by_two(rows, mutants)
+    states = sorted({c.split(",")[0] for c in cells}, key=lambda s: (s != "lockstep detects", s))
+    lines = ["| | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
+    lines += [f"| {s} | {cells.get(s + ', tests kill', 0)} | {cells.get(s + ', tests miss', 0)} |" for s in states]
+    lines += ["", "| mutant | lockstep | first verdict | `kvspec check` | vLLM's tests | wall |",
+              "|---|---|---|---|---|---|"]
+    for row in rows:
+        m = by_key[row["key"]]
+        cols = [m["describe"].removeprefix("vllm.v1.core.")[:110], row["status"], row.get("first", "")[:120],
+                "killed" if check_kills(m) else "survived", "kill" if tests_kill(m) else "miss", f"{row['wall']:.0f} s"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines)
