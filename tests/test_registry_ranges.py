@@ -209,15 +209,19 @@ def test_bisect_replays_the_releases_of_its_range_in_release_order(monkeypatch):
 
 
 def test_a_pr_whose_head_check_did_not_run_has_no_scheduler_verdict(monkeypatch, tmp_path):
-    """HEAD's own check ending in a usage error (here: exit 2, no summary) fails the PR verdict;
-    it is never read as "no scheduler verdict on HEAD"."""
+    """HEAD's own check that did not run fails the PR verdict; it is never read as "no
+    scheduler verdict on HEAD"."""
     import argparse
     import subprocess
 
     import pytest
     from kvspec.cli import pr
 
-    monkeypatch.setattr(pr, "_kvspec", lambda args, capture=False: subprocess.CompletedProcess(args, 2, "", ""))
     args = argparse.Namespace(vllm_source=str(tmp_path), vllm=None, source_version="0.33.0", venv=None)
-    with pytest.raises(UsageError, match="did not run"):
-        pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path)
+    for code in (2, 3, 1):  # usage error, kvspec's own error, "found" without a summary
+        monkeypatch.setattr(pr, "_kvspec", lambda a, capture=False, c=code: subprocess.CompletedProcess(a, c, "", ""))
+        with pytest.raises(UsageError, match="did not run"):
+            pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path)
+    # A check that finds nothing writes no summary: no scheduler verdict, and no error.
+    monkeypatch.setattr(pr, "_kvspec", lambda a, capture=False: subprocess.CompletedProcess(a, 0, "", ""))
+    assert pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path) == []
