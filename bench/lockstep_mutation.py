@@ -236,6 +236,15 @@ def two_by_two(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dic
     return out
 
 
+def found_by(row: dict[str, Any]) -> str:
+    """Which half of the PR verdict reported the mutant: the block-manager lockstep (HEAD and
+    BASE compared call by call), or the scheduler machine's verdict on HEAD replayed on BASE."""
+    lockstep = row.get("regressions", 0) - row.get("scheduler_regressions", 0) + row.get("changes", 0) - row.get(
+        "scheduler_changes", 0)
+    scheduler = row.get("scheduler_regressions", 0) + row.get("scheduler_changes", 0)
+    return ", ".join(n for n, k in (("block-manager lockstep", lockstep), ("scheduler on HEAD", scheduler)) if k) or "-"
+
+
 def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
     """The measured mutants as Markdown: the 2x2 against vLLM's own tests (with the plain
     check's kills beside it), then one row per mutant."""
@@ -244,11 +253,12 @@ def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
     states = sorted({c.split(",")[0] for c in cells}, key=lambda s: (s != "lockstep detects", s))
     lines = ["| | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
     lines += [f"| {s} | {cells.get(s + ', tests kill', 0)} | {cells.get(s + ', tests miss', 0)} |" for s in states]
-    lines += ["", "| mutant | lockstep | first verdict | `kvspec check` | vLLM's tests | wall |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| mutant | PR verdict | found by | first verdict | `kvspec check` (sample run) | vLLM's tests "
+              "| wall |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         m = by_key[row["key"]]
-        cols = [m["describe"].removeprefix("vllm.v1.core.")[:110], row["status"], row.get("first", "")[:120],
-                "killed" if check_kills(m) else "survived", "kill" if tests_kill(m) else "miss", f"{row['wall']:.0f} s"]
+        cols = [m["describe"].removeprefix("vllm.v1.core.")[:110], row["status"], found_by(row),
+                row.get("first", "")[:120], "killed" if check_kills(m) else "survived",
+                "kill" if tests_kill(m) else "miss", f"{row['wall']:.0f} s"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
     return "\n".join(lines)
