@@ -39,6 +39,7 @@ from .mutants import mutate_tree
 
 EXIT_OK, EXIT_FOUND = 0, 1
 DETECTED = ("regression", "change")
+DESCRIBE_CHARS = 110  # a mutant's description in the per-mutant table, cut with its code span closed
 KVSPEC = Path(sys.executable).with_name("kvspec")
 
 
@@ -257,7 +258,10 @@ def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
               "| wall |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         m = by_key[row["key"]]
-        cols = [m["describe"].removeprefix("vllm.v1.core.")[:110], row["status"], found_by(row),
+        shown = m["describe"].removeprefix("vllm.v1.core.")
+        if len(shown) > DESCRIBE_CHARS:
+            shown = shown[:DESCRIBE_CHARS] + "..." + "`" * (shown[:DESCRIBE_CHARS].count("`") % 2)
+        cols = [shown, row["status"], found_by(row),
                 row.get("first", "")[:120], "killed" if check_kills(m) else "survived",
                 "kill" if tests_kill(m) else "miss", f"{row['wall']:.0f} s"]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
