@@ -1184,6 +1184,13 @@ def cmd_mutate(opts: MutateOptions) -> dict[str, Any]:
         return cmd_reach(opts)
     if opts.seeds:
         return cmd_seeds(opts)
+    if opts.oracle == "lockstep":
+        from .lockstep_mutation import measure
+
+        (target,) = opts.targets
+        rows = measure(target, split_target(target)[1], site_packages(target),
+                       Path(opts.results) if opts.results else RESULTS, opts.timeout, opts.keys)
+        return {"target": target, "rows": rows}
     targets = opts.targets or list(TARGETS)
     results_dir = Path(opts.results) if opts.results else None
     md = Path(opts.md) if opts.md else None

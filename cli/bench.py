@@ -75,10 +75,12 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="uniform sample size per target (over every generated mutant)")
     m.add_argument("--invariants", nargs="*", metavar="ID",
                    help="the oracle watches only these invariants (default: every one)")
-    m.add_argument("--oracle", choices=("check", "narrow"), default="check",
+    m.add_argument("--oracle", choices=("check", "narrow", "lockstep"), default="check",
                    help="check: what `kvspec check --vllm X` runs by default (the CLI's "
                    "configurations, every invariant, and on V1 the scheduler machine's shapes); "
-                   "narrow: the KVCacheMachine on the target's bench workload")
+                   "narrow: the KVCacheMachine on the target's bench workload; lockstep: the PR "
+                   "verdict (`kvspec check --vllm-source MUTANT --baseline X`) on the mutants of "
+                   "the check run in mutation.json (or --keys), one at a time, each within --timeout")
     m.add_argument("--shape-examples", type=int, default=None,
                    help="scheduler-shape examples per mutant with --oracle check (default "
                    "--examples)")

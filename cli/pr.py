@@ -363,8 +363,16 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     extra += ["--venv", args.venv] if args.venv else []
     head_out = root / "head"
     out.rule(f"vLLM's own V1 scheduler on HEAD: {' '.join(head_flags)}")
-    _kvspec([*common, *head_flags, *extra, "--out", str(head_out)])
+    ran = _kvspec([*common, *head_flags, *extra, "--out", str(head_out)])
     summary = head_out / "summary.json"
+    # A check that finds nothing writes no summary; one that exits otherwise did not run, and a
+    # HEAD the scheduler machine could not run is no verdict on it, never "no verdict found".
+    if ran.returncode not in (EXIT_OK, EXIT_FOUND) or (ran.returncode == EXIT_FOUND and not summary.is_file()):
+        raise UsageError(
+            f"HEAD's own check (vLLM's scheduler) did not run (exit {ran.returncode}, out {head_out}): "
+            "the PR has no scheduler verdict",
+            f"run it alone: kvspec check {' '.join(head_flags + extra)}, or leave the scheduler out: --no-shapes",
+        )
     entries = json.loads(summary.read_text()).get("violations", []) if summary.is_file() else []
     verdicts = []
     for entry in entries:

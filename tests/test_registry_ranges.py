@@ -206,3 +206,22 @@ def test_bisect_replays_the_releases_of_its_range_in_release_order(monkeypatch):
     assert pr.releases_between("0.6.3..0.10.2") == ["0.6.3", "0.6.3.post1", "0.10.2"]
     assert pr.releases_between("0.6.3..0.6.3") == ["0.6.3"]
     assert pr.releases_between("..0.6.3.post1") == ["0.6.3", "0.6.3.post1"]
+
+
+def test_a_pr_whose_head_check_did_not_run_has_no_scheduler_verdict(monkeypatch, tmp_path):
+    """HEAD's own check that did not run fails the PR verdict; it is never read as "no
+    scheduler verdict on HEAD"."""
+    import argparse
+    import subprocess
+
+    import pytest
+    from kvspec.cli import pr
+
+    args = argparse.Namespace(vllm_source=str(tmp_path), vllm=None, source_version="0.33.0", venv=None)
+    for code in (2, 3, 1):  # usage error, kvspec's own error, "found" without a summary
+        monkeypatch.setattr(pr, "_kvspec", lambda a, capture=False, c=code: subprocess.CompletedProcess(a, c, "", ""))
+        with pytest.raises(UsageError, match="did not run"):
+            pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path)
+    # A check that finds nothing writes no summary: no scheduler verdict, and no error.
+    monkeypatch.setattr(pr, "_kvspec", lambda a, capture=False: subprocess.CompletedProcess(a, 0, "", ""))
+    assert pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path) == []
