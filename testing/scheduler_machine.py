@@ -59,7 +59,7 @@ from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from .driver import SpecViolation, TraceStep
 from .generator_rules import block_relative, spare_blocks
 from .generator_rules import token as rule_token
-from .machine import StepPast
+from .machine import CONTINUE, StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
 from .strategies import admission_bytes, extra_from, prompt_from
@@ -547,15 +547,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             found = [v for v in found if v.invariant in self.focus]
         if found:
             error = SpecViolation(found, self.d.trace)
-            self._failing(error)
-            raise error
+            if not self._failing(error):
+                raise error
 
-    def _failing(self, error: BaseException) -> None:
-        """A failure: the step-past policy may discard the example instead (one it would go
-        on past, ``CONTINUE``, is discarded too: the scheduler machine does not go on)."""
+    def _failing(self, error: BaseException) -> bool:
+        """A failure: the step-past policy may discard the example instead, or (True) let it
+        go on past a violation it names ``CONTINUE`` (a known finding that leaves the state
+        usable, such as a wrong usage figure from the first operation on)."""
+        verdict = self.step_past(error, self.d) if self.step_past is not None else False
+        if verdict == CONTINUE and isinstance(error, SpecViolation):
+            return True
         self.failed = True
-        if self.step_past is not None and self.step_past(error, self.d):
+        if verdict:
             reject()
+        return False
 
     def teardown(self):
         if self.driver is None or self.shape is None:

@@ -109,3 +109,25 @@ def test_a_stalled_request_of_0_33_is_labelled_c3():
 
     assert label("0.33.0") is not None and label("0.33.0").id == "C3"
     assert label("0.12.0") is None
+
+
+def test_a_finding_the_step_past_policy_goes_on_past_does_not_end_the_example():
+    """``CONTINUE`` (a known finding that leaves the state usable, e.g. a wrong usage figure from
+    the first operation on) lets the example go on, as the block-manager machine does; without
+    it a release whose every example shows such a finding would run nothing."""
+    from kvspec.testing.machine import CONTINUE
+
+    variant = BROKEN_SCHEDULERS["chunk-as-sliding-window"]
+    within = shapes().filter(lambda s: variant.shape in s.tags())
+    seen: dict[int, tuple[object, list[int]]] = {}  # the driver kept: its id is not reused
+
+    def go_on(error, driver):
+        if not isinstance(error, SpecViolation):
+            return True
+        seen.setdefault(id(driver), (driver, []))[1].append(len(driver.trace))
+        return CONTINUE
+
+    run_state_machine_as_test(lambda: SchedulerMachine(variant.cls, within, step_past=go_on),
+                              settings=_settings(EXAMPLES // 2))
+    assert seen, "the broken scheduler showed no violation to go on past"
+    assert any(max(lengths) > min(lengths) for _, lengths in seen.values()), seen
