@@ -344,6 +344,20 @@ def copy_cells(
     return out
 
 
+def starts_no_life(state: KVState, device: Device, block: int) -> bool:
+    """A copy into ``block`` starts no life there when the operation that reported the copy
+    leaves the block free, uncached and in no table: nothing can read what the copy writes,
+    and the next allocation that hands the block out starts a new life.  Legacy
+    BlockSpaceManagerV2 reports such a copy: copy-on-write into a fresh block, which
+    ``promote_to_immutable_block`` then frees in the same call because its content is already
+    cached, while ``append_slots`` still returns the copy (0.6.3 vllm/core/block/naive_block.py:381-383,
+    prefix_caching_block.py:453-460 and 464-487, block_manager_v2.py:245)."""
+    pool = state.pool(device)
+    if pool is None or block not in pool.free or block in pool.cached_key_of():
+        return False
+    return not any(table.device is device and block in table.slots for table in state.tables.values())
+
+
 def copy_overwrites(
     memory: Memory, src: tuple[Device, int], dst: tuple[Device, int], writes: Iterable[Write]
 ) -> list[WriteFault]:

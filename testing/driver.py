@@ -32,6 +32,7 @@ from kvspec.spec.kv_memory import (
     copy_overwrites,
     ended_lifetimes,
     plan_step_writes,
+    starts_no_life,
 )
 from kvspec.spec.prefix_hash import ExtraKeys, as_extra
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
@@ -471,8 +472,11 @@ class Driver:
         return [(src, a, dst, b, copy_cells(self.memory, (src, a), (dst, b), B)) for a, b in copies]
 
     def _apply_copies(self, planned: list[tuple]) -> None:
+        """Called once ``self.state`` is the state after the operation that reported the copies."""
         faults: list[WriteFault] = []
         for src, a, dst, b, writes in planned:
+            if starts_no_life(self.state, dst, b):
+                continue  # the operation freed the copy's target again: nothing reads it
             faults += copy_overwrites(self.memory, (src, a), (dst, b), writes)
             for w in writes:
                 self.memory[w.cell] = w.kv

@@ -92,7 +92,7 @@ def problems(text: str, known_ids: set[str], upstream_docs: set[str]) -> list[st
     for doc in sorted(upstream_docs - listed):
         found.append(f"docs/upstream/{doc}.md names no finding of the index")
     untriaged = _section(text, "Seen, not yet triaged")
-    if re.search(r"^\s*- ", untriaged, re.MULTILINE):
+    if re.search(r"^\s*[-*+] ", untriaged, re.MULTILINE):
         found.append("the 'Seen, not yet triaged' section still holds items")
     return found
 
@@ -149,6 +149,8 @@ def test_an_untriaged_item_or_an_unindexed_id_fails():
     text = FINDINGS.read_text()
     untriaged = text.replace("## Seen, not yet triaged", "## Seen, not yet triaged\n\n- something new\n", 1)
     assert "the 'Seen, not yet triaged' section still holds items" in problems(untriaged, _known_ids(), _docs())
+    starred = text.replace("## Seen, not yet triaged", "## Seen, not yet triaged\n\n* something new\n", 1)
+    assert "the 'Seen, not yet triaged' section still holds items" in problems(starred, _known_ids(), _docs())
     assert any("F99" in p for p in problems(text, _known_ids() | {"F99"}, _docs()))
 
 

@@ -21,7 +21,7 @@ from kvspec.spec.config import Config
 
 from .conftest import requires_vllm
 
-pytestmark = requires_vllm("0.6.2", "0.6.3", pin="0.6.3")
+pytestmark = requires_vllm("0.5.4", "0.6.3", pin="0.6.3")
 
 
 def _admit(tokens: int, k: int) -> dict:

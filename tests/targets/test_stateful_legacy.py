@@ -4,7 +4,6 @@ that blinds the oracle fails here."""
 
 from __future__ import annotations
 
-import attrs
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -12,7 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
-from kvspec.testing.driver import Driver, replay
+from kvspec.testing.driver import replay
 from kvspec.testing.implementations import by_manager
 from kvspec.testing.strategies import configs
 
@@ -146,48 +145,3 @@ def test_v2_freeing_a_swapped_out_sequence_corrupts_the_cpu_block_pool():
     config = Config(block_size=8, num_blocks=5, num_cpu_blocks=1, max_lookahead=0)
     with pytest.raises(IndexError):
         replay(_factory("v2")(config), trace)
-
-
-# FINDINGS F15: B=1, a window of one token, 3 GPU blocks, 2 lookahead slots.
-F15 = Config(block_size=1, num_blocks=3, num_cpu_blocks=2, sliding_window=1, max_lookahead=2)
-
-
-def _swapped_back(config: Config) -> tuple[bool, list]:
-    from kvspec.testing.progress import drain
-
-    driver = Driver(_factory("v2")(config), focus={"progress"})
-    assert driver.admit(0, [0], 1)
-    assert driver.swap_out(0)
-    return driver.swap_in(0), drain(driver)
-
-
-def test_v2_windowed_swap_in_counts_the_blocks_the_window_drops():
-    """F15: a swapped-out windowed sequence of two tokens needs 3 blocks for its next step
-    with 2 lookahead slots (the window frees its first block before the append allocates),
-    but can_swap_in counts the swapped blocks and the append's blocks together
-    (block_manager_v2.py:476-492): 4 > 3, NEVER, and vLLM fails a request that fits."""
-    swapped_in, found = _swapped_back(F15)
-    assert not swapped_in
-    assert [v.invariant for v in found] == ["progress"], found
-
-
-@pytest.mark.parametrize("change", [{"max_lookahead": 0}, {"num_blocks": 4}],
-                         ids=["no-lookahead", "one-block-more"])
-def test_v2_windowed_swap_in_runs_without_lookahead_or_with_one_block_more(change):
-    swapped_in, found = _swapped_back(attrs.evolve(F15, **change))
-    assert swapped_in
-    assert found == []
-
-
-def test_v2_chunked_prompt_that_fills_the_pool_never_finishes():
-    """F14: a 3-token prompt fills a 2-block pool (B=2); after a 2-token chunk the last token
-    lands in the partly filled block allocate already took, yet can_append_slots counts that
-    touched block as needing a free one (block_manager_v2.py:202-229), so the request alone is
-    refused, preempted, re-admitted and refused again: it never finishes."""
-    from kvspec.testing.progress import drain
-
-    driver = Driver(_factory("v2")(Config(block_size=2, num_blocks=2)), focus={"progress"})
-    assert driver.admit(0, [0, 0, 0], 2)
-    found = drain(driver)
-    assert [v.invariant for v in found] == ["progress"], found
-    assert "never ends" in found[0].message
