@@ -94,20 +94,17 @@ Mapping choices:
 from __future__ import annotations
 
 import itertools
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 from typing import Any
 
-import attrs
 from kvspec.spec.admission import AdmissionPolicy
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.interface import Admission, BlockCopy, Capability
-from kvspec.spec.prefix_hash import PrefixKey
-from kvspec.spec.state import Device, KVState, PoolView, Slot, TableView, table_view
+from kvspec.spec.state import KVState
 
 from .harness import legacy as harness
+from .legacy_observers import BlockSpaceV1Observer, BlockSpaceV2Observer, LegacyObserver
 from .recording import Recorder, real
 
 # vLLM is imported lazily (inside functions) so that importing kvspec.adapters never needs it.
@@ -234,9 +231,6 @@ _copies = harness.block_copies
 class LegacyAdapter:
     """kvspec ``Implementation`` over one legacy block manager (see the module docstring)."""
 
-    # The last observation's block tables: unchanged tables are handed out again (table_view).
-    _last_tables: Mapping[int, TableView] = MappingProxyType({})
-
     def __init__(
         self,
         config: Config,
@@ -254,12 +248,15 @@ class LegacyAdapter:
         self.v1_window_slots = v1_window_slots
         self._v = _Vllm(recorder)
         cls = manager_class(manager)
-        self.is_v1 = hasattr(cls, "_allocate_last_physical_block") or manager == "v1"
+        family: type[LegacyObserver] = (
+            BlockSpaceV1Observer
+            if hasattr(cls, "_allocate_last_physical_block") or manager == "v1"
+            else BlockSpaceV2Observer
+        )
         rejected = _release_rejects_caching_with_window(config)
         if rejected is not None:
             raise ConfigError(f"the release's CacheConfig rejects this configuration: {rejected}")
-        if self.is_v1 and config.prefix_caching and config.sliding_window is not None:
-            # block_manager_v1.py:245-247 raises NotImplementedError for this pair.
+        if not family.caching_with_window and config.prefix_caching and config.sliding_window is not None:
             raise ConfigError("BlockSpaceManagerV1 rejects prefix caching with a sliding window")
         # ``mgr`` is what the protocol calls (recorded when a recorder is given); ``_raw`` is
         # what observation reads, never recorded.
@@ -288,7 +285,7 @@ class LegacyAdapter:
         # prefix caching where mark_blocks_as_computed cannot be told the chunk size: those
         # releases (0.4.x) have the worker refuse the pair (0.4.3 model_runner.py:285-290).
         self._chunk_aware_marking = "token_chunk_size" in _params(self.mgr.mark_blocks_as_computed)
-        if not (self.is_v1 and config.sliding_window is not None) and not (
+        if (family.chunked_prefill_with_window or config.sliding_window is None) and not (
             config.prefix_caching and not self._chunk_aware_marking
         ):
             caps.add(Capability.CHUNKED_PREFILL)
@@ -296,7 +293,7 @@ class LegacyAdapter:
             caps.add(Capability.PREFIX_CACHING)
         if config.sliding_window is not None:
             caps.add(Capability.SLIDING_WINDOW)
-        if not self.is_v1:  # V1 asserts num_lookahead_slots == 0 (block_manager_v1.py:290, 378)
+        if family.lookahead:
             caps.add(Capability.LOOKAHEAD)
         # 0.4.x BlockSpaceManagerV2 has no swapping (can_swap_out is always False there);
         # its allocator learned ``swap`` together with the feature.
@@ -306,6 +303,7 @@ class LegacyAdapter:
         if hasattr(self.mgr, "reset_prefix_cache"):
             caps.add(Capability.RESET_PREFIX_CACHE)
         self.capabilities = frozenset(caps)
+        self._family = family
 
         self._seqs: dict[int, Any] = {}  # seq_id -> vllm Sequence
         self._groups: dict[int, Any] = {}  # seq_id -> vllm SequenceGroup
@@ -322,20 +320,11 @@ class LegacyAdapter:
         self._just_swapped: int | None = None
         self._request_ids = itertools.count()
         self._clock = 0.0
-        self._keys: dict[int, PrefixKey] = {}  # release hash -> PrefixKey
-        # seq_id -> (full blocks learned, prompt length they were hashed with)
-        self._learned: dict[int, tuple[int, int]] = {}
-        self._v2_hash_extra = False
-        self._v2_ids: dict[tuple[int, int | None], list[int]] = {}  # (allocator, null id) -> ids
-        if self.is_v1:
-            self._v1_init_snapshot()
-            self._count_v1_allocations()
-        else:
-            from vllm.core.block.prefix_caching_block import PrefixCachingBlock
-
-            self._hash_block_tokens = PrefixCachingBlock.hash_block_tokens
-            self._v2_hash_extra = "extra_hash" in _params(self._hash_block_tokens)
-        self._learned_v2: dict[int, tuple[tuple[int, ...], Any]] = {}
+        self._observer: LegacyObserver = (
+            BlockSpaceV1Observer(config, self._raw, self._v.Device, self._seqs, window_slots=v1_window_slots)
+            if family is BlockSpaceV1Observer
+            else BlockSpaceV2Observer(config, self._raw, self._v.Device, self._seqs)
+        )
 
     # ------------------------------------------------------------ helpers
 
@@ -381,8 +370,7 @@ class LegacyAdapter:
         group = self._v.make_group(f"kvspec-{next(self._request_ids)}", [seq], self._clock)
         self._seqs[seq_id] = seq
         self._groups[seq_id] = group
-        self._learned.pop(seq_id, None)
-        self._learned_v2.pop(seq_id, None)
+        self._observer.forget(seq_id)
         return group
 
     def _schedule_metadata(self, seq_id: int) -> list[int]:
@@ -402,7 +390,7 @@ class LegacyAdapter:
     def _policy(self) -> AdmissionPolicy:
         """What this manager keeps back (file:line of 0.6.3 unless named): the room
         ``admission-completeness``, ``reserve-completeness`` and ``hit-completeness`` leave it."""
-        v1 = self.is_v1
+        v1 = self._family.step_block_per_sequence
         sources = [
             ("watermark_blocks", "block_manager_v2.py:91,139-145; block_manager_v1.py:260,309-315"),
             ("whole_prompt", "block_manager_v2.py:117-121; block_manager_v1.py:295-300"),
@@ -548,7 +536,7 @@ class LegacyAdapter:
     def _mark_computed(self, seq, group, chunk: int) -> None:
         mark = self.mgr.mark_blocks_as_computed
         per_seq = getattr(self.mgr, "compute_full_blocks_in_seq", None)
-        if self.is_v1 and per_seq is not None and len(group.get_seqs()) > 1:
+        if self._family.marks_per_sequence and per_seq is not None and len(group.get_seqs()) > 1:
             # V1's mark_blocks_as_computed is, per sequence of the group, exactly
             # compute_full_blocks_in_seq(seq, chunk); the scheduler calls it once per group
             # step, before any sibling's count advances.  The driver commits one sequence
@@ -582,8 +570,7 @@ class LegacyAdapter:
         self._seqs[child_id] = child
         self._groups[child_id] = group
         self.mgr.fork(parent, child)
-        self._learned.pop(child_id, None)
-        self._learned_v2.pop(child_id, None)
+        self._observer.forget(child_id)
         self._learn(child_id)
 
     def free(self, seq_id: int) -> None:
@@ -638,7 +625,7 @@ class LegacyAdapter:
         group = self._groups[seq_id]
         if seq.status != self._status("SWAPPED"):
             raise NotAdmitted(f"seq {seq_id} is not swapped out")
-        lookahead = 0 if (self.is_v1 or seq.is_prefill()) else self.config.max_lookahead
+        lookahead = self.config.max_lookahead if self._family.lookahead and not seq.is_prefill() else 0
         fn = self.mgr.can_swap_in
         status = fn(group, **_kw(fn, num_lookahead_slots=lookahead))
         if status != self._v.AllocStatus.OK:
@@ -660,251 +647,16 @@ class LegacyAdapter:
         self._just_swapped = None
         return bool(fn())
 
-    # ------------------------------------------------------------ prefix keys
+    # ------------------------------------------------------------ prefix keys, observation
 
     def _learn(self, seq_id: int) -> None:
         seq = self._seqs.get(seq_id)
         if seq is None or not self.config.prefix_caching:
             return
-        if self.is_v1:
-            self._learn_v1(seq_id, seq)
-        else:
-            self._learn_v2(seq_id, seq)
-
-    def _learn_v1(self, seq_id: int, seq) -> None:
-        """V1 hashes every logical block, the partial last one included, with
-        ``Sequence.hash_of_block`` (a hash of the token prefix, split into prompt and outputs)."""
-        B = self.config.block_size
-        tokens = tuple(int(t) for t in seq.get_token_ids())
-        full, prompt_len = self._learned.get(seq_id, (0, seq.get_prompt_len()))
-        if prompt_len != seq.get_prompt_len():
-            full = 0
-        n_blocks = -(-len(tokens) // B)
-        for i in range(full, n_blocks):
-            end = min((i + 1) * B, len(tokens))
-            self._keys.setdefault(seq.hash_of_block(i), PrefixKey(tokens[:end]))
-        self._learned[seq_id] = (len(tokens) // B, seq.get_prompt_len())
-
-    def _learn_v2(self, seq_id: int, seq) -> None:
-        """V2 chains ``hash_block_tokens(is_first, prev_hash, block tokens)`` over full blocks."""
-        B = self.config.block_size
-        tokens = tuple(int(t) for t in seq.get_token_ids())
-        done, prev = self._learned_v2.get(seq_id, ((), None))
-        if tokens[: len(done)] != done:
-            done, prev = (), None
-        for i in range(len(done) // B, len(tokens) // B):
-            block = list(tokens[i * B : (i + 1) * B])
-            args: dict[str, Any] = {}
-            if self._v2_hash_extra:
-                args["extra_hash"] = None
-            h = self._hash_block_tokens(i == 0, prev, block, **args)
-            self._keys.setdefault(h, PrefixKey(tokens[: (i + 1) * B]))
-            prev = h
-        self._learned_v2[seq_id] = (tokens[: len(tokens) // B * B], prev)
-
-    def _key(self, h: int) -> PrefixKey | None:
-        return self._keys.get(h)
-
-    # ------------------------------------------------------------ observation
+        self._observer.learn(seq_id, seq)
 
     def observe(self) -> KVState:
-        return self._observe_v1() if self.is_v1 else self._observe_v2()
-
-    # V2 / SelfAttn ---------------------------------------------------------
-
-    def _observe_v2(self) -> KVState:
-        alloc = self._raw.block_allocator
-        VD = self._v.Device
-        gpu = alloc._allocators[VD.GPU]
-        cpu = alloc._allocators[VD.CPU]
-        null = getattr(alloc, "_null_block", None)
-        null_id = null.block_id if null is not None else None
-        if self.config.prefix_caching:
-            self._learn_from_live_blocks(null)
-        gpu_view = self._v2_pool(gpu, exclude=null_id, offset=0)
-        cpu_offset = min(cpu.all_block_ids) if cpu.all_block_ids else 0
-        cpu_view = self._v2_pool(cpu, exclude=None, offset=cpu_offset)
-        gpu_ids = gpu.all_block_ids
-        tables: dict[int, TableView] = {}
-        for seq_id, bt in self._raw.block_tables.items():
-            ids = list(bt.physical_block_ids)
-            real = [b for b in ids if b is not None and b != null_id]
-            on_cpu = bool(real) and all(b not in gpu_ids for b in real)
-            slots: list[Slot] = []
-            for b in ids:
-                if b is None or b == null_id:
-                    slots.append(None)
-                else:
-                    slots.append(b - cpu_offset if on_cpu else b)
-            device = Device.CPU if on_cpu else Device.GPU
-            tables[seq_id] = table_view(self._last_tables, seq_id, device, tuple(slots))
-        self._last_tables = tables
-        return KVState(
-            gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
-        )
-
-    def _learn_from_live_blocks(self, null) -> None:
-        """Second source of keys: the hash a live block already computed for itself (the
-        memoized ``_cached_content_hash``, read without triggering a computation)."""
-        B = self.config.block_size
-        for seq_id, bt in self._raw.block_tables.items():
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                continue
-            tokens = tuple(int(t) for t in seq.get_token_ids())
-            for i, block in enumerate(_table_blocks(bt)):
-                if block is null:
-                    continue
-                h = getattr(block, "_cached_content_hash", None)
-                if h is not None and h not in self._keys and (i + 1) * B <= len(tokens):
-                    self._keys[h] = PrefixKey(tokens[: (i + 1) * B])
-
-    def _v2_pool(self, allocator, *, exclude: int | None, offset: int) -> PoolView:
-        # A pool's ids change once at most: when the null block is carved out of it (the first
-        # windowed append), so they are sorted again only when the excluded id changes.
-        ids = self._v2_ids.get((id(allocator), exclude))
-        if ids is None:
-            ids = self._v2_ids[(id(allocator), exclude)] = sorted(
-                b for b in allocator.all_block_ids if b != exclude
-            )
-        hashless = getattr(allocator, "_hashless_allocator", None)
-        naive = hashless if hashless is not None else allocator
-        counts = naive.refcounter._refcounts  # shared with the prefix-caching allocator
-        free = tuple(b - offset for b in naive._free_block_indices if b != exclude)
-        evictable: tuple[int, ...] = ()
-        cached: list[tuple[PrefixKey, int]] = []
-        computed: set[int] = set()
-        if hashless is not None:
-            evictable = tuple(b - offset for b in _evictor_ids(allocator.evictor))
-            for h, b in allocator._cached_blocks.items():
-                key = self._key(h)
-                if key is None:
-                    key = PrefixKey((), ("unknown vLLM block hash", h))
-                cached.append((key, b - offset))
-                if allocator.block_is_computed(b):
-                    computed.add(b - offset)
-        return PoolView(
-            ids=tuple(b - offset for b in ids),
-            refcounts={b - offset: counts[b] for b in ids},
-            free=free,
-            evictable=evictable,
-            cached=tuple(cached),
-            computed=frozenset(computed),
-        )
-
-    # V1 -------------------------------------------------------------------
-
-    def _count_v1_allocations(self) -> None:
-        """Count how often each V1 block starts a new life (a block's content lives one).
-
-        Observation only: the wrapper calls the allocator's own ``allocate`` and returns what
-        it returns.  A cache hit (the hash already cached or parked in the evictor) revives
-        the same content and is not a new life.  The cyclic sliding-window reuse never
-        allocates, which is exactly why its in-place overwrite stays visible.
-        """
-        self._v1_epochs: dict[str, Counter] = {}
-        for name in ("gpu_allocator", "cpu_allocator"):
-            allocator = getattr(self._raw, name)
-            epochs: Counter = Counter()
-            self._v1_epochs[name] = epochs
-            allocate = allocator.allocate
-
-            def counted(*args, _allocate=allocate, _allocator=allocator, _epochs=epochs, **kw):
-                h = args[0] if args else kw.get("block_hash")
-                cached = getattr(_allocator, "cached_blocks", None)
-                evictor = getattr(_allocator, "evictor", None)
-                known = cached is not None and h is not None and (
-                    h in cached or (evictor is not None and h in evictor.free_table)
-                )
-                block = _allocate(*args, **kw)
-                if not known:
-                    _epochs[block.block_number] += 1
-                return block
-
-            allocator.allocate = counted
-
-    def _v1_init_snapshot(self) -> None:
-        # UncachedBlockAllocator keeps no list of allocated blocks: remember every block object
-        # while they all sit on the free list (read-only references).
-        self._v1_blocks: dict[str, list] = {}
-        for name in ("gpu_allocator", "cpu_allocator"):
-            allocator = getattr(self._raw, name)
-            blocks = list(getattr(allocator, "free_blocks", []))
-            self._v1_blocks[name] = blocks
-
-    def _observe_v1(self) -> KVState:
-        gpu_view = self._v1_pool("gpu_allocator", self.config.num_blocks)
-        cpu_view = self._v1_pool("cpu_allocator", self.config.num_cpu_blocks)
-        VD = self._v.Device
-        bsw = getattr(self._raw, "block_sliding_window", None)
-        tables: dict[int, TableView] = {}
-        for seq_id, bt in self._raw.block_tables.items():
-            blocks = list(bt)
-            on_cpu = bool(blocks) and blocks[0].device == VD.CPU
-            slots: list[Slot] = [b.block_number for b in blocks]
-            if bsw is not None and self.v1_window_slots == "tail" and len(slots) > bsw:
-                slots = [None] * (len(slots) - bsw) + slots[-bsw:]
-            device = Device.CPU if on_cpu else Device.GPU
-            tables[seq_id] = table_view(self._last_tables, seq_id, device, tuple(slots))
-        self._last_tables = tables
-        return KVState(
-            gpu=gpu_view, tables=tables, cpu=cpu_view if self.config.num_cpu_blocks > 0 else None
-        )
-
-    def _v1_pool(self, name: str, num_blocks: int) -> PoolView:
-        view = self._v1_pool_view(name, num_blocks)
-        epochs = self._v1_epochs[name]
-        return attrs.evolve(view, epochs={b: epochs[b] for b in view.ids})
-
-    def _v1_pool_view(self, name: str, num_blocks: int) -> PoolView:
-        allocator = getattr(self._raw, name)
-        ids = tuple(range(num_blocks))
-        if hasattr(allocator, "free_blocks"):  # UncachedBlockAllocator
-            refcounts = {b.block_number: b.ref_count for b in self._v1_blocks[name]}
-            free = tuple(b.block_number for b in allocator.free_blocks)
-            return PoolView(ids=ids, refcounts=refcounts, free=free)
-        # CachedBlockAllocator: blocks are created lazily; every created block is either
-        # referenced (in cached_blocks) or in the evictor.
-        live = dict(allocator.cached_blocks)
-        parked = dict(allocator.evictor.free_table)
-        refcounts = {b: 0 for b in ids}
-        free = list(range(allocator.current_num_blocks, num_blocks))
-        evictable: list[int] = []
-        cached: list[tuple[PrefixKey, int]] = []
-        computed: set[int] = set()
-        for h, block in itertools.chain(live.items(), parked.items()):
-            refcounts[block.block_number] = block.ref_count
-            key = self._key(h)
-            if key is None:  # a placeholder (counter) hash: no content
-                if block.ref_count == 0:
-                    free.append(block.block_number)
-                continue
-            cached.append((key, block.block_number))
-            if block.ref_count == 0:
-                evictable.append(block.block_number)
-            if block.computed:
-                computed.add(block.block_number)
-        return PoolView(
-            ids=ids,
-            refcounts=refcounts,
-            free=tuple(free),
-            evictable=tuple(evictable),
-            cached=tuple(cached),
-            computed=frozenset(computed),
-        )
-
-
-def _table_blocks(bt) -> list:
-    """A V2 BlockTable's block objects (a ``blocks`` property from 0.5 on, ``_blocks`` before)."""
-    blocks = getattr(bt, "blocks", None)
-    return list(blocks if blocks is not None else bt._blocks)
-
-
-def _evictor_ids(evictor) -> Iterable[int]:
-    table = getattr(evictor, "free_table", None)
-    if table is None:
-        raise AttributeError("unknown evictor layout (no free_table)")
-    return list(table.keys())
+        return self._observer.observe()
 
 
 def make_legacy(config: Config, manager: str | None = None, **kwargs: Any) -> LegacyAdapter:

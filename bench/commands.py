@@ -18,8 +18,8 @@ from .common import (
 )
 
 # What each target runs in the throughput benchmark.  The legacy manager runs full attention
-# (the brief) without prefix caching: with caching the 0.6.3 V2 machine currently stops at a
-# reported violation (see FINDINGS / the legacy adapter), and a failing run measures shrinking.
+# without prefix caching: with caching or a window the 0.6.3 V2 machine stops at a known finding
+# (F1, F4: FINDINGS.md), and a failing run would measure shrinking rather than checking.
 THROUGHPUT_TARGETS: dict[str, dict[str, Any]] = {
     "reference": {"window": "any", "caching": "any", "swap": True, "max_blocks": 32},
     "v1@0.33.0": {"window": "any", "caching": "any", "swap": False, "max_blocks": 16},

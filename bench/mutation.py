@@ -92,8 +92,9 @@ class MutateOptions:
 
 TARGETS: dict[str, dict[str, Any]] = {
     "v1@0.33.0": {
-        # Mutated: the three modules; "served" ones are loaded unmutated from the copies
-        # too, so that they bind the mutated modules when they import them.
+        # Mutated: the block pool, kv_cache_utils and the single-type managers; "served" ones
+        # are loaded unmutated from the copies too, so that they bind the mutated modules when
+        # they import them.
         "mutate": [
             "vllm.v1.core.block_pool",
             "vllm.v1.core.kv_cache_utils",

@@ -1,8 +1,8 @@
 """Reachable-but-missed mutants: a few short straight-line scenarios run over mutants.
 
 The mutation oracle (``bench.mutation``) draws its operations at random; a mutant it does not
-kill may still be killable by a short, plain sequence.  The issue's example is one: admitting
-and freeing one block-aligned prompt three times.  This runs such scenarios through the
+kill may still be killable by a short, plain sequence, e.g. admitting and freeing one
+block-aligned prompt three times.  This runs such scenarios through the
 Driver (every invariant checked after every operation) on each given mutant, in a forked
 child of a server that has imported torch and vLLM once (the same import hook as the
 mutation run), and lists the mutants some scenario kills.  Those are the ones a search

@@ -87,8 +87,8 @@ class Target:
         return any((s / f"vllm-{self.version}.dist-info").exists() for s in site)
 
 
-# Releases CI provisions: 0.6.3 is the last legacy release that ships both of the seed
-# issue's managers; 0.33.0 is the current V1-engine release.
+# Releases CI provisions: 0.6.3 is the last legacy release that ships both
+# BlockSpaceManagerV1 and V2 (vllm#7470's managers); 0.33.0 is the current V1-engine release.
 PINNED = ("0.6.3", "0.33.0")
 
 LEGACY_RANGE = ((0, 4, 3), (0, 10, 2))
