@@ -98,6 +98,13 @@ def mutant_tree(site_packages: Path, key: str, root: Path) -> Path:
     return root
 
 
+def impl_flags(impl: str) -> tuple[str, ...]:
+    """The manager both sides run: V1's is a release's default wherever it ships, while a legacy
+    release ships several managers and runs the first by default (cli/pr.py ``default_impl``),
+    so a legacy target names its own."""
+    return () if impl == "v1" else ("--impl", impl)
+
+
 def verdict_command(tree: Path, version: str, out: Path, flags: Iterable[str] = ()) -> list[str]:
     return [str(KVSPEC), "check", "--vllm-source", str(tree), "--source-version", version,
             "--baseline", version, *flags, "--out", str(out)]
@@ -214,7 +221,7 @@ def measure(target: str, version: str | None, site_packages: Path, results_dir: 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvspec-lockstep-mut-{impl}"
     work.mkdir(parents=True, exist_ok=True)
     results = results_dir / f"mutation-lockstep-{impl}.jsonl"
-    rows = run_keys(site_packages, chosen, version, results, work, timeout, flags)
+    rows = run_keys(site_packages, chosen, version, results, work, timeout, (*impl_flags(impl), *flags))
     print(render([json.loads(line) for line in results.read_text().splitlines() if line.strip()], mutants))
     return rows
 
@@ -237,6 +244,17 @@ def two_by_two(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dic
     return out
 
 
+def by_verdict(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dict[str, int]:
+    """Counts of measured mutants by (the PR verdict's outcome, vLLM's tests kill): regressions
+    and behaviour changes apart."""
+    by_key = {m["key"]: m for m in mutants}
+    out: dict[str, int] = {}
+    for row in rows:
+        cell = f"{row['status']}, tests {'kill' if tests_kill(by_key[row['key']]) else 'miss'}"
+        out[cell] = out.get(cell, 0) + 1
+    return out
+
+
 def found_by(row: dict[str, Any]) -> str:
     """Which half of the PR verdict reported the mutant: the block-manager lockstep (HEAD and
     BASE compared call by call), or the scheduler machine's verdict on HEAD replayed on BASE."""
@@ -254,11 +272,15 @@ def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
     states = sorted({c.split(",")[0] for c in cells}, key=lambda s: (s != "lockstep detects", s))
     lines = ["| | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
     lines += [f"| {s} | {cells.get(s + ', tests kill', 0)} | {cells.get(s + ', tests miss', 0)} |" for s in states]
+    kinds = by_verdict(rows, mutants)
+    order = [s for s in (*DETECTED, "nothing", "timeout", "crash") if any(c.startswith(s + ",") for c in kinds)]
+    lines += ["", "| PR verdict | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
+    lines += [f"| {s} | {kinds.get(s + ', tests kill', 0)} | {kinds.get(s + ', tests miss', 0)} |" for s in order]
     lines += ["", "| mutant | PR verdict | found by | first verdict | `kvspec check` (sample run) | vLLM's tests "
               "| wall |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         m = by_key[row["key"]]
-        shown = m["describe"].removeprefix("vllm.v1.core.")
+        shown = m["describe"].removeprefix("vllm.v1.core.").removeprefix("vllm.core.")
         if len(shown) > DESCRIBE_CHARS:
             shown = shown[:DESCRIBE_CHARS] + "..." + "`" * (shown[:DESCRIBE_CHARS].count("`") % 2)
         cols = [shown, row["status"], found_by(row),
