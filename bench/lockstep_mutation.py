@@ -126,7 +126,10 @@ def classify(code: int | None, summary: dict[str, Any] | None) -> str:
 def _first(summary: dict[str, Any]) -> str:
     """The first verdict in one line: what differed (or which invariant), in which call."""
     for entry in summary.get("verdicts", []):
-        what = "; ".join(entry.get("head_violations", [])[:1]) or f"{entry.get('differs') or entry.get('field')}"
+        differs = f"{entry.get('differs') or entry.get('field')} differs"
+        # A behaviour change's violations (if any) are on both sides alike: what differs is its news.
+        news = [] if entry["verdict"] == "behaviour change" else entry.get("head_violations", [])
+        what = "; ".join(news[:1]) or differs
         return f"{entry['verdict']}: {what} in {entry.get('operation')}"[:400]
     for entry in summary.get("scheduler", []):
         if entry.get("regression") or entry.get("change"):

@@ -109,3 +109,12 @@ def test_regressions_and_changes_are_counted_apart_beside_the_tests():
     text = render(rows, mutants)
     assert "| regression | 1 | 0 |" in text and "| change | 1 | 0 |" in text and "| nothing | 0 | 1 |" in text
     assert "| block.common:0 CRP |" in text  # the legacy package prefix is dropped like V1's
+
+
+def test_a_behaviour_change_is_shown_by_what_differs_not_by_the_violations_both_sides_share():
+    shared = ["[window-bound] seq 0 holds 2 blocks"]
+    change = {"verdict": "behaviour change", "operation": "teardown", "differs": "free",
+              "head_violations": shared, "base_violations": shared}
+    regression = {"verdict": "regression", "operation": "swap_out", "head_violations": ["[crash] KeyError"]}
+    assert lockstep._first({"verdicts": [change]}) == "behaviour change: free differs in teardown"
+    assert lockstep._first({"verdicts": [regression]}) == "regression: [crash] KeyError in swap_out"
