@@ -100,8 +100,8 @@ def mutant_tree(site_packages: Path, key: str, root: Path) -> Path:
 
 def impl_flags(impl: str) -> tuple[str, ...]:
     """The manager both sides run: V1's is a release's default wherever it ships, while a legacy
-    release ships several managers and runs the first by default (cli/pr.py ``default_impl``),
-    so a legacy target names its own."""
+    release ships several managers, and the target's manager (whose modules the sample mutated)
+    need not be the one the engine runs by default (cli/pr.py ``default_impl``): it is named."""
     return () if impl == "v1" else ("--impl", impl)
 
 
