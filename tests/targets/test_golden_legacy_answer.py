@@ -1,12 +1,13 @@
 """A legacy golden test whose difference is an admission check's answer.
 
-``kvspec diff 0.6.2 0.6.3 --impl legacy-v2`` finds that 0.6.3's V2 manager refuses to swap out
-a one-block sequence with one appended token into a one-block CPU pool (``can_swap_out`` False)
+``kvspec diff 0.6.2 0.6.3 --impl legacy-v2`` finds that 0.6.3's V2 manager refuses to swap out a
+one-block sequence with one appended token into a one-block CPU pool (``can_swap_out`` False)
 where 0.6.2 swaps it: 0.6.3's ``_can_swap`` (block_manager_v2.py:473-492) adds the blocks that
 appending the sequence's unseen tokens would touch to its full blocks (1 + 1 > 1 CPU block:
-NEVER), 0.6.2's counts the table's blocks only (``get_num_blocks_touched``, :470-472).  The golden file must assert BASE's answer at that call as a
-``[behaviour-change]`` failure, or kvspec cannot verify it (it fails on HEAD for another reason).
-Needs the provisioned 0.6.2 and 0.6.3 venvs; skips loudly without them.
+NEVER), 0.6.2's counts the table's blocks only (``get_num_blocks_touched``, :470-472). The
+golden file must assert BASE's answer at that call as a ``[behaviour-change]`` failure, or
+kvspec cannot verify it (it fails on HEAD for another reason). Needs the provisioned 0.6.2 and
+0.6.3 venvs; skips loudly without them.
 """
 
 from __future__ import annotations
