@@ -138,6 +138,11 @@ def _first(summary: dict[str, Any]) -> str:
     return ""
 
 
+def found_lines(log: str) -> list[str]:
+    """The PR verdict's progress lines (cli/pr.py: ``  found: <verdict>``) in its log."""
+    return [ln.strip().removeprefix("found: ") for ln in log.splitlines() if ln.startswith("  found: ")]
+
+
 def run_one(site_packages: Path, key: str, version: str, work: Path, timeout: float,
             flags: Iterable[str] = ()) -> dict[str, Any]:
     """One mutant through the PR verdict; the row for the results file.  Its report folder and
@@ -170,6 +175,10 @@ def run_one(site_packages: Path, key: str, version: str, work: Path, timeout: fl
     row["report"] = str(out)
     if row["status"] == "crash":
         row["tail"] = log.read_text(errors="replace").splitlines()[-8:]
+    if row["status"] == "timeout":
+        # What the lockstep had found before the limit (its progress lines), unshrunk and
+        # unreported: evidence for the reader, never counted as a verdict.
+        row["found_before_timeout"] = found_lines(log.read_text(errors="replace"))
     return row
 
 

@@ -118,3 +118,8 @@ def test_a_behaviour_change_is_shown_by_what_differs_not_by_the_violations_both_
     regression = {"verdict": "regression", "operation": "swap_out", "head_violations": ["[crash] KeyError"]}
     assert lockstep._first({"verdicts": [change]}) == "behaviour change: free differs in teardown"
     assert lockstep._first({"verdicts": [regression]}) == "regression: [crash] KeyError in swap_out"
+
+
+def test_a_timed_out_verdict_keeps_what_it_had_found():
+    log = "starting both targets ...\n  found: regression: outcome differs at admit (operation 3)\nHEAD imported\n"
+    assert lockstep.found_lines(log) == ["regression: outcome differs at admit (operation 3)"]
