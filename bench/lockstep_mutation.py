@@ -98,6 +98,13 @@ def mutant_tree(site_packages: Path, key: str, root: Path) -> Path:
     return root
 
 
+def impl_flags(impl: str) -> tuple[str, ...]:
+    """The manager both sides run: V1's is a release's default wherever it ships, while a legacy
+    release ships several managers, and the target's manager (whose modules the sample mutated)
+    need not be the one the engine runs by default (cli/pr.py ``default_impl``): it is named."""
+    return () if impl == "v1" else ("--impl", impl)
+
+
 def verdict_command(tree: Path, version: str, out: Path, flags: Iterable[str] = ()) -> list[str]:
     return [str(KVSPEC), "check", "--vllm-source", str(tree), "--source-version", version,
             "--baseline", version, *flags, "--out", str(out)]
@@ -119,13 +126,21 @@ def classify(code: int | None, summary: dict[str, Any] | None) -> str:
 def _first(summary: dict[str, Any]) -> str:
     """The first verdict in one line: what differed (or which invariant), in which call."""
     for entry in summary.get("verdicts", []):
-        what = "; ".join(entry.get("head_violations", [])[:1]) or f"{entry.get('differs') or entry.get('field')}"
+        differs = f"{entry.get('differs') or entry.get('field')} differs"
+        # A behaviour change's violations (if any) are on both sides alike: what differs is its news.
+        news = [] if entry["verdict"] == "behaviour change" else entry.get("head_violations", [])
+        what = "; ".join(news[:1]) or differs
         return f"{entry['verdict']}: {what} in {entry.get('operation')}"[:400]
     for entry in summary.get("scheduler", []):
         if entry.get("regression") or entry.get("change"):
             fp = entry.get("fingerprint", {})
             return f"scheduler: {fp.get('invariant')} in {fp.get('operation')} (BASE: {entry.get('base')})"[:400]
     return ""
+
+
+def found_lines(log: str) -> list[str]:
+    """The PR verdict's progress lines (cli/pr.py: ``  found: <verdict>``) in its log."""
+    return [ln.strip().removeprefix("found: ") for ln in log.splitlines() if ln.startswith("  found: ")]
 
 
 def run_one(site_packages: Path, key: str, version: str, work: Path, timeout: float,
@@ -160,6 +175,10 @@ def run_one(site_packages: Path, key: str, version: str, work: Path, timeout: fl
     row["report"] = str(out)
     if row["status"] == "crash":
         row["tail"] = log.read_text(errors="replace").splitlines()[-8:]
+    if row["status"] == "timeout":
+        # What the lockstep had found before the limit (its progress lines), unshrunk and
+        # unreported: evidence for the reader, never counted as a verdict.
+        row["found_before_timeout"] = found_lines(log.read_text(errors="replace"))
     return row
 
 
@@ -214,7 +233,7 @@ def measure(target: str, version: str | None, site_packages: Path, results_dir: 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvspec-lockstep-mut-{impl}"
     work.mkdir(parents=True, exist_ok=True)
     results = results_dir / f"mutation-lockstep-{impl}.jsonl"
-    rows = run_keys(site_packages, chosen, version, results, work, timeout, flags)
+    rows = run_keys(site_packages, chosen, version, results, work, timeout, (*impl_flags(impl), *flags))
     print(render([json.loads(line) for line in results.read_text().splitlines() if line.strip()], mutants))
     return rows
 
@@ -237,6 +256,17 @@ def two_by_two(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dic
     return out
 
 
+def by_verdict(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dict[str, int]:
+    """Counts of measured mutants by (the PR verdict's outcome, vLLM's tests kill): regressions
+    and behaviour changes apart."""
+    by_key = {m["key"]: m for m in mutants}
+    out: dict[str, int] = {}
+    for row in rows:
+        cell = f"{row['status']}, tests {'kill' if tests_kill(by_key[row['key']]) else 'miss'}"
+        out[cell] = out.get(cell, 0) + 1
+    return out
+
+
 def found_by(row: dict[str, Any]) -> str:
     """Which half of the PR verdict reported the mutant: the block-manager lockstep (HEAD and
     BASE compared call by call), or the scheduler machine's verdict on HEAD replayed on BASE."""
@@ -254,11 +284,15 @@ def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:
     states = sorted({c.split(",")[0] for c in cells}, key=lambda s: (s != "lockstep detects", s))
     lines = ["| | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
     lines += [f"| {s} | {cells.get(s + ', tests kill', 0)} | {cells.get(s + ', tests miss', 0)} |" for s in states]
+    kinds = by_verdict(rows, mutants)
+    order = [s for s in (*DETECTED, "nothing", "timeout", "crash") if any(c.startswith(s + ",") for c in kinds)]
+    lines += ["", "| PR verdict | vLLM's tests kill | vLLM's tests miss |", "|---|---|---|"]
+    lines += [f"| {s} | {kinds.get(s + ', tests kill', 0)} | {kinds.get(s + ', tests miss', 0)} |" for s in order]
     lines += ["", "| mutant | PR verdict | found by | first verdict | `kvspec check` (sample run) | vLLM's tests "
               "| wall |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         m = by_key[row["key"]]
-        shown = m["describe"].removeprefix("vllm.v1.core.")
+        shown = m["describe"].removeprefix("vllm.v1.core.").removeprefix("vllm.core.")
         if len(shown) > DESCRIBE_CHARS:
             shown = shown[:DESCRIBE_CHARS] + "..." + "`" * (shown[:DESCRIBE_CHARS].count("`") % 2)
         cols = [shown, row["status"], found_by(row),

@@ -93,8 +93,9 @@ def side_for(
     venv (``--venv`` picks another) with the checkout first on PYTHONPATH."""
     if not checkout:
         t = ensure_provisioned(spec)
-        gens = generations_of(t.venv)
-        return Side(label, f"vLLM {spec}", str(t.python), impl or default_impl(t, gens))
+        package = installed_package(t.venv)
+        gens = generations(package) if package else {"legacy": False, "v1": False}
+        return Side(label, f"vLLM {spec}", str(t.python), impl or default_impl(t, gens, package))
     root = validate_checkout(spec)
     version = version or read_source_version(root)
     if not version or version == "dev":
@@ -102,23 +103,53 @@ def side_for(
     gens = generations(root / "vllm")
     t = venv_for_source(version, gens, getattr(args, "venv", None))
     description = f"the checkout {root} (vLLM {version}, run in the vLLM {t.version} venv)"
-    return Side(label, description, str(t.python), impl or default_impl(t, gens), pythonpath=str(root))
+    return Side(label, description, str(t.python), impl or default_impl(t, gens, root / "vllm"),
+                pythonpath=str(root))
 
 
-def generations_of(venv: Path) -> dict[str, bool]:
+def installed_package(venv: Path) -> Path | None:
     found = sorted(venv.glob("lib/python*/site-packages/vllm"))
-    return generations(found[0]) if found else {"legacy": False, "v1": False}
+    return found[0] if found else None
 
 
-def default_impl(t: Target, gens: dict[str, bool]) -> str:
+def engine_uses_v2(package: Path) -> bool | None:
+    """The default of ``EngineArgs.use_v2_block_manager`` in a vLLM package's source
+    (vllm/engine/arg_utils.py; 0.6.2 has False at :110, 0.6.3 True at :110), read without
+    importing vLLM; None where the package declares no such field."""
+    import ast
+
+    source = package / "engine" / "arg_utils.py"
+    if not source.is_file():
+        return None
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            for field in node.body:
+                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and field.target.id == "use_v2_block_manager" and isinstance(field.value, ast.Constant)):
+                    return bool(field.value.value)
+    return None
+
+
+def default_impl(t: Target, gens: dict[str, bool], package: Path | None = None) -> str:
     """The manager the engine runs by default: V1's KVCacheManager where the tree has it, else
-    the release's default legacy manager."""
+    the legacy manager the package's ``EngineArgs.use_v2_block_manager`` default picks (as
+    adapters/legacy.py ``default_manager`` does inside a target), else the release's only one."""
     if gens.get("v1"):
         return "v1"
     legacy = [m for m in t.managers if m != "v1"]
     if not legacy:
         raise UsageError(f"vLLM {t.version} ships no block manager kvspec drives", "kvspec targets lists them")
-    return legacy[0]
+    if len(legacy) == 1:
+        return legacy[0]
+    v2 = engine_uses_v2(package) if package is not None else None
+    if v2 is None:
+        raise UsageError(
+            f"vLLM {t.version} ships {', '.join(legacy)} and its engine's default cannot be read "
+            f"({package}/engine/arg_utils.py: no EngineArgs.use_v2_block_manager default)",
+            f"name the manager: --impl {legacy[-1]}",
+        )
+    wanted = "legacy-v2" if v2 else "legacy-v1"
+    return wanted if wanted in legacy else legacy[0]
 
 
 def lockstep_sides(head: tuple[str, bool], base: tuple[str, bool], args: argparse.Namespace) -> tuple[Side, Side]:

@@ -27,7 +27,7 @@ from kvspec.spec.state import Status
 
 from .driver import Driver, TraceStep, apply_step
 from .progress import drain
-from .straight_line import _asserted, _import_lines, _op_comment
+from .straight_line import _asserted, _condition, _import_lines, _op_comment
 
 TAG = "behaviour-change"  # what the file's failure message starts with: [behaviour-change]
 
@@ -117,6 +117,12 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
         if line.op_index and line.op_index not in commented:
             commented.add(line.op_index)
             body.append(f"# {_op_comment(line.op_index, trace)}")
+        if line.op_index == index and line.answer is not None:
+            # An admission check at the differing operation is BASE's answer to assert, not a
+            # precondition: HEAD answering otherwise is the behaviour change itself.
+            body += [f"if not ({_condition(line)}):",
+                     f'    pytest.fail("[{TAG}] {line.call}: expected {line.answer} (BASE), observed otherwise")']
+            continue
         body.append(code)
     where = _op_comment(index, trace)
     body += [
