@@ -12,7 +12,7 @@ from kvspec.cli.bench import parse_bench
 
 def _worker(task: str, params: str, out: str) -> None:
     if task.startswith("mutation-"):
-        from .mutation import worker_main
+        from .mutation_worker import worker_main
 
         worker_main(task, params, out)
     else:

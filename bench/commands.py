@@ -529,7 +529,7 @@ def cmd_render(*, names: list[str], results: str | None, md: str | None) -> None
     import json
 
     from .common import RESULTS
-    from .mutation import render_mutation
+    from .mutation_report import render_mutation
     from .proofcost import render_proofs
 
     renderers = {"throughput": render_throughput, "ttc": render_ttc, "scale": render_scale,

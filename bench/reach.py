@@ -56,7 +56,7 @@ def scenarios(make, config_cls) -> list[str]:
 
 def run(p: dict[str, Any]) -> dict[str, Any]:
     """Fork server: one child per mutant key; returns {key: [what killed it]}."""
-    from .mutation import _check_loaded, _install
+    from .import_hook import check_loaded, install
 
     for name in p["preimport"]:
         __import__(name)
@@ -73,14 +73,14 @@ def run(p: dict[str, Any]) -> dict[str, Any]:
                 signal.alarm(CHILD_SECONDS)  # a mutant that hangs: the default action ends it
                 sys.stdout = sys.stderr = open(os.devnull, "w")
                 mutation = None if job["site"] is None else job
-                _install(p["paths"], mutation)
+                install(p["paths"], mutation)
                 from kvspec.spec.config import Config
 
                 from .common import factory
 
                 make = factory("v1")
                 text = json.dumps(scenarios(make, Config))
-                _check_loaded(p["paths"])
+                check_loaded(p["paths"])
             except BaseException as error:  # the mutated module does not import or build
                 text = json.dumps([f"import/build crash {type(error).__name__}: {error}"[:300]])
                 code = 1

@@ -100,7 +100,8 @@ def test_mutation_report_keeps_the_narrowed_oracle_beside_the_checks(tmp_path):
     such and the narrowed one is kept, each with its own 2x2; a cached vLLM-tests verdict of a
     mutant is reused (the tests never see the oracle)."""
     sys.path.insert(0, str(REPO))
-    from bench.mutation import _verdicts, render_mutation
+    from bench.mutation import _verdicts
+    from bench.mutation_report import render_mutation
 
     def result(oracle: str, kv: str) -> dict:
         m = {"key": "m:1:ROR:0", "module": "pkg.mod", "line": 3, "op": "ROR", "original": "<",
