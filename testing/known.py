@@ -212,6 +212,14 @@ def _strings(entry: Mapping[str, Any], key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _domain_sets(entry: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """An entry's ``domains``: one set of extra-key kinds (``["cache_salt", "lora"]``) or a list
+    of such sets, each sorted as ``Violation.domains`` is."""
+    value = entry.get("domains", [])
+    sets = value if value and all(isinstance(v, list) for v in value) else [value]
+    return tuple(tuple(sorted(_strings({"id": entry.get("id"), "domains": v}, "domains"))) for v in sets if v)
+
+
 @attrs.frozen
 class KnownFinding:
     """A narrow fingerprint of one FINDINGS.md entry.  Empty fields match anything; every
@@ -224,9 +232,9 @@ class KnownFinding:
     exception: tuple[str, ...] = ()
     location: tuple[str, ...] = ()  # substrings of the fingerprint's location
     kind: tuple[str, ...] = ()  # violation kinds (``Violation.kind``), one of which the failure shows
-    # The extra-key kinds a violation between domains confused (``Violation.domains``, sorted):
-    # which keys collided, e.g. a LoRA name against a cache salt.
-    domains: tuple[str, ...] = ()
+    # The extra-key kinds a violation between domains confused (``Violation.domains``, sorted),
+    # one of which the failure shows: which keys collided, e.g. a LoRA name against a cache salt.
+    domains: tuple[tuple[str, ...], ...] = ()
     message: tuple[str, ...] = ()  # a crash only: substrings, one of which its exception text contains
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
@@ -278,7 +286,7 @@ class KnownFinding:
             exception=_strings(entry, "exception"),
             location=_strings(entry, "location"),
             kind=_strings(entry, "kind"),
-            domains=tuple(sorted(_strings(entry, "domains"))),
+            domains=_domain_sets(entry),
             message=message,
             impl=_strings(entry, "impl"),
             releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
@@ -324,7 +332,7 @@ class KnownFinding:
             return False
         if self.kind and not any(k in evidence.kinds for k in self.kind):
             return False
-        if self.domains and self.domains not in evidence.domains:
+        if self.domains and not any(d in evidence.domains for d in self.domains):
             return False
         if self.message and not any(part in evidence.crash for part in self.message):
             return False

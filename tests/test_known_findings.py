@@ -425,7 +425,10 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (ISOLATION, LORA_SALT, "0.12.0", "F-KV9"),
         (ISOLATION, LORA_SALT, "0.30.0", "F-KV9"),
         (ISOLATION, LORA_SALT, "0.31.0", None),
-        (ISOLATION, ("lora", "mm"), "0.12.0", None),
+        # An identifier against a LoRA name (0.12.0 only): ended by F-KV10's fix (0.19.1 tags items).
+        (ISOLATION, ("lora", "mm"), "0.12.0", "F-KV10"),
+        (ISOLATION, ("lora", "mm"), "0.19.1", None),
+        (ISOLATION, ("lora",), "0.12.0", None),
         # vLLM's own Scheduler: one hash for the same tokens in two domains.
         (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
         (COLLISION, LORA_SALT, "0.30.0", "F-KV9/scheduler"),
