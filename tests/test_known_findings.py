@@ -428,6 +428,7 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         # An identifier against a LoRA name (0.12.0 only): ended by F-KV10's fix (0.19.1 tags items).
         (ISOLATION, ("lora", "mm"), "0.12.0", "F-KV10"),
         (ISOLATION, ("lora", "mm"), "0.19.1", None),
+        (ISOLATION, ("cache_salt", "lora", "mm"), "0.12.0", "F-KV10"),  # e.g. lora a + image b, image a + salt b
         (ISOLATION, ("lora",), "0.12.0", None),
         # vLLM's own Scheduler: one hash for the same tokens in two domains.
         (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
