@@ -90,7 +90,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, NoFreeBlocks, NotAdmitted, Unsupported
 from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Admission, BlockCopy, Capability
-from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey, as_extra, key_of
+from kvspec.spec.prefix_hash import ExtraKeys, HashCollision, PrefixKey, as_extra, key_of
 from kvspec.spec.state import Device, KVState, PoolView, TableView, table_view
 
 from .recording import Recorder, real
@@ -188,12 +188,15 @@ def learn_hash_keys(
     unit: int,
     keys: dict[Any, PrefixKey],
     external: dict[Any, PrefixKey],
-    collisions: list[tuple[Any, PrefixKey, PrefixKey]],
+    collisions: list[HashCollision],
+    seq: int | None,
+    owners: dict[Any, int],
 ) -> None:
     """Map the release's hash of every ``unit``-token block of ``tokens`` to its PrefixKey (the
     chain up to the block's end, in ``extra``'s domain) in ``keys``, and every form a KV event
     carries it in (``external_forms``) in ``external``; a hash that stands for two chains goes
-    to ``collisions`` (the adapters report it under prefix-cache-consistency)."""
+    to ``collisions`` (the adapters report it under prefix-cache-consistency), with the
+    sequence that first carried it (``owners``, filled here) and ``seq``, whose tokens these are."""
     for i, h in enumerate(hashes):
         end = (i + 1) * unit
         if end > len(tokens):
@@ -201,10 +204,13 @@ def learn_hash_keys(
         key = key_of(tokens, end, extra)
         old = keys.setdefault(h, key)
         if old is key:
+            if seq is not None:
+                owners[h] = seq
             for form in external_forms(h):
                 external.setdefault(form, key)
         elif old != key:
-            collisions.append((h, old, key))
+            seqs = tuple(s for s in (owners.get(h), seq) if s is not None)
+            collisions.append(HashCollision(h, old, key, seqs))
 
 
 def spec_event(
@@ -403,7 +409,8 @@ class VLLMV1Adapter:
         self._pending: dict[int, int] = {}  # scheduled, not yet committed tokens
         self._keys: dict[Any, PrefixKey] = {}  # vLLM block hash -> PrefixKey
         self._external: dict[Any, PrefixKey] = {}  # a KV event's hash (either format) -> key
-        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
+        self.hash_collisions: list[HashCollision] = []
+        self._hash_owners: dict[Any, int] = {}  # a block hash -> the sequence that first carried it
         self._events: list[CacheEvent] = []
         self.event_hash_formats: Counter[str] = Counter()  # type name of event hashes seen
         self._lora_ids: dict[str, int] = {}
@@ -602,7 +609,7 @@ class VLLMV1Adapter:
         extra = self._extra.get(seq_id, as_extra(()))
         learn_hash_keys(
             hashes, tuple(request.all_token_ids), extra, self._B,
-            self._keys, self._external, self.hash_collisions,
+            self._keys, self._external, self.hash_collisions, seq_id, self._hash_owners,
         )
 
     def _group_blocks(self, request_id: str) -> list[Any]:

@@ -84,7 +84,7 @@ from typing import Any
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import GroupState, HybridState, Plan, Scheduled, Shape
-from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey
 from kvspec.spec.state import Device, PoolView, TableView
 
 from .recording import Recorder, real
@@ -331,7 +331,7 @@ class VLLMV1SchedulerAdapter:
         self._req: dict[int, Any] = {}  # seq id -> Request (until finished)
         self._seq_of: dict[str, int] = {}
         self._keys: dict[Any, PrefixKey] = self.cache_view.keys
-        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = self.cache_view.hash_collisions
+        self.hash_collisions: list[HashCollision] = self.cache_view.hash_collisions
         self._extra: dict[str, ExtraKeys] = {}  # request id -> its domain
 
     # ------------------------------------------------------------------ construction
@@ -633,10 +633,11 @@ class VLLMV1SchedulerAdapter:
             return
         extra = self._extra.get(request.request_id, NO_EXTRA)
         tokens = tuple(request.all_token_ids)
-        self.cache_view.learn(hashes, tokens, extra, self.hash_block_size)
+        seq = self._seq_of.get(request.request_id)
+        self.cache_view.learn(hashes, tokens, extra, self.hash_block_size, seq)
         for size in self._coarser_block_sizes:
             coarse = self._v.kcu.BlockHashListWithBlockSize(hashes, self.hash_block_size, size)
-            self.cache_view.learn(coarse, tokens, extra, size)
+            self.cache_view.learn(coarse, tokens, extra, size, seq)
 
     def _usage(self) -> float | None:
         """The KV-cache usage the scheduler reports (``get_kv_cache_usage``, 0.33.0

@@ -54,7 +54,7 @@ from typing import Any
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.events import CacheEvent, EventKind
 from kvspec.spec.interface import Capability
-from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
+from kvspec.spec.prefix_hash import ExtraKeys, HashCollision, PrefixKey
 
 from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params, learn_hash_keys, spec_event
 
@@ -92,7 +92,8 @@ class SchedulerCacheView:
         self.int_event_hashes = True  # the adapter sets it from the pool size (both formats drawn)
         self.extra_kinds = frozenset(EXTRA_KIND_OF[c] for c in self._extra_capabilities())
         self.keys: dict[Any, PrefixKey] = {}  # the release's block hash -> its PrefixKey
-        self.hash_collisions: list[tuple[Any, PrefixKey, PrefixKey]] = []
+        self.hash_collisions: list[HashCollision] = []
+        self._owners: dict[Any, int] = {}  # a block hash -> the sequence that first carried it
         self._external: dict[Any, PrefixKey] = {}  # a KV event's hash (either format) -> key
         self._raw: list[Any] = []  # what take_events returned, not yet translated
         self._events: list[list[CacheEvent]] = [[] for _ in range(num_groups)]
@@ -155,11 +156,14 @@ class SchedulerCacheView:
         fields.update(self._mm_fields(extra, _params(self._v.request.Request.__init__)))
         return fields
 
-    def learn(self, hashes: Any, tokens: tuple[int, ...], extra: ExtraKeys, hash_block_size: int) -> None:
-        """Map the release's hash of every hash block to its PrefixKey (the token chain up to
-        the block's end, in the request's domain) and each external form events carry."""
+    def learn(
+        self, hashes: Any, tokens: tuple[int, ...], extra: ExtraKeys, hash_block_size: int, seq: int | None
+    ) -> None:
+        """Map the release's hash of every hash block of sequence ``seq`` to its PrefixKey (the
+        token chain up to the block's end, in the request's domain) and each external form
+        events carry."""
         learn_hash_keys(
-            hashes, tokens, extra, hash_block_size, self.keys, self._external, self.hash_collisions
+            hashes, tokens, extra, hash_block_size, self.keys, self._external, self.hash_collisions, seq, self._owners
         )
 
     # ------------------------------------------------------------ events

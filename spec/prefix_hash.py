@@ -148,6 +148,31 @@ class PrefixKey:
         return PrefixKey(self.chain[:end], tuple(e for e in self.extra if _before(e, end)))
 
 
+@attrs.frozen
+class HashCollision:
+    """One block hash a release gave two different keys: the key learned first under it, the
+    key that met it, and the sequences whose blocks carried the first and the second (those the
+    observer knows, in that order)."""
+
+    hash: object
+    first: PrefixKey
+    second: PrefixKey
+    seqs: tuple[int, ...] = ()
+
+    @property
+    def same_tokens(self) -> bool:
+        """Equal chains: what the hash failed to tell apart is the domain (extra keys)."""
+        return self.first.chain == self.second.chain
+
+
+def confused_domains(a: tuple[object, ...], b: tuple[object, ...]) -> tuple[str, ...]:
+    """The kinds of extra key ("cache_salt", "lora", "mm") whose parts tell one key's extra part
+    (``PrefixKey.extra``) from another's, sorted: which domains a block or a hash that stands for
+    both confused (a LoRA name against a cache salt gives ``("cache_salt", "lora")``)."""
+    differ = set(a) ^ set(b)
+    return tuple(sorted({str(part[0]) for part in differ if isinstance(part, tuple) and part}))
+
+
 def _before(part: object, end: int) -> bool:
     # A multimodal part belongs to a chain only if its feature starts before the chain's end.
     return not (isinstance(part, tuple) and part and part[0] == "mm" and part[2] >= end)

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 
 from .events import replay
-from .prefix_hash import PrefixKey
+from .prefix_hash import PrefixKey, confused_domains
 from .registry import invariant, live_tables, needs_prefix_caching, pools
 from .state import Device, PoolView, World
 from .violation import Violation, fact
@@ -97,6 +97,7 @@ def block_isolation(
                     blocks=(block,),
                     expected=_extra_text(own),
                     observed=_extra_text(key.extra),
+                    domains=confused_domains(own, key.extra),
                 )
     if len(domains) > 1:
         shown = "; ".join(f"seqs {sids} in {_extra_text(d)}" for d, sids in sorted(domains.items(), key=str))

@@ -10,7 +10,9 @@ of failing this is (``refcount-exact`` has ``wrong-refcount`` and ``not-in-pool`
 and ``observed`` hold JSON values (lists become tuples, so a violation stays hashable).  For an
 admission or an allocation, ``pool`` is the pool it met, ``need`` the blocks kvspec's admission
 arithmetic computes for it under the target's declared policy (``spec.admission``), and
-``taken`` the blocks the allocation took before it failed.
+``taken`` the blocks the allocation took before it failed.  For a block or a hash that stands for
+content of two domains, ``domains`` names the kinds of extra key that tell them apart
+(``spec.prefix_hash.confused_domains``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Violation:
     pool: PoolFacts | None = None
     need: int | None = None
     taken: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    domains: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __str__(self) -> str:
         return f"[{self.invariant}] {self.message}"

@@ -8,7 +8,8 @@ bug, reported once, shrunk on its own.
 
 A known finding is a narrow fingerprint of a FINDINGS.md entry: the fields above, the
 implementations and releases it concerns, the configuration features it needs, the kinds of
-violation it shows as (``Violation.kind``: a fact, never the violation's text) and, for a
+violation it shows as (``Violation.kind``: a fact, never the violation's text), for a
+violation between domains the kinds of extra key it confused (``Violation.domains``) and, for a
 crash, a fragment of the target's exception text.  ``known_findings.toml`` next to this module ships the
 project's own; a run told to step past them discards an example that meets one (counting
 it) instead of ending its search there, so a release with a known crash is still searched
@@ -28,6 +29,7 @@ from typing import Any
 
 import attrs
 from kvspec.spec.config import Config
+from kvspec.spec.violation import Violation
 from kvspec.targets.registry import release_key
 
 from .driver import Driver, SpecViolation, TraceStep
@@ -143,18 +145,29 @@ def message_of(error: BaseException) -> str:
 @attrs.frozen
 class Evidence:
     """What a known finding matches besides the fingerprint: the kinds of the failure's
-    violations (``Violation.kind``), and a crash's exception text (the target's words, the only
-    text matched)."""
+    violations (``Violation.kind``), the sets of extra-key kinds they confused
+    (``Violation.domains``), and a crash's exception text (the target's words, the only text
+    matched)."""
 
     kinds: frozenset[str] = frozenset()
     crash: str = ""
+    domains: frozenset[tuple[str, ...]] = frozenset()
+
+    @classmethod
+    def of(cls, violations: Iterable[Violation]) -> Evidence:
+        """The kinds and confused domains ``violations`` show."""
+        violations = list(violations)
+        return cls(
+            kinds=frozenset(v.kind for v in violations if v.kind),
+            domains=frozenset(v.domains for v in violations if v.domains),
+        )
 
 
 def evidence_of(error: BaseException) -> Evidence:
     """The evidence of a failing example's exception: every kind its violations show, or the
     exception text of a crash (a policy difference has neither)."""
     if isinstance(error, SpecViolation):
-        return Evidence(kinds=frozenset(v.kind for v in error.violations if v.kind))
+        return Evidence.of(error.violations)
     if isinstance(error, PolicyDifference):
         return Evidence()
     return Evidence(crash=f"{type(error).__name__}: {error}")
@@ -186,6 +199,7 @@ _KEYS = {
     "after",
     "bisect",
     "alongside",
+    "domains",
 }
 
 
@@ -196,6 +210,14 @@ def _strings(entry: Mapping[str, Any], key: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise KnownFindingsError(f"{entry.get('id', '?')}: {key} must be a string or a list of them")
     return tuple(value)
+
+
+def _domain_sets(entry: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """An entry's ``domains``: one set of extra-key kinds (``["cache_salt", "lora"]``) or a list
+    of such sets, each sorted as ``Violation.domains`` is."""
+    value = entry.get("domains", [])
+    sets = value if value and all(isinstance(v, list) for v in value) else [value]
+    return tuple(tuple(sorted(_strings({"id": entry.get("id"), "domains": v}, "domains"))) for v in sets if v)
 
 
 @attrs.frozen
@@ -210,6 +232,9 @@ class KnownFinding:
     exception: tuple[str, ...] = ()
     location: tuple[str, ...] = ()  # substrings of the fingerprint's location
     kind: tuple[str, ...] = ()  # violation kinds (``Violation.kind``), one of which the failure shows
+    # The extra-key kinds a violation between domains confused (``Violation.domains``, sorted),
+    # one of which the failure shows: which keys collided, e.g. a LoRA name against a cache salt.
+    domains: tuple[tuple[str, ...], ...] = ()
     message: tuple[str, ...] = ()  # a crash only: substrings, one of which its exception text contains
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
@@ -261,6 +286,7 @@ class KnownFinding:
             exception=_strings(entry, "exception"),
             location=_strings(entry, "location"),
             kind=_strings(entry, "kind"),
+            domains=_domain_sets(entry),
             message=message,
             impl=_strings(entry, "impl"),
             releases=tuple(releases) if releases is not None else None,  # type: ignore[arg-type]
@@ -305,6 +331,8 @@ class KnownFinding:
         if self.location and not any(part in fp.location for part in self.location):
             return False
         if self.kind and not any(k in evidence.kinds for k in self.kind):
+            return False
+        if self.domains and not any(d in evidence.domains for d in self.domains):
             return False
         if self.message and not any(part in evidence.crash for part in self.message):
             return False
@@ -362,7 +390,7 @@ def label_failures(
     """Every distinct failure ``error`` carries, each with the known finding it matches.
 
     A SpecViolation carries every invariant the operation violated: one fingerprint per
-    invariant (in the order checked), each matched on the kinds of that invariant's own violations, so a known
+    invariant (in the order checked), each matched on the facts of that invariant's own violations, so a known
     finding met in an operation does not name (and hide) another invariant the same operation
     broke.  A target's exception is one failure."""
     known = list(known)
@@ -373,13 +401,13 @@ def label_failures(
     steps = error.trace or list(trace)
     operation = steps[-1].op if steps else "teardown"
     ops = {s.op for s in steps}
-    kinds: dict[str, set[str]] = {}
+    shown: dict[str, list[Violation]] = {}
     for violation in error.violations:
-        kinds.setdefault(violation.invariant, set()).add(violation.kind)
+        shown.setdefault(violation.invariant, []).append(violation)
     labelled: list[Labelled] = []
-    for invariant, shown in kinds.items():
+    for invariant, violations in shown.items():
         fp = Fingerprint(invariant, operation)
-        labelled.append((fp, which_known(known, fp, Evidence(kinds=frozenset(shown - {""})), config, ops)))
+        labelled.append((fp, which_known(known, fp, Evidence.of(violations), config, ops)))
     # What a finding met in this operation declares it breaks alongside is that finding.
     met = [k for _, k in labelled if k is not None]
     labelled = [

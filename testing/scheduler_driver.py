@@ -37,7 +37,7 @@ from kvspec.spec.kv_memory import (
     plan_step_writes,
     state_readback_faults,
 )
-from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, PrefixKey, key_of
+from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey, confused_domains, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
 
 from .driver import TraceStep, _Target, record_crash, trace_args
@@ -403,19 +403,21 @@ class SchedulerDriver:
         found, self.pending = self.pending, []
         judge = self.judges.judge(self.memory.take())
         found += check_hybrid(self.config, self.state, self.seqs, self.memory, judge)
-        collisions = getattr(self.target, "hash_collisions", ())
-        for h, a, b in collisions:
-            message = f"one block hash {h!r} stands for two token chains: {a.chain} and {b.chain}"
-            if a.chain == b.chain:
-                # Equal tokens: what the hash failed to tell apart is the domain (extra keys).
+        collisions: Sequence[HashCollision] = getattr(self.target, "hash_collisions", ())
+        for c in collisions:
+            a, b = c.first, c.second
+            message = f"one block hash {c.hash!r} stands for two token chains: {a.chain} and {b.chain}"
+            if c.seqs:
+                message += f" (of seqs {', '.join(map(str, c.seqs))})"
+            if c.same_tokens:
                 message += f", the same tokens in two domains: {_domain(a)} and {_domain(b)}"
                 found.append(
-                    Violation("prefix-cache-consistency", message, kind="domain-collision",
-                              expected=_domain(a), observed=_domain(b))
+                    Violation("prefix-cache-consistency", message, kind="domain-collision", seqs=c.seqs,
+                              expected=_domain(a), observed=_domain(b), domains=confused_domains(a.extra, b.extra))
                 )
             else:
                 found.append(
-                    Violation("prefix-cache-consistency", message, kind="hash-collision",
+                    Violation("prefix-cache-consistency", message, kind="hash-collision", seqs=c.seqs,
                               expected=a.chain, observed=b.chain)
                 )
         return found

@@ -293,7 +293,8 @@ def _hash_collision(recording: straight_line.Recording, invariant: str) -> list[
     adapter = recording.driver.target.inner
     rec = recording.recorder
     size = adapter.hash_block_size
-    for h, a, b in adapter.hash_collisions:
+    for c in adapter.hash_collisions:
+        h, a, b = c.hash, c.first, c.second
         where: dict[Any, tuple[str, int]] = {}
         for request in adapter._req.values():
             extra = adapter._extra.get(request.request_id, NO_EXTRA)

@@ -405,3 +405,49 @@ def test_every_legacy_range_says_how_it_was_measured():
     legacy = {"legacy-v1", "legacy-v2", "legacy-self-attn"}
     unmeasured = [k.id for k in load_known([SHIPPED]) if k.releases and set(k.impl) & legacy and not k.bisect]
     assert not unmeasured, f"no bisect note: {unmeasured}"
+
+
+# A violation between two domains: (implementation, invariant, kind) of each machine's form.
+ISOLATION = ("v1", "prefix-cache-isolation", "cross-domain-key")
+COLLISION = ("v1-scheduler", "prefix-cache-consistency", "domain-collision")
+LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
+
+
+@pytest.mark.parametrize(
+    "form, domains, version, label",
+    [
+        # The block manager: F-KV10 (an image identifier against a salt) 0.10.1.1-0.12.0 ...
+        (ISOLATION, MM_SALT, "0.10.1.1", "F-KV10"),
+        (ISOLATION, MM_SALT, "0.12.0", "F-KV10"),
+        (ISOLATION, MM_SALT, "0.19.1", None),
+        # ... F-KV9 (a LoRA name against a salt) 0.12.0-0.30.0: 0.12.0 has both.
+        (ISOLATION, LORA_SALT, "0.10.2", None),
+        (ISOLATION, LORA_SALT, "0.12.0", "F-KV9"),
+        (ISOLATION, LORA_SALT, "0.30.0", "F-KV9"),
+        (ISOLATION, LORA_SALT, "0.31.0", None),
+        # An identifier against a LoRA name (0.12.0 only): ended by F-KV10's fix (0.19.1 tags items).
+        (ISOLATION, ("lora", "mm"), "0.12.0", "F-KV10"),
+        (ISOLATION, ("lora", "mm"), "0.19.1", None),
+        (ISOLATION, ("cache_salt", "lora", "mm"), "0.12.0", "F-KV10"),  # e.g. lora a + image b, image a + salt b
+        (ISOLATION, ("lora",), "0.12.0", None),
+        # vLLM's own Scheduler: one hash for the same tokens in two domains.
+        (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
+        (COLLISION, LORA_SALT, "0.30.0", "F-KV9/scheduler"),
+        (COLLISION, LORA_SALT, "0.31.0", None),
+        (COLLISION, MM_SALT, "0.12.0", None),
+    ],
+)
+def test_a_collision_between_domains_is_labelled_by_the_domains_it_confused(form, domains, version, label):
+    """F-KV9 and F-KV10 are one kind of violation told apart by the extra keys it confused (a
+    fact, ``Violation.domains``), each inside the releases its bisect measured."""
+    from kvspec.spec.violation import Violation
+    from kvspec.testing.driver import SpecViolation, TraceStep
+    from kvspec.testing.known import label_failures
+
+    impl, invariant, kind = form
+    known = [k for k in load_known([SHIPPED]) if k.concerns(impl, version)]
+    violation = Violation(invariant, "the same tokens in two domains", kind=kind, seqs=(0, 1), domains=domains)
+    error = SpecViolation([violation], [TraceStep("arrive" if impl == "v1-scheduler" else "admit", {"seq": 1})])
+    ((fp, found),) = label_failures(known, error, Config(block_size=2, num_blocks=4, prefix_caching=True))
+    assert fp.invariant == invariant
+    assert (found.id if found else None) == label

@@ -316,3 +316,52 @@ def test_the_browser_reads_back_every_scheduler_page(scheduler_reports, shown_re
         for v in report["violations"]:
             if v.get("group"):
                 assert {(v["group"], s) for s in v["seqs"]} <= {(r["group"], r["seq"]) for r in shown["rows"]}
+
+
+def _collision_of_two_domains(seqs: bool = True):
+    """The scheduler driver's verdict when one block hash stands for the same tokens under a
+    LoRA name "x" (seq 0) and a cache salt "x" (seq 1), on the reference scheduler: the hashes
+    are learned as an adapter learns a release's (``learn_hash_keys``), from a hash that drops
+    each extra key's kind (F-KV9's releases).  ``seqs``: name the sequences that carried them."""
+    from kvspec.adapters.v1 import learn_hash_keys
+    from kvspec.reference.scheduler import ReferenceScheduler
+    from kvspec.spec.groups import Shape
+    from kvspec.spec.prefix_hash import ExtraKeys
+    from kvspec.testing.scheduler_driver import SchedulerDriver
+
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=4, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2,
+    )
+    target = ReferenceScheduler(shape)
+    driver = SchedulerDriver(target)
+    keys: dict = {}
+    collisions: list = []
+    owners: dict = {}
+    for seq, extra in ((0, ExtraKeys(lora="x")), (1, ExtraKeys("x"))):
+        driver.arrive(seq, (0, 0), 2, extra)
+        untagged = [("x", (0, 0))]  # the block's hash: its tokens and the extra key's value alone
+        learn_hash_keys(untagged, (0, 0), extra, 2, keys, {}, collisions, seq if seqs else None, owners)
+    target.hash_collisions = collisions
+    found = [v for v in driver.check() if v.invariant == "prefix-cache-consistency"]
+    return shape, driver.trace, found
+
+
+def test_a_domain_collision_names_both_requests_and_the_page_marks_them(tmp_path):
+    """A scheduler's domain collision carries the requests whose blocks the hash stood for and
+    the domains it confused (facts), so the picture marks those requests' cells; without the
+    requests it has no red cell."""
+    from kvspec.reference.scheduler import ReferenceScheduler
+    from kvspec.testing.timeline import scheduler_film
+
+    shape, trace, (v,) = _collision_of_two_domains()
+    assert (v.kind, v.seqs, v.domains) == ("domain-collision", (0, 1), ("cache_salt", "lora"))
+    f = scheduler_film(ReferenceScheduler(shape), shape, trace, violations=[v])
+    _, cells = offending_cells(f)  # the reference shows no collision: the film runs to its end
+    assert {seq for _, seq, _ in cells} == {0, 1}
+    assert 'class="cell offending"' in timeline_svg(f, shape.describe())
+    _, _, (anonymous,) = _collision_of_two_domains(seqs=False)
+    assert anonymous.seqs == ()
+    unnamed = scheduler_film(ReferenceScheduler(shape), shape, trace, violations=[anonymous])
+    assert offending_cells(unnamed)[1] == set()

@@ -19,6 +19,7 @@ from kvspec.adapters.v1 import VLLMV1Adapter
 from kvspec.spec.config import Config
 from kvspec.spec.groups import Shape
 from kvspec.spec.prefix_hash import ExtraKeys
+from kvspec.spec.violation import Violation
 from kvspec.targets.registry import parse
 from kvspec.testing.driver import Driver
 from kvspec.testing.scheduler_driver import SchedulerDriver
@@ -76,10 +77,10 @@ def test_fkv9_control_031_on_tags_the_keys_apart():
     assert hit == 0 and not found
 
 
-def _scheduler_collisions(salt: str) -> list[str]:
+def _scheduler_collisions(salt: str) -> list[Violation]:
     """vLLM's own Scheduler (full attention, B=2, prefix caching): ``[0, 0]`` arrives under the
     adapter "seq1", then ``[0, 0]`` salted ``salt`` (the default run's trace on 0.30.0,
-    ``--seed 2``); the prefix-cache-consistency messages after the two arrivals."""
+    ``--seed 2``); the prefix-cache-consistency violations after the two arrivals."""
     from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
 
     shape = Shape(
@@ -90,14 +91,16 @@ def _scheduler_collisions(salt: str) -> list[str]:
     driver = SchedulerDriver(VLLMV1SchedulerAdapter(shape))
     driver.arrive(0, (0, 0), 1, ExtraKeys(lora="seq1"))
     driver.arrive(1, (0, 0), 1, ExtraKeys(salt))
-    return [v.message for v in driver.check() if v.invariant == "prefix-cache-consistency"]
+    return [v for v in driver.check() if v.invariant == "prefix-cache-consistency"]
 
 
 @requires_vllm("0.12.0", "0.30.0", pin="0.30.0")
 def test_fkv9_scheduler_form_one_hash_stands_for_a_lora_name_and_an_equal_salt():
     found = _scheduler_collisions("seq1")
-    assert found and "the same tokens in two domains" in found[0], "F-KV9's scheduler form is gone: " + repr(found)
-    assert "lora=seq1" in found[0] and "cache_salt=seq1" in found[0], found
+    assert found and found[0].kind == "domain-collision", "F-KV9's scheduler form is gone: " + repr(found)
+    # The requests whose blocks the hash stood for (the picture marks them), and what it confused.
+    assert (found[0].seqs, found[0].domains) == ((0, 1), ("cache_salt", "lora")), found
+    assert (found[0].expected, found[0].observed) == ("lora=seq1", "cache_salt=seq1"), found
 
 
 @requires_vllm("0.12.0", pin="0.30.0")
