@@ -74,6 +74,7 @@ class Recorder:
         self.modules: set[str] = set()  # plain ``import X``
         self.op_index = 0
         self._counters: dict[str, int] = {}
+        self.helpers: list[Callable[..., Any]] = []  # functions the recorded lines call
 
     # ------------------------------------------------------------ naming
 
@@ -145,11 +146,27 @@ class Recorder:
     # ------------------------------------------------------------ recording
 
     def construct(
-        self, cls: Callable[..., Any], kwargs: dict[str, Any], prefix: str, args: tuple[Any, ...] = ()
+        self,
+        cls: Callable[..., Any],
+        kwargs: dict[str, Any],
+        prefix: str,
+        args: tuple[Any, ...] = (),
+        *,
+        offered: tuple[Callable[..., dict[str, Any]], dict[str, Any]] | None = None,
     ) -> Recorded:
         """``prefix<n> = cls(*args, **kwargs)``, recorded; returns the new object's proxy.
-        ``args``: what releases name differently but pass in one place."""
-        expr = f"{self.imported(cls)}({self.arguments(args, kwargs)})"
+        ``args``: what releases name differently but pass in one place.  ``offered``: a filter
+        and the keyword arguments it picks ``kwargs`` from on this release; the line is then
+        ``cls(*args, **filter(cls, **offered))`` and the file copies the filter in (``helpers``),
+        so it builds on a release whose constructor takes other keywords."""
+        if offered is None:
+            expr = f"{self.imported(cls)}({self.arguments(args, kwargs)})"
+        else:
+            pick, candidates = offered
+            self.helpers.append(pick)
+            head = self.arguments(args, {})
+            expr = f"{self.imported(cls)}({head + ', ' if head else ''}**{pick.__name__}({self.imported(cls)}, "
+            expr += f"{self.arguments((), candidates)}))"
         obj = cls(*_unwrap(args), **_unwrap(kwargs))
         label = self.name(obj, prefix)
         self.lines.append(Line(f"{label} = {expr}", self.op_index, target=expr))

@@ -93,6 +93,7 @@ from kvspec.spec.interface import Admission, BlockCopy, Capability
 from kvspec.spec.prefix_hash import ExtraKeys, HashCollision, PrefixKey, as_extra, key_of
 from kvspec.spec.state import Device, KVState, PoolView, TableView, table_view
 
+from .harness import v1 as harness_v1
 from .recording import Recorder, real
 
 # The NONE_HASH seed is process-global in vLLM; seeding it again would change the hashes of
@@ -145,9 +146,13 @@ def _config_default(cls: Any, name: str, fallback: Any) -> Any:
     return param.default
 
 
-def _build(cls: Any, recorder: Recorder | None = None, prefix: str = "", **candidates: Any) -> Any:
+def _build(
+    cls: Any, recorder: Recorder | None = None, prefix: str = "", *, across_releases: bool = False, **candidates: Any
+) -> Any:
     """Construct a vLLM dataclass/class passing only the keyword arguments it accepts (through
-    ``recorder`` when given: the call is written down as ``prefix<n> = cls(...)``).
+    ``recorder`` when given: the call is written down as ``prefix<n> = cls(...)``, or with
+    ``across_releases`` as ``cls(**accepted(cls, <every candidate>))``, which a file written on
+    this release runs on others too).
 
     A required parameter no candidate supplies is an API change this adapter does not know:
     fail loudly rather than guess.
@@ -165,7 +170,8 @@ def _build(cls: Any, recorder: Recorder | None = None, prefix: str = "", **candi
     if missing:
         raise ConfigError(f"{cls.__name__} of this vLLM release needs {missing}; adapter unaware")
     if recorder is not None:
-        return recorder.construct(cls, kwargs, prefix)
+        offered = (harness_v1.accepted, candidates) if across_releases else None
+        return recorder.construct(cls, kwargs, prefix, offered=offered)
     return cls(**kwargs)
 
 
@@ -324,8 +330,14 @@ class VLLMV1Adapter:
                 _NONE_HASH_SEEDED = True
             if recorder is not None and hasattr(v.kcu, "init_none_hash"):
                 recorder.note(v.kcu.init_none_hash, hash_fn)  # a fresh process seeds it too
-            self._block_hasher = _build(v.kcu.get_request_block_hasher, recorder, "hasher",
-                                        block_size=B, hash_block_size=B, caching_hash_fn=hash_fn)
+            # Positional: the first parameter is ``block_size`` up to 0.20 and ``hash_block_size``
+            # from 0.30 (kv_cache_utils.py:635 of 0.20.1, :812 of 0.30.0), one value either way,
+            # so a reproducer written on one release builds the hasher on the other.
+            hasher_args = (B, hash_fn)
+            hasher = v.kcu.get_request_block_hasher
+            self._block_hasher = (
+                recorder.construct(hasher, {}, "hasher", hasher_args) if recorder is not None else hasher(*hasher_args)
+            )
 
         # ------------------------------------------------ the manager, as the scheduler builds it
         # ``_manager`` is what the protocol calls (recorded when a recorder is given); ``_raw``
@@ -334,6 +346,7 @@ class VLLMV1Adapter:
             v.kcm.KVCacheManager,
             recorder,
             "mgr",
+            across_releases=True,
             kv_cache_config=kv_cache_config,
             max_model_len=max_model_len,
             enable_caching=config.prefix_caching,
@@ -593,6 +606,11 @@ class VLLMV1Adapter:
             block_hasher=self._block_hasher,
             **fields,
         )
+
+    def requests(self) -> list[tuple[Any, ExtraKeys]]:
+        """Every request the adapter holds (running, preempted or refused) with its domain."""
+        held = [*self._live.items(), *self._parked.items()]
+        return [(real(request), self._extra[seq_id]) for seq_id, request in held]
 
     def _finish(self, request: Any) -> None:
         """A parked request that will not come back: drop what the scheduler drops on finish."""

@@ -538,6 +538,10 @@ class VLLMV1SchedulerAdapter:
         self.cache_view.set_hash_format()
         self.scheduler.finish_requests([request.request_id], status)
 
+    def requests(self) -> list[tuple[Any, ExtraKeys]]:
+        """Every request the scheduler holds (until finished) with its domain."""
+        return [(r, self._extra.get(r.request_id, NO_EXTRA)) for r in self._req.values()]
+
     def live(self, seq_id: int) -> bool:
         request = self._req.get(seq_id)
         return request is not None and not request.is_finished()

@@ -86,7 +86,7 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
     live = sorted(s for s, m in driver.seqs.items() if m.status is Status.RUNNING)
     observed: dict[str, str] = {}
     expected: dict[str, Any] = {}
-    helpers: list[Callable[..., Any]] = []
+    helpers: list[Callable[..., Any]] = list(recorder.helpers)  # what the recorded lines call
     if engine == "v1":
         hit = _result_of(lines, codes, index, "get_computed_blocks", f"computed{index}")
         if hit is not None:

@@ -45,6 +45,7 @@ class Session(Protocol):
 
     trace: list[TraceStep]
     crash: Crash | None
+    driver: Any  # the machine's driver (what a reproducer's checks read after the re-run)
 
     def apply(self, step: TraceStep) -> None: ...
     def check(self) -> list[Violation]: ...

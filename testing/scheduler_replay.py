@@ -58,6 +58,10 @@ class SchedulerSession:
         self.machine.start(shape)
 
     @property
+    def driver(self) -> Any:
+        return self.machine.d
+
+    @property
     def trace(self) -> list[TraceStep]:
         return self.machine.d.trace
 

@@ -41,14 +41,12 @@ from kvspec.adapters.v1_scheduler import TINY_MODEL, VLLMV1SchedulerAdapter
 from kvspec.spec.groups import Shape, pool_state
 from kvspec.spec.invariants import Violation
 from kvspec.spec.kv_memory import cell_of
-from kvspec.spec.prefix_hash import NO_EXTRA, key_of
 from kvspec.spec.registry import live_tables
 from kvspec.spec.state import Device, Status, World
 
 from . import straight_line
 from .driver import TraceStep
 from .reproducer import NotReproducible, Reproducer
-from .rerun import Session, rerun
 from .scheduler_replay import in_context, scheduler_session
 
 ENGINE = "v1-scheduler"
@@ -56,71 +54,19 @@ ENGINE = "v1-scheduler"
 REQUEST_ID = "seq{}"
 
 
-class _Numbered:
-    """The scheduler session of a re-run, numbering the recorder's lines by trace operation
-    (the end of the run -- drain, abort, ``no-leak`` -- is operation ``len(trace) + 1``)."""
-
-    def __init__(self, inner: Session, recorder: Recorder) -> None:
-        self.inner = inner
-        self.recorder = recorder
-
-    @property
-    def trace(self) -> list[TraceStep]:
-        return self.inner.trace
-
-    @property
-    def crash(self) -> Any:
-        return self.inner.crash
-
-    @property
-    def difference(self) -> Any:
-        return getattr(self.inner, "difference", None)
-
-    @property
-    def driver(self) -> Any:
-        return self.inner.machine.d  # type: ignore[attr-defined]
-
-    def apply(self, step: TraceStep) -> None:
-        self.recorder.op_index += 1
-        self.inner.apply(step)
-
-    def check(self) -> list[Violation]:
-        return self.inner.check()
-
-    def finish(self) -> list[Violation]:
-        self.recorder.op_index += 1
-        return self.inner.finish()
-
-
 def record(shape: Shape, trace: Sequence[TraceStep], focus: Iterable[str] | None) -> straight_line.Recording:
     """Re-run ``trace`` on vLLM's scheduler in ``shape``, recording every call the adapter makes."""
-    recorder = Recorder()
-    sessions: list[_Numbered] = []
-    start = scheduler_session(shape, None)  # the invariants alone: no reference scheduler
-
-    def session(impl: Any, watched: Iterable[str] | None) -> _Numbered:
-        sessions.append(_Numbered(start(impl, watched), recorder))
-        return sessions[0]
-
     watched = set(focus or ()) & SLOT_CHECKS
 
-    def build(s: Shape) -> VLLMV1SchedulerAdapter:
+    def build(s: Shape, recorder: Recorder) -> VLLMV1SchedulerAdapter:
         adapter = VLLMV1SchedulerAdapter(s, recorder=recorder)
         if watched:
             _check_slots_after_schedule(adapter, recorder, sorted(watched)[0])
         return adapter
 
-    result = in_context(lambda: rerun(build, shape, trace, focus=focus, session=session))
-    if isinstance(result.error, Unrecordable):
-        raise result.error  # a value the file cannot write (the re-run stopped there)
-    if not sessions:
-        raise straight_line.NotStraightLine(f"the scheduler could not be built again: {result.error}")
-    if result.unapplied is not None:
-        raise straight_line.NotStraightLine(f"the re-run did not follow the trace: {result.unapplied}")
-    crash = result.error if result.crash is not None else None
-    return straight_line.Recording(
-        recorder, tuple(result.violations), crash, recorder.op_index, sessions[0].driver, ENGINE
-    )
+    # The invariants alone: no reference scheduler.
+    session = scheduler_session(shape, None)
+    return straight_line.record(build, shape, trace, focus, ENGINE, session=session, context=in_context)
 
 
 # Invariants whose fact is checked right after the ``schedule()`` that broke it (a request that
@@ -291,28 +237,7 @@ def _unmapped(recording: straight_line.Recording, invariant: str) -> list[str]:
 def _hash_collision(recording: straight_line.Recording, invariant: str) -> list[str]:
     """Two requests whose block chains differ (tokens or domain) under one block hash."""
     adapter = recording.driver.target.inner
-    rec = recording.recorder
-    size = adapter.hash_block_size
-    for c in adapter.hash_collisions:
-        h, a, b = c.hash, c.first, c.second
-        where: dict[Any, tuple[str, int]] = {}
-        for request in adapter._req.values():
-            extra = adapter._extra.get(request.request_id, NO_EXTRA)
-            tokens = tuple(request.all_token_ids)
-            for i, mine in enumerate(request.block_hashes):
-                label = rec.names.get(id(request))
-                if mine == h and label is not None and (i + 1) * size <= len(tokens):
-                    where.setdefault(key_of(tokens, (i + 1) * size, extra), (label, i))
-        if a in where and b in where:
-            (ra, ia), (rb, ib) = where[a], where[b]
-            return [
-                f"# {ra} block {ia}: chain {list(a.chain)} (domain {list(a.extra)}); "
-                f"{rb} block {ib}: chain {list(b.chain)} (domain {list(b.extra)})",
-                f"if {ra}.block_hashes[{ia}] == {rb}.block_hashes[{ib}]:",
-                f'    pytest.fail("[{invariant}] expected different block hashes for different chains, observed '
-                f'{ra}.block_hashes[{ia}] == {rb}.block_hashes[{ib}]: a lookup hands one the other\'s KV")',
-            ]
-    return []
+    return straight_line.hash_collision(adapter, adapter.hash_block_size, recording.recorder, invariant)
 
 
 WRITERS: dict[str, Callable[[straight_line.Recording, str], list[str]]] = {

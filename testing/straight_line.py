@@ -18,30 +18,45 @@ import inspect
 import re
 import textwrap
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 from kvspec.adapters.harness import legacy as legacy_harness
 from kvspec.adapters.harness import v1 as v1_harness
-from kvspec.adapters.recording import Line, Recorder, Unrecordable
+from kvspec.adapters.recording import Line, Recorder, Unrecordable, real
 from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError, NoFreeBlocks
-from kvspec.spec.invariants import INVARIANTS, Violation
-from kvspec.spec.kv_memory import OVERWRITE
+from kvspec.spec.invariants import INVARIANTS, USAGE_TOLERANCE, Violation
+from kvspec.spec.kv_memory import OVERWRITE, SHARED_WRITE
+from kvspec.spec.prefix_hash import key_of
 from kvspec.spec.state import Device, Status, TableView
 
-from .driver import Driver, TraceStep, apply_step
+from .driver import TraceStep
+from .rerun import DriverSession, Rerun, Session, SessionFactory, rerun
 
 CRASH = "crash"
 
 # Invariants a straight-line file can check: the count-based ones from the manager's own
-# counts; immutability (an overwrite within one sequence) and prefix-cache-consistency (a
-# block marked computed that nothing computed) from the slot mapping and the computed marks,
-# with kvspec's shadow memory reduced to the few facts the check needs, written as literals.
+# counts and free queue (conservation: the V1 pool's queue and reported usage); immutability (an
+# overwrite within one sequence, a write into a shared block) and prefix-cache-consistency (a
+# block marked computed that nothing computed) from the slot mapping, the refcounts and the
+# computed marks, with kvspec's shadow memory reduced to the few facts the check needs, written
+# as literals; prefix-cache-consistency and -isolation also from the block hashes vLLM gave two
+# requests (one hash for two chains, or for one chain in two domains: cache salt, LoRA adapter,
+# multimodal item).  admission-soundness is written where the allocation raised.
 STRAIGHT_CHECKS = frozenset(
-    {"refcount-exact", "no-leak", "window-bound", "immutability", "prefix-cache-consistency"}
+    {
+        "refcount-exact",
+        "no-leak",
+        "window-bound",
+        "conservation",
+        "immutability",
+        "prefix-cache-consistency",
+        "prefix-cache-isolation",
+    }
 )
+WRITABLE = STRAIGHT_CHECKS | {"admission-soundness"}
 
 
 @attrs.frozen
@@ -60,36 +75,70 @@ class NotStraightLine(KVSpecError):
     """The trace cannot be written as a straight-line file (the reason says why)."""
 
 
+class Numbered:
+    """A re-run's session (testing/rerun.py) numbering the recorder's lines by trace operation:
+    the end of the run (freeing every sequence, draining) is operation ``len(trace) + 1``."""
+
+    def __init__(self, inner: Session, recorder: Recorder) -> None:
+        self.inner = inner
+        self.recorder = recorder
+
+    @property
+    def trace(self) -> list[TraceStep]:
+        return self.inner.trace
+
+    @property
+    def crash(self) -> Any:
+        return self.inner.crash
+
+    @property
+    def difference(self) -> Any:
+        return getattr(self.inner, "difference", None)
+
+    @property
+    def driver(self) -> Any:
+        return self.inner.driver
+
+    def apply(self, step: TraceStep) -> None:
+        self.recorder.op_index += 1
+        self.inner.apply(step)
+
+    def check(self) -> list[Violation]:
+        return self.inner.check()
+
+    def finish(self) -> list[Violation]:
+        self.recorder.op_index += 1
+        return self.inner.finish()
+
+
 def record(
-    build: Callable[[Recorder], Any],
+    build: Callable[[Any, Recorder], Any],
+    config: Any,
     trace: Sequence[TraceStep],
-    focus: Sequence[str] | None = None,
+    focus: Iterable[str] | None = None,
     engine: str = "legacy",
+    *,
+    session: SessionFactory = DriverSession,
+    context: Callable[[Callable[[], Rerun]], Rerun] = lambda run: run(),
 ) -> Recording:
-    """Replay ``trace`` through the adapter ``build(recorder)`` makes, recording every call."""
+    """Re-run ``trace`` (testing/rerun.py ``rerun``, in ``session``'s machine, inside
+    ``context``) on the adapter ``build(config, recorder)`` makes, recording every call."""
     recorder = Recorder()
-    driver = Driver(build(recorder), focus=focus)
-    return _replay(recorder, driver, trace, engine)
+    sessions: list[Numbered] = []
 
+    def numbered(impl: Any, watched: Iterable[str] | None) -> Numbered:
+        sessions.append(Numbered(session(impl, watched), recorder))
+        return sessions[0]
 
-def _replay(recorder: Recorder, driver: Driver, trace: Sequence[TraceStep], engine: str) -> Recording:
-    for index, step in enumerate(trace, 1):
-        recorder.op_index = index
-        try:
-            apply_step(driver, step)
-        except Unrecordable:
-            raise
-        except Exception as err:  # the target crashed under the protocol
-            return Recording(recorder, (), err, index, driver, engine)
-        found = driver.check()
-        if found:
-            return Recording(recorder, tuple(found), None, index, driver, engine)
-    recorder.op_index = len(trace) + 1
-    try:
-        found = driver.free_all()
-    except Exception as err:
-        return Recording(recorder, (), err, len(trace) + 1, driver, engine)
-    return Recording(recorder, tuple(found), None, len(trace) + 1, driver, engine)
+    result = context(lambda: rerun(lambda c: build(c, recorder), config, trace, focus=focus, session=numbered))
+    if isinstance(result.error, Unrecordable) or (isinstance(result.error, ModuleNotFoundError) and not sessions):
+        raise result.error  # a value the file cannot write, or no vLLM here
+    if not sessions:
+        raise NotStraightLine(f"the target could not be built again: {result.error}")
+    if result.unapplied is not None:
+        raise NotStraightLine(f"the re-run did not follow the trace: {result.unapplied}")
+    crash = result.error if result.crash is not None else None
+    return Recording(recorder, tuple(result.violations), crash, recorder.op_index, sessions[0].driver, engine)
 
 
 # ---------------------------------------------------------------- writing the file
@@ -124,7 +173,7 @@ def write(
     (default: the block manager's, ``_state_checks``); ``setup`` what the file does first."""
     rec = recording.recorder
     body: list[str] = list(setup.lines)
-    helpers: list[Callable[..., Any]] = []
+    helpers: list[Callable[..., Any]] = list(rec.helpers)  # what the recorded lines call
     checks: list[str] = []
     last_answer: Line | None = None
     for line in rec.lines:
@@ -225,6 +274,7 @@ READERS = {
     "v1": {
         "gpu_refcounts": [v1_harness.gpu_refcounts],
         "gpu_block_ids": [v1_harness.gpu_block_ids],
+        "free_queue_ids": [v1_harness.free_queue_ids],
     },
 }
 
@@ -289,8 +339,15 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
                 f'    pytest.fail(f"[window-bound] seq {seq}: expected at most {bound} blocks, '
                 f'observed {{len(held)}} ({{held}})")',
             ]
-    for inv, check in (("immutability", _overwrite_check), ("prefix-cache-consistency", _uncomputed_hit_check)):
-        written = check(recording, helpers) if inv in ids else []
+    for inv, check in (
+        ("conservation", _conservation_check),
+        ("immutability", _overwrite_check),
+        ("immutability", _shared_write_check),
+        ("prefix-cache-consistency", _uncomputed_hit_check),
+        ("prefix-cache-consistency", _collision_check),
+        ("prefix-cache-isolation", _collision_check),
+    ):
+        written = check(recording, helpers, inv) if inv in ids and inv not in named else []
         if written:
             named.append(inv)
             lines += written
@@ -305,7 +362,7 @@ def _state_checks(recording: Recording) -> tuple[list[str], list[Callable[..., A
     return lines, helpers, named
 
 
-def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]]) -> list[str]:
+def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]], invariant: str) -> list[str]:
     """Two positions of one sequence mapped to one slot: the later write destroys the earlier."""
     for v in recording.violations:
         readers = _readers(recording, "slot_of")
@@ -323,7 +380,92 @@ def _overwrite_check(recording: Recording, helpers: list[Callable[..., Any]]) ->
     return []
 
 
-def _uncomputed_hit_check(recording: Recording, helpers: list[Callable[..., Any]]) -> list[str]:
+def _conservation_check(recording: Recording, helpers: list[Callable[..., Any]], invariant: str) -> list[str]:
+    """The V1 pool's free queue against its refcounts (a block on it twice, on it while in use,
+    on it nowhere though unreferenced), or the usage it reports against the share in use."""
+    queue = _readers(recording, "free_queue_ids")
+    for v in recording.violations:
+        if v.invariant != "conservation" or queue is None:
+            continue
+        if v.kind == "wrong-usage" and isinstance(v.expected, float):
+            return [
+                f"expected = {v.expected!r}  # the share of the pool's blocks in use",
+                f"if abs(mgr.usage - expected) > {USAGE_TOLERANCE}:",
+                '    pytest.fail(f"[conservation] pool usage: expected {expected}, observed {mgr.usage}")',
+            ]
+        wrong = {
+            "double-free": ("free.count({b}) > 1", "on the free queue once, observed {{free.count({b})}} times"),
+            "in-two-sets": ("{b} in free and refcounts[{b}]", "off the free queue while in use, observed it on "
+                            "the queue with refcount {{refcounts[{b}]}}"),
+            "lost": ("{b} not in free and not refcounts[{b}]", "on the free queue once unreferenced, observed it "
+                     "on neither"),
+        }.get(v.kind)
+        if wrong is None or len(v.blocks) != 1:
+            continue
+        (b,), (condition, said) = v.blocks, wrong
+        helpers += [*queue, *(_readers(recording, "gpu_refcounts") or [])]
+        return [
+            "free, refcounts = free_queue_ids(mgr), gpu_refcounts(mgr)",
+            f"if {condition.format(b=b)}:",
+            f'    pytest.fail(f"[conservation] block {b}: expected it {said.format(b=b)}")',
+        ]
+    return []
+
+
+def _shared_write_check(recording: Recording, helpers: list[Callable[..., Any]], invariant: str) -> list[str]:
+    """The operation wrote into a block other block-table slots hold (no copy-on-write)."""
+    for v in recording.violations:
+        readers = _readers(recording, "gpu_refcounts")
+        if v.invariant != "immutability" or v.kind != SHARED_WRITE or readers is None or len(v.blocks) != 1:
+            continue
+        (b,), (seq,) = v.blocks, v.seqs
+        helpers += readers
+        return [
+            f"if gpu_refcounts(mgr)[{b}] > 1:  # seq {seq} wrote into block {b} in this operation",
+            f'    pytest.fail(f"[immutability] seq {seq} writes into block {b}: expected a private block, '
+            f'observed it shared by {{gpu_refcounts(mgr)[{b}]}} block-table slots")',
+        ]
+    return []
+
+
+def _collision_check(recording: Recording, helpers: list[Callable[..., Any]], invariant: str) -> list[str]:
+    """Two requests whose chains differ (tokens or domain) given one block hash by vLLM."""
+    d = recording.driver
+    target = getattr(d, "impl", None) or d.target
+    adapter = getattr(target, "inner", target)
+    unit = getattr(adapter, "hash_block_size", None) or d.config.block_size
+    return hash_collision(adapter, unit, recording.recorder, invariant)
+
+
+def hash_collision(adapter: Any, unit: int, rec: Recorder, invariant: str) -> list[str]:
+    """The check that two requests the file built, whose block chains (tokens, in their domains)
+    differ, get different block hashes: from the first of ``adapter.hash_collisions`` (one hash
+    learned for two keys) that two of ``adapter.requests()`` named in ``rec`` carry.  Blocks of
+    ``unit`` tokens."""
+    held = [(real(r), extra) for r, extra in getattr(adapter, "requests", list)()]
+    for collision in getattr(adapter, "hash_collisions", ()):
+        h, a, b = collision.hash, collision.first, collision.second
+        where: dict[Any, tuple[str, int]] = {}
+        for request, extra in held:
+            label = rec.names.get(id(request))
+            tokens = tuple(request.all_token_ids)
+            for i, mine in enumerate(getattr(request, "block_hashes", ())):
+                if mine == h and label is not None and (i + 1) * unit <= len(tokens):
+                    where.setdefault(key_of(tokens, (i + 1) * unit, extra), (label, i))
+        if a in where and b in where:
+            (ra, ia), (rb, ib) = where[a], where[b]
+            return [
+                f"# {ra} block {ia}: chain {list(a.chain)} (domain {list(a.extra)}); "
+                f"{rb} block {ib}: chain {list(b.chain)} (domain {list(b.extra)})",
+                f"if {ra}.block_hashes[{ia}] == {rb}.block_hashes[{ib}]:",
+                f'    pytest.fail("[{invariant}] expected different block hashes for different token chains or '
+                f'domains, observed {ra}.block_hashes[{ia}] == {rb}.block_hashes[{ib}]: a lookup hands one the '
+                'other\'s KV")',
+            ]
+    return []
+
+
+def _uncomputed_hit_check(recording: Recording, helpers: list[Callable[..., Any]], invariant: str) -> list[str]:
     """A block the allocator marks computed although no sequence has computed its positions."""
     d = recording.driver
     for v in recording.violations:

@@ -18,7 +18,7 @@ from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.targets.registry import TargetError
 from kvspec.testing import TraceStep
 from kvspec.testing.report import FORMAT, ReportError, load_report, write_atomic
-from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
+from kvspec.testing.reproducer import NotReproducible, generate
 
 SEED_CONFIG = [
     "--config", "block_size=4", "--config", "num_blocks=4", "--config", "sliding_window=8",
@@ -288,22 +288,16 @@ def _imports(text: str) -> set[str]:
     return names
 
 
-STDLIB = {"inspect", "itertools", "dataclasses", "importlib"}
-
-
-@pytest.mark.parametrize("impl", ["v1"])
-def test_reproducer_imports_only_vllm_and_pytest(impl):
-    """The V1 template (legacy straight-line files are checked in tests/targets)."""
+def test_a_v1_reproducer_is_straight_line_only():
+    """One reproducer path: a V1 trace is replayed on vLLM under the recorder (no trace
+    interpreter to fall back on), so where vLLM does not import there is no file and the reason
+    says so; the files themselves are checked on real releases in tests/targets."""
     config = Config(block_size=4, num_blocks=4, sliding_window=8)
     trace = [TraceStep("admit", {"seq": 0, "tokens": list(range(20)), "num_new_tokens": 20,
                                  "next_token": 0}, "can_admit=ok, refused: NoFreeBlocks")]
-    made = generate(impl, config, trace, [Violation("admission-soundness", "answered OK...")],
+    made = generate("v1", config, trace, [Violation("admission-soundness", "answered OK...")],
                     {"vllm_version": "0.6.3", "kvspec_version": "0.1.0"})
-    assert isinstance(made, Reproducer)
-    assert _imports(made.text) <= {"vllm", "pytest", *STDLIB}
-    assert "kvspec" not in _imports(made.text)
-    compile(made.text, made.filename, "exec")
-    assert made.filename.startswith("test_") and "admission_soundness" in made.filename
+    assert isinstance(made, NotReproducible) and "does not import here" in made.reason
 
 
 def test_no_reproducer_for_shadow_memory_invariants_or_kvspec_impls():

@@ -1,12 +1,23 @@
 """Reading vLLM's V1-engine ``KVCacheManager`` (vllm/v1/core), for straight-line reproducers.
 
 The names match ``harness.legacy`` so that a reproducer's checks read the same on either
-engine.  Imports nothing: the manager's own objects carry everything.
+engine.  Imports nothing at module level (each function is copied into a reproducer with
+``inspect.getsource``): the manager's own objects carry everything.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def accepted(cls: Any, **candidates: Any) -> dict[str, Any]:
+    """The keyword arguments of ``candidates`` that this release's ``cls`` takes: constructors'
+    parameters come and go between releases (``KVCacheManager``: ``hash_block_size`` from 0.20,
+    ``scheduler_block_size`` from 0.31), so a file written on one release builds on another."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return {k: v for k, v in candidates.items() if k in params}
 
 
 def gpu_refcounts(mgr: Any) -> dict[int, int]:
@@ -24,6 +35,18 @@ def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
             if request_id.startswith(prefix):
                 return [b.block_id for b in blocks if not b.is_null]
     return []
+
+
+def free_queue_ids(mgr: Any) -> list[int]:
+    """The block ids on the pool's free queue, in queue order (a block freed twice is on it twice)."""
+    queue = mgr.block_pool.free_block_queue
+    if hasattr(queue, "get_all_free_blocks"):
+        return [b.block_id for b in queue.get_all_free_blocks()]
+    ids, block = [], queue.free_list_head  # 0.8.x: a plain linked list, no sentinels
+    while block is not None:
+        ids.append(block.block_id)
+        block = block.next_free_block
+    return ids
 
 
 def cached_block_count(mgr: Any) -> int:
