@@ -52,6 +52,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test, initialize
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
+from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import SeqModel, Status
@@ -130,12 +131,17 @@ FIELD_MODE: dict[str, Mode] = {
 }
 
 
-def differing(head: Observation, base: Observation, mode: Mode) -> list[str]:
+# Each observation class's fields, in the order they are compared, with the mode that compares
+# them (the scheduler's observation, testing/scheduler_lockstep.py, registers its own).
+FIELD_MODES: dict[type, dict[str, Mode]] = {Observation: FIELD_MODE}
+
+
+def differing(head: Any, base: Any, mode: Mode) -> list[str]:
     """The fields ``mode`` compares on which the two observations differ, in field order."""
     depth = _ORDER.index(mode)
     return [
         name
-        for name, field_mode in FIELD_MODE.items()
+        for name, field_mode in FIELD_MODES[type(head)].items()
         if _ORDER.index(field_mode) <= depth and getattr(head, name) != getattr(base, name)
     ]
 
@@ -222,14 +228,17 @@ class _Session:
         self.driver: Driver | None = None
         self.events_seen = 0
         self.impl = ""  # what ``hello`` imported and every ``build`` builds
+        self.scheduler_session: Any = None  # built on the first ``scheduler`` call
 
     def hello(self, impl: str) -> dict[str, Any]:
         """Import the target once, unguarded (importing vLLM and torch takes far longer than any
         operation may), by building it on a small configuration; say what was imported."""
         from . import implementations
+        from .scheduler_lockstep import KVSPEC_SCHEDULERS
 
         self.impl = impl
-        implementations.factory(impl)(Config(block_size=16, num_blocks=16))
+        if impl not in KVSPEC_SCHEDULERS:  # a kvspec scheduler imports nothing of vLLM's
+            implementations.factory(impl)(Config(block_size=16, num_blocks=16))
         vllm = sys.modules.get("vllm")
         return {"python": sys.executable, "vllm": getattr(vllm, "__file__", None), "pid": os.getpid(),
                 "version": getattr(vllm, "__version__", None)}
@@ -319,6 +328,15 @@ class _Session:
 
         return write_golden(impl, config, trace, title, index)
 
+    def scheduler(self, method: str, *args: Any) -> Any:
+        """A call on the child's scheduler session (vLLM's own scheduler, driven by the
+        scheduler machine's driver: testing/scheduler_lockstep.py), under the same guard."""
+        from .scheduler_lockstep import SchedulerSession
+
+        if self.scheduler_session is None:
+            self.scheduler_session = SchedulerSession(self.guard, self.impl)
+        return getattr(self.scheduler_session, method)(*args)
+
 
 def serve() -> None:
     """A child's main loop: one pickled request in, one pickled answer out, until EOF."""
@@ -372,7 +390,9 @@ class Remote:
         self.side = side
         self.limits = limits
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = Path(tempfile.mkstemp(prefix=f"kvspec-lockstep-{side.label.lower()}-", suffix=".log")[1])
+        handle, name = tempfile.mkstemp(prefix=f"kvspec-lockstep-{side.label.lower()}-", suffix=".log")
+        os.close(handle)  # ``start`` opens the file by name for each child it starts
+        self.log = Path(name)
         self.starts = 0
 
     def start(self) -> None:
@@ -482,7 +502,7 @@ class Verdict:
     base_violations: tuple[Violation, ...]
     trace: tuple[TraceStep, ...]  # HEAD's record of the operations, the differing one last
     base_step: TraceStep | None  # BASE's record of the differing operation
-    config: Config
+    config: Config | Shape  # the block manager's configuration, or the scheduler's shape
     mode: Mode
 
     def fingerprint(self) -> tuple[str, str, str]:
@@ -592,10 +612,12 @@ class _Ended(Exception):
 class LockstepDriver:
     """Looks like a ``Driver`` to the machine; every operation goes to both sides."""
 
+    observation: type = Observation  # what a side that died observed is built as
+
     def __init__(
         self,
         remotes: tuple[Remote, Remote],
-        config: Config,
+        config: Config | Shape,
         capabilities: frozenset[Capability],
         extra_kinds: frozenset[str],
         mode: Mode,
@@ -633,8 +655,12 @@ class LockstepDriver:
         return []  # each operation is judged as it happens (_judge)
 
     # operations
+    def _ask(self, method: str, *args: Any) -> list[Any]:
+        """One request to both children's sessions."""
+        return both(self.remotes, method, *args)
+
     def _both(self, op: str, *args: Any) -> Any:
-        head, base = both(self.remotes, "op", op, args)
+        head, base = self._ask("op", op, args)
         try:
             return self._judge(op, head, base)
         except _Ended as ended:
@@ -669,7 +695,7 @@ class LockstepDriver:
         return self._both("reset_prefix_cache")
 
     def finish(self, drain: bool) -> None:
-        head, base = both(self.remotes, "finish", drain)
+        head, base = self._ask("finish", drain)
         try:
             self._judge("teardown", head, base)
         except _Ended:
@@ -683,7 +709,7 @@ class LockstepDriver:
         crash = ("ChildDied", "process", op)
         step = TraceStep(op, {}, "the process ended", Crash(op, "ChildDied", str(answer)[:200], "?"))
         died = Violation(CRASH, str(answer)[:300], kind="ChildDied", observed=op)
-        return Reply(None, Observation(outcome=f"{op}: crashed", crash=crash), (died,),
+        return Reply(None, self.observation(outcome=f"{op}: crashed", crash=crash), (died,),
                      step, dict(self.seqs), self.operations, tripped=True)
 
     def _judge(self, op: str, head_answer: Any, base_answer: Any) -> Any:
@@ -724,6 +750,37 @@ class LockstepDriver:
         return head.result
 
 
+def settle_build(
+    remotes: tuple[Remote, Remote], answers: list[Any], config: Config | Shape, stats: LockstepStats,
+    observation: type,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides' answers to building the target: a crash on one side only is judged (raised
+    as its verdict), alike on both is no verdict (rejected), and so is a configuration a side
+    does not support; else the two answers."""
+    answers = [{"crash": ("ChildDied", "process", "construct"), "tripped": True} if isinstance(a, ChildDied)
+               else a for a in answers]
+    for remote, answer in zip(remotes, answers, strict=True):
+        if answer.get("tripped"):
+            remote.close()
+    head_crash, base_crash = (a.get("crash", ()) for a in answers)
+    if head_crash or base_crash:
+        if head_crash == base_crash:
+            stats.shared_crashes += 1
+            reject()
+        found = [(crash_violation(c),) if c else () for c in (head_crash, base_crash)]
+        verdict = Verdict(
+            judge(*found), 1, "construct", "crash", observation(outcome="construct", crash=head_crash),
+            observation(outcome="construct", crash=base_crash), *found, (), None, config, Mode.OUTCOMES,
+        )
+        raise RAISED[verdict.kind](verdict)
+    unsupported = [a["unsupported"] for a in answers if "unsupported" in a]
+    if unsupported:
+        stats.unsupported += 1
+        note(f"configuration not supported: {unsupported[0]}")
+        reject()
+    return answers[0], answers[1]
+
+
 class LockstepMachine(KVCacheMachine):
     """The machine's rules, each operation run on HEAD and BASE and compared."""
 
@@ -757,21 +814,8 @@ class LockstepMachine(KVCacheMachine):
         config = data.draw(self.config_strategy, label="config")
         note(f"config: {config!r}")
         focus = tuple(self.focus) if self.focus is not None else None
-        answers = both(self.remotes, "build", config, focus)
-        answers = [{"crash": ("ChildDied", "process", "construct"), "tripped": True} if isinstance(a, ChildDied)
-                   else a for a in answers]
-        for remote, answer in zip(self.remotes, answers, strict=True):
-            if answer.get("tripped"):
-                remote.close()
-        crashes = [a.get("crash", ()) for a in answers]
-        if any(crashes):
-            self._construct_differs(config, *crashes)
-        unsupported = [a["unsupported"] for a in answers if "unsupported" in a]
-        if unsupported:
-            self.lockstep_stats.unsupported += 1
-            note(f"configuration not supported: {unsupported[0]}")
-            reject()
-        head, base = answers
+        head, base = settle_build(self.remotes, both(self.remotes, "build", config, focus), config,
+                                  self.lockstep_stats, Observation)
         capabilities = head["capabilities"] & base["capabilities"]
         pinned = {"swap": Capability.SWAP, "fork": Capability.FORK, "chunked_prefill": Capability.CHUNKED_PREFILL}
         if any(getattr(self.features, name) and cap not in capabilities for name, cap in pinned.items()):
@@ -782,18 +826,6 @@ class LockstepMachine(KVCacheMachine):
             self.skip, self.lockstep_stats, self.log,
         )
         self.driver = self.lockstep  # type: ignore[assignment]  # the rules' precondition reads it
-
-    def _construct_differs(self, config: Config, head: tuple[str, ...], base: tuple[str, ...]) -> None:
-        """Building the target crashed on a side: alike on both, no verdict; else judged."""
-        if head == base:
-            self.lockstep_stats.shared_crashes += 1
-            reject()
-        found = [(crash_violation(c),) if c else () for c in (head, base)]
-        verdict = Verdict(
-            judge(*found), 1, "construct", "crash", Observation("construct", head), Observation("construct", base),
-            *found, (), None, config, Mode.OUTCOMES,
-        )
-        raise RAISED[verdict.kind](verdict)
 
     def _check(self) -> None:
         return  # every operation is compared and judged as it happens
@@ -834,7 +866,7 @@ class LockstepRun:
 def run_lockstep(
     head: Side,
     base: Side,
-    strategy: st.SearchStrategy[Config],
+    strategy: st.SearchStrategy[Any],
     *,
     profile: str = "ci",
     examples: int | None = None,
@@ -847,9 +879,13 @@ def run_lockstep(
     limits: Limits | None = None,
     progress: Callable[[str], None] | None = None,
     golden: bool = True,
+    machine: type = LockstepMachine,
 ) -> LockstepRun:
     """Search for differences between HEAD and BASE: rounds of the same search, each stepping
-    past the verdicts found before, until a round finds nothing new or ``max_verdicts``."""
+    past the verdicts found before, until a round finds nothing new or ``max_verdicts``.
+    ``machine``: the lockstep machine whose rules draw the operations (the block manager's, or
+    the scheduler's: testing/scheduler_lockstep.py), built with the arguments
+    ``LockstepMachine`` takes; ``strategy`` draws what it builds its targets in."""
     limits = limits or Limits(DEFAULT_OP_TIMEOUT, DEFAULT_MEMORY_CAP_GIB)
     remotes = (Remote(head, limits), Remote(base, limits))
     base_settings = Settings.get_profile(profile)
@@ -870,7 +906,7 @@ def run_lockstep(
         while len(run.verdicts) < max_verdicts:
             run.rounds += 1
             skip = frozenset(v.fingerprint() for v in run.verdicts)
-            found = _one_round(remotes, strategy, chosen, seed, focus, features, mode, skip, stats)
+            found = _one_round(machine, remotes, strategy, chosen, seed, focus, features, mode, skip, stats)
             if found is None:
                 break
             run.verdicts.append(found)
@@ -878,7 +914,7 @@ def run_lockstep(
                 progress(found.headline())
         if golden:
             for i, verdict in enumerate(run.verdicts):
-                if verdict.kind is Kind.CHANGE:
+                if verdict.kind is Kind.CHANGE and isinstance(verdict.config, Config):
                     title = f"kvspec golden test: {verdict.headline()}, {base.description} against {head.description}"
                     run.goldens[i] = remotes[1].call("golden", base.impl, verdict.config, list(verdict.trace),
                                                      title, verdict.index)
@@ -898,8 +934,9 @@ def run_lockstep(
 
 
 def _one_round(
+    machine: type,
     remotes: tuple[Remote, Remote],
-    strategy: st.SearchStrategy[Config],
+    strategy: st.SearchStrategy[Any],
     chosen: Settings,
     seed: int | None,
     focus: tuple[str, ...] | None,
@@ -908,7 +945,7 @@ def _one_round(
     skip: frozenset[tuple[str, str, str]],
     stats: LockstepStats,
 ) -> Verdict | None:
-    class Round(LockstepMachine):
+    class Round(machine):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             super().__init__(remotes, strategy, mode=mode, skip=skip, stats=stats, focus=focus, features=features)
 
@@ -940,4 +977,5 @@ __all__ = [
     "observe",
     "run_lockstep",
     "serve",
+    "settle_build",
 ]
