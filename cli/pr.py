@@ -33,6 +33,7 @@ from kvspec.targets.registry import Target, TargetError, parse, release_key
 from kvspec.testing.golden import TAG as GOLDEN_TAG
 from kvspec.testing.known import DIFFERS
 from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
+from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, shape_strategy
 from rich.markup import escape
 from rich.table import Table
 
@@ -134,13 +135,18 @@ def lockstep_sides(head: tuple[str, bool], base: tuple[str, bool], args: argpars
     return head_side, base_side
 
 
-def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) -> LockstepRun:
-    """The lockstep search, printed; every behaviour change's golden test verified on both."""
+def run_compare(
+    args: argparse.Namespace, head: Side, base: Side, root: Path, *, scheduler: bool = False
+) -> LockstepRun:
+    """The lockstep search, printed; every behaviour change's golden test verified on both.
+    ``scheduler``: the scheduler machine over vLLM's own V1 scheduler (in every production
+    shape) instead of the block-manager machine over ``head.impl``."""
     overrides = parse_overrides(args.config or [])
-    err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {head.impl}", markup=False)
+    what = "vLLM's own V1 scheduler" if scheduler else head.impl
+    err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {what}", markup=False)
     err.print("starting both targets (each imports vLLM) ...", markup=False)
     try:
-        run = lockstep(args, head, base, overrides)
+        run = lockstep(args, head, base, overrides, scheduler=scheduler)
     except LockstepError as error:
         lines = str(error).strip().splitlines()
         shown = "\n".join([lines[0], "...", *lines[-4:]]) if len(lines) > 6 else str(error)
@@ -194,25 +200,34 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
     return run
 
 
-def lockstep(args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any]) -> LockstepRun:
+def lockstep(
+    args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any], *, scheduler: bool = False
+) -> LockstepRun:
+    machine: dict[str, Any] = {"machine": SchedulerLockstepMachine, "golden": False} if scheduler else {}
     return run_lockstep(
         head,
         base,
-        config_strategy(head.impl, overrides),
+        shape_strategy() if scheduler else config_strategy(head.impl, overrides),
         profile=args.profile or "ci",
         examples=args.examples,
         steps=args.steps,
-        seed=args.seed if args.seed is not None else 0,
+        seed=pr_seed(args),
         focus=check_invariant_ids(args.invariant),
         features=features_from(overrides),
         mode=Mode(args.compare),
         max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
         limits=limits_from(args),
         progress=lambda line: err.print(f"  found: {line}", markup=False),
+        **machine,
     )
 
 
 MAX_VERDICTS = 3  # distinct verdicts one lockstep run shrinks and reports before it stops
+DEFAULT_SEED = 0  # a PR run without --seed: every search of it is repeatable
+
+
+def pr_seed(args: argparse.Namespace) -> int:
+    return args.seed if args.seed is not None else DEFAULT_SEED
 
 
 def lockstep_logs() -> list[Path]:
@@ -356,9 +371,11 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     gave) and ``regression``."""
     head_flags = ["--vllm-source", args.vllm_source] if args.vllm_source else ["--vllm", args.vllm]
     common = without(
-        argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare"
+        argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare", "--seed"
     )
     common = [a for a in common if a not in ("--fail-on-change", "--coverage")]
+    # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
+    common += ["--seed", str(pr_seed(args))]
     extra = ["--source-version", args.source_version] if args.source_version else []
     extra += ["--venv", args.venv] if args.venv else []
     head_out = root / "head"
@@ -398,6 +415,22 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     return verdicts
 
 
+def add_scheduler_lockstep(summary_path: Path, run: LockstepRun, own: Path) -> None:
+    """The scheduler lockstep's verdicts into the PR's summary: listed (``scheduler_lockstep``,
+    its own summary beside), and counted with the block manager's."""
+    summary = json.loads(summary_path.read_text())
+    mine = json.loads(own.read_text())
+    summary["scheduler_lockstep"] = {
+        k: mine[k] for k in ("status", "examples", "operations", "by_op", "stats", "rounds", "seconds", "verdicts")
+    }
+    summary["scheduler_lockstep"]["summary"] = str(own)
+    summary["rows"] = [*summary.get("rows", []), *mine["rows"]]
+    for kind in ("regressions", "fixes", "changes"):
+        summary[f"scheduler_lockstep_{kind}"] = mine[kind]
+        summary[kind] = summary.get(kind, 0) + mine[kind]
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+
+
 def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     """``kvspec check <HEAD target> --baseline BASE [flags]``: HEAD and BASE in lockstep."""
     if not (args.vllm or args.vllm_source):
@@ -411,7 +444,11 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     if args.coverage:
         coverage_of_changes(args, argv, base_flags, root)
     scheduler: list[dict] = []
+    runs = [run]
     if head_side.impl == "v1" and not args.no_shapes:
+        out.rule("vLLM's own V1 scheduler in lockstep")
+        runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
+        add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
         scheduler = scheduler_verdicts(args, argv, base_flags, root)
         summary_path = root / "pr.json"
         summary = json.loads(summary_path.read_text())
@@ -421,8 +458,8 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         summary["scheduler_changes"] = sum(v["change"] for v in scheduler)
         summary["changes"] = summary.get("changes", 0) + summary["scheduler_changes"]
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
-    regressions, changes = run.by_kind(Kind.REGRESSION), run.by_kind(Kind.CHANGE)
-    changes = [*changes, *(v for v in scheduler if v["change"])]
+    regressions = [v for r in runs for v in r.by_kind(Kind.REGRESSION)]
+    changes = [*(v for r in runs for v in r.by_kind(Kind.CHANGE)), *(v for v in scheduler if v["change"])]
     scheduler_regressions = sum(v["regression"] for v in scheduler)
     if regressions or scheduler_regressions:
         n = len(regressions) + scheduler_regressions
