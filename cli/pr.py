@@ -7,9 +7,14 @@ order, their observations compared after each); at the first difference the spec
 HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> fix, neither ->
 behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
 call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
-behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) HEAD's own check also
-runs vLLM's V1 scheduler (the scheduler machine, cli/shapes.py), and each scheduler verdict is
-replayed on BASE: a verdict BASE does not reproduce is a regression (``scheduler_verdicts``).
+behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) vLLM's own V1
+scheduler runs in lockstep too (testing/scheduler_lockstep.py: the scheduler machine's
+operations on both sides, what each step scheduled, preempted and finished, the blocks and
+tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, without
+golden files).  With ``--head-check`` HEAD's own check also runs (the scheduler machine against
+the reference scheduler's declared policy, cli/shapes.py, seeded from the PR's seed), and each
+of its scheduler verdicts is replayed on BASE: one BASE does not reproduce is a regression
+(``scheduler_verdicts``).
 ``kvspec diff A B`` is the same comparison between two releases.
 A run that compared nothing is no verdict (exit 2).
 
@@ -373,7 +378,7 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     common = without(
         argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare", "--seed"
     )
-    common = [a for a in common if a not in ("--fail-on-change", "--coverage")]
+    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--head-check")]
     # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
     common += ["--seed", str(pr_seed(args))]
     extra = ["--source-version", args.source_version] if args.source_version else []
@@ -449,6 +454,7 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         out.rule("vLLM's own V1 scheduler in lockstep")
         runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
         add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
+    if head_side.impl == "v1" and not args.no_shapes and getattr(args, "head_check", False):
         scheduler = scheduler_verdicts(args, argv, base_flags, root)
         summary_path = root / "pr.json"
         summary = json.loads(summary_path.read_text())
