@@ -232,7 +232,8 @@ DEFAULT_SEED = 0  # a PR run without --seed: every search of it is repeatable
 
 
 def pr_seed(args: argparse.Namespace) -> int:
-    return args.seed if args.seed is not None else DEFAULT_SEED
+    seed = getattr(args, "seed", None)
+    return seed if seed is not None else DEFAULT_SEED
 
 
 def lockstep_logs() -> list[Path]:
