@@ -10,10 +10,11 @@ call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-chang
 behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) vLLM's own V1
 scheduler runs in lockstep too (testing/scheduler_lockstep.py: the scheduler machine's
 operations on both sides, what each step scheduled, preempted and finished, the blocks and
-tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, without
-golden files).  With ``--head-check`` HEAD's own check also runs (the scheduler machine against
-the reference scheduler's declared policy, cli/shapes.py, seeded from the PR's seed), and each
-of its scheduler verdicts is replayed on BASE: one BASE does not reproduce is a regression
+tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, a
+behaviour change with its golden file, ``golden.write_scheduler_golden``).  With
+``--head-check`` HEAD's own check also runs (the scheduler machine against the reference
+scheduler's declared policy, cli/shapes.py, seeded from the PR's seed), and each of its
+scheduler verdicts is replayed on BASE: one BASE does not reproduce is a regression
 (``scheduler_verdicts``).
 ``kvspec diff A B`` is the same comparison between two releases.
 A run that compared nothing is no verdict (exit 2).
@@ -208,7 +209,7 @@ def run_compare(
 def lockstep(
     args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any], *, scheduler: bool = False
 ) -> LockstepRun:
-    machine: dict[str, Any] = {"machine": SchedulerLockstepMachine, "golden": False} if scheduler else {}
+    machine: dict[str, Any] = {"machine": SchedulerLockstepMachine} if scheduler else {}
     return run_lockstep(
         head,
         base,

@@ -323,9 +323,13 @@ class _Session:
             tripped=self.guard.tripped is not None,
         )
 
-    def golden(self, impl: str, config: Config, trace: list[TraceStep], title: str, index: int) -> dict[str, Any]:
-        from .golden import write_golden
+    def golden(
+        self, impl: str, config: Config | Shape, trace: list[TraceStep], title: str, index: int
+    ) -> dict[str, Any]:
+        from .golden import write_golden, write_scheduler_golden
 
+        if isinstance(config, Shape):  # a scheduler lockstep's verdict: vLLM's own scheduler
+            return write_scheduler_golden(config, trace, title, index)
         return write_golden(impl, config, trace, title, index)
 
     def scheduler(self, method: str, *args: Any) -> Any:
@@ -914,7 +918,7 @@ def run_lockstep(
                 progress(found.headline())
         if golden:
             for i, verdict in enumerate(run.verdicts):
-                if verdict.kind is Kind.CHANGE and isinstance(verdict.config, Config):
+                if verdict.kind is Kind.CHANGE:
                     title = f"kvspec golden test: {verdict.headline()}, {base.description} against {head.description}"
                     run.goldens[i] = remotes[1].call("golden", base.impl, verdict.config, list(verdict.trace),
                                                      title, verdict.index)

@@ -18,7 +18,9 @@ renaming  also every group's block tables up to a renaming of block ids (one ren
 
 At the first difference the spec judges on each side's own check (``SchedulerDriver.check``:
 every invariant per group and over the shared pool): HEAD violates an invariant BASE does not
--> regression, the reverse -> fix, neither -> behaviour change; each shrunk on its own.
+-> regression, the reverse -> fix, neither -> behaviour change; each shrunk on its own, a
+behaviour change with a golden pytest file BASE writes (testing/golden.py
+``write_scheduler_golden``).
 """
 
 from __future__ import annotations

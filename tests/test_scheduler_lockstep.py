@@ -17,7 +17,8 @@ from kvspec.testing.lockstep import Kind, Mode, Side, differing, run_lockstep
 from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, SchedulerObservation
 from kvspec.testing.scheduler_machine import shapes
 
-BUDGET = dict(profile="ci", examples=12, max_verdicts=1, machine=SchedulerLockstepMachine)
+# No golden files: they replay on vLLM's scheduler (tests/targets/test_scheduler_lockstep_pr.py).
+BUDGET = dict(profile="ci", examples=12, max_verdicts=1, machine=SchedulerLockstepMachine, golden=False)
 REFERENCE = "reference-scheduler"
 # Reserves no block for an async step's output placeholders: admission-soundness breaks.
 BROKEN = BROKEN_SCHEDULER_PREFIX + "unreserved-placeholders"

@@ -9,6 +9,9 @@ the release as BASE.  Three HEADs:
   ``kv_cache_manager.free``, scheduler.py:3088-3090): a regression;
 * the unmodified copy: nothing, and the run says how many examples it compared.
 
+Through ``kvspec check --baseline`` the behaviour change comes with a golden file that fails on
+the copy and passes on 0.33.0.
+
 The copy is made at test time from the installed package (nothing of vLLM's is kept in this
 repository).  Runs in the 0.33.0 venv (``kvspec test-targets 0.33.0``); each case starts two
 target processes.  The same HEADs through ``kvspec check --baseline`` (the PR verdict) are the
@@ -117,4 +120,8 @@ def test_the_pr_verdict_reports_the_scheduler_change(tmp_path):
     (verdict,) = half["verdicts"]
     assert verdict["verdict"] == "behaviour change" and verdict["operation"] == "step", verdict
     assert summary["scheduler_lockstep_changes"] == 1 and summary["changes"] >= 1, summary
+    # Its golden file asserts BASE's plan at the differing step: kvspec ran it, it failed on the
+    # copy (tagged) and passed on 0.33.0.
+    assert verdict["golden"]["status"] == "verified", verdict["golden"]
+    assert "scheduled" in verdict["golden"]["head_failure"], verdict["golden"]
     assert "vLLM's own V1 scheduler in lockstep" in proc.stdout
