@@ -228,17 +228,14 @@ class _Session:
         self.driver: Driver | None = None
         self.events_seen = 0
         self.impl = ""  # what ``hello`` imported and every ``build`` builds
-        self.scheduler_session: Any = None  # built on the first ``scheduler`` call
 
     def hello(self, impl: str) -> dict[str, Any]:
         """Import the target once, unguarded (importing vLLM and torch takes far longer than any
         operation may), by building it on a small configuration; say what was imported."""
         from . import implementations
-        from .scheduler_lockstep import KVSPEC_SCHEDULERS
 
         self.impl = impl
-        if impl not in KVSPEC_SCHEDULERS:  # a kvspec scheduler imports nothing of vLLM's
-            implementations.factory(impl)(Config(block_size=16, num_blocks=16))
+        implementations.factory(impl)(Config(block_size=16, num_blocks=16))
         vllm = sys.modules.get("vllm")
         return {"python": sys.executable, "vllm": getattr(vllm, "__file__", None), "pid": os.getpid(),
                 "version": getattr(vllm, "__version__", None)}
@@ -332,18 +329,13 @@ class _Session:
             return write_scheduler_golden(config, trace, title, index)
         return write_golden(impl, config, trace, title, index)
 
-    def scheduler(self, method: str, *args: Any) -> Any:
-        """A call on the child's scheduler session (vLLM's own scheduler, driven by the
-        scheduler machine's driver: testing/scheduler_lockstep.py), under the same guard."""
-        from .scheduler_lockstep import SchedulerSession
 
-        if self.scheduler_session is None:
-            self.scheduler_session = SchedulerSession(self.guard, self.impl)
-        return getattr(self.scheduler_session, method)(*args)
+CHILD = "kvspec.testing.lockstep"  # the module whose ``serve`` a child runs (the block manager's)
 
 
-def serve() -> None:
-    """A child's main loop: one pickled request in, one pickled answer out, until EOF."""
+def serve(session_class: type = _Session) -> None:
+    """A child's main loop: one pickled request in, one pickled answer out, until EOF; each
+    request a call on ``session_class``'s instance."""
     import logging
 
     channel = os.fdopen(os.dup(1), "wb")
@@ -352,7 +344,7 @@ def serve() -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     requests = sys.stdin.buffer
     limits = pickle.load(requests)
-    session = _Session(limits)
+    session = session_class(limits)
     while True:
         try:
             method, args = pickle.load(requests)
@@ -390,9 +382,10 @@ class Side:
 class Remote:
     """A child process serving one side."""
 
-    def __init__(self, side: Side, limits: Limits) -> None:
+    def __init__(self, side: Side, limits: Limits, child: str = CHILD) -> None:
         self.side = side
         self.limits = limits
+        self.child = child  # the module whose ``serve`` the child process runs
         self.proc: subprocess.Popen[bytes] | None = None
         handle, name = tempfile.mkstemp(prefix=f"kvspec-lockstep-{side.label.lower()}-", suffix=".log")
         os.close(handle)  # ``start`` opens the file by name for each child it starts
@@ -404,7 +397,7 @@ class Remote:
         self.starts += 1
         log = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [self.side.python, "-c", "from kvspec.testing.lockstep import serve; serve()"],
+            [self.side.python, "-c", f"from {self.child} import serve; serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -889,9 +882,11 @@ def run_lockstep(
     past the verdicts found before, until a round finds nothing new or ``max_verdicts``.
     ``machine``: the lockstep machine whose rules draw the operations (the block manager's, or
     the scheduler's: testing/scheduler_lockstep.py), built with the arguments
-    ``LockstepMachine`` takes; ``strategy`` draws what it builds its targets in."""
+    ``LockstepMachine`` takes, whose ``child`` names the module the target processes serve
+    from; ``strategy`` draws what it builds its targets in."""
     limits = limits or Limits(DEFAULT_OP_TIMEOUT, DEFAULT_MEMORY_CAP_GIB)
-    remotes = (Remote(head, limits), Remote(base, limits))
+    child = getattr(machine, "child", CHILD)
+    remotes = (Remote(head, limits, child), Remote(base, limits, child))
     base_settings = Settings.get_profile(profile)
     requested = examples if examples is not None else base_settings.max_examples
     step_count = steps if steps is not None else base_settings.stateful_step_count

@@ -25,6 +25,7 @@ behaviour change with a golden pytest file BASE writes (testing/golden.py
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,17 +45,20 @@ from .guard import Guard, GuardTripped
 from .implementations import SCHEDULERS
 from .lockstep import (
     FIELD_MODES,
+    Limits,
     LockstepDriver,
     LockstepStats,
     Mode,
     Remote,
     Reply,
     _key,
+    _Session,
     both,
     crash_function,
     crash_violation,
     settle_build,
 )
+from .lockstep import serve as serve_requests
 from .scheduler_driver import SchedulerDriver
 from .scheduler_machine import SchedulerMachine, shapes
 from .scheduler_progress import drain
@@ -262,6 +266,32 @@ class SchedulerSession:
         )
 
 
+class SchedulerChild(_Session):
+    """A target process of the scheduler lockstep: the block manager's session (its guard,
+    ``hello``, ``golden``) and a ``scheduler`` session beside it."""
+
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(limits)
+        self.scheduler_session: SchedulerSession | None = None  # built on the first call
+
+    def hello(self, impl: str) -> dict[str, Any]:
+        if impl not in KVSPEC_SCHEDULERS:
+            return super().hello(impl)
+        self.impl = impl  # a kvspec scheduler: nothing of vLLM's to import
+        return {"python": sys.executable, "vllm": None, "pid": os.getpid(), "version": None}
+
+    def scheduler(self, method: str, *args: Any) -> Any:
+        """A call on the child's scheduler session, under the child's guard."""
+        if self.scheduler_session is None:
+            self.scheduler_session = SchedulerSession(self.guard, self.impl)
+        return getattr(self.scheduler_session, method)(*args)
+
+
+def serve() -> None:
+    """A scheduler lockstep's target process (``SchedulerLockstepMachine.child``)."""
+    serve_requests(SchedulerChild)
+
+
 # ------------------------------------------------------------------------------ the parent's side
 
 
@@ -297,6 +327,8 @@ class SchedulerLockstepDriver(LockstepDriver):
 
 class SchedulerLockstepMachine(SchedulerMachine):
     """The scheduler machine's rules, each operation run on HEAD and BASE and compared."""
+
+    child = "kvspec.testing.scheduler_lockstep"  # what its target processes run (``serve``)
 
     def __init__(
         self,
@@ -352,5 +384,6 @@ __all__ = [
     "SchedulerObservation",
     "SchedulerSession",
     "observe_scheduler",
+    "serve",
     "shape_strategy",
 ]
