@@ -125,12 +125,14 @@ def classify(code: int | None, summary: dict[str, Any] | None) -> str:
 
 def _first(summary: dict[str, Any]) -> str:
     """The first verdict in one line: what differed (or which invariant), in which call."""
-    for entry in summary.get("verdicts", []):
-        differs = f"{entry.get('differs') or entry.get('field')} differs"
-        # A behaviour change's violations (if any) are on both sides alike: what differs is its news.
-        news = [] if entry["verdict"] == "behaviour change" else entry.get("head_violations", [])
-        what = "; ".join(news[:1]) or differs
-        return f"{entry['verdict']}: {what} in {entry.get('operation')}"[:400]
+    scheduler_lockstep = summary.get("scheduler_lockstep", {}).get("verdicts", [])
+    for half, entries in (("", summary.get("verdicts", [])), ("scheduler lockstep: ", scheduler_lockstep)):
+        for entry in entries:
+            differs = f"{entry.get('differs') or entry.get('field')} differs"
+            # A behaviour change's violations (if any) are on both sides alike: what differs is its news.
+            news = [] if entry["verdict"] == "behaviour change" else entry.get("head_violations", [])
+            what = "; ".join(news[:1]) or differs
+            return f"{half}{entry['verdict']}: {what} in {entry.get('operation')}"[:400]
     for entry in summary.get("scheduler", []):
         if entry.get("regression") or entry.get("change"):
             fp = entry.get("fingerprint", {})
@@ -169,7 +171,10 @@ def run_one(site_packages: Path, key: str, version: str, work: Path, timeout: fl
                            "wall": round(wall, 1), "loadavg": [round(x, 2) for x in os.getloadavg()]}
     if summary is not None:
         row.update({k: summary.get(k, 0) for k in ("examples", "operations", "regressions", "changes",
-                                                   "scheduler_regressions", "scheduler_changes")})
+                                                   "scheduler_regressions", "scheduler_changes",
+                                                   "scheduler_lockstep_regressions", "scheduler_lockstep_changes")})
+        half = summary.get("scheduler_lockstep", {})
+        row["scheduler_lockstep"] = {k: half.get(k) for k in ("status", "examples", "operations", "seconds")}
         row["first"] = _first(summary)
         row["imported"] = summary.get("imported", {})
     row["report"] = str(out)
@@ -268,12 +273,15 @@ def by_verdict(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> dic
 
 
 def found_by(row: dict[str, Any]) -> str:
-    """Which half of the PR verdict reported the mutant: the block-manager lockstep (HEAD and
-    BASE compared call by call), or the scheduler machine's verdict on HEAD replayed on BASE."""
-    lockstep = row.get("regressions", 0) - row.get("scheduler_regressions", 0) + row.get("changes", 0) - row.get(
-        "scheduler_changes", 0)
+    """Which part of the PR verdict reported the mutant: the block-manager lockstep (HEAD and
+    BASE compared call by call), the scheduler lockstep (the same, over vLLM's own scheduler),
+    or the scheduler machine's verdict on HEAD replayed on BASE."""
     scheduler = row.get("scheduler_regressions", 0) + row.get("scheduler_changes", 0)
-    return ", ".join(n for n, k in (("block-manager lockstep", lockstep), ("scheduler on HEAD", scheduler)) if k) or "-"
+    sched_lockstep = row.get("scheduler_lockstep_regressions", 0) + row.get("scheduler_lockstep_changes", 0)
+    lockstep = row.get("regressions", 0) + row.get("changes", 0) - scheduler - sched_lockstep
+    parts = (("block-manager lockstep", lockstep), ("scheduler lockstep", sched_lockstep),
+             ("scheduler on HEAD", scheduler))
+    return ", ".join(n for n, k in parts if k) or "-"
 
 
 def render(rows: list[dict[str, Any]], mutants: list[dict[str, Any]]) -> str:

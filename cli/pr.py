@@ -7,9 +7,15 @@ order, their observations compared after each); at the first difference the spec
 HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> fix, neither ->
 behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
 call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
-behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) HEAD's own check also
-runs vLLM's V1 scheduler (the scheduler machine, cli/shapes.py), and each scheduler verdict is
-replayed on BASE: a verdict BASE does not reproduce is a regression (``scheduler_verdicts``).
+behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) vLLM's own V1
+scheduler runs in lockstep too (testing/scheduler_lockstep.py: the scheduler machine's
+operations on both sides, what each step scheduled, preempted and finished, the blocks and
+tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, a
+behaviour change with its golden file, ``golden.write_scheduler_golden``).  With
+``--head-check`` HEAD's own check also runs (the scheduler machine against the reference
+scheduler's declared policy, cli/shapes.py, seeded from the PR's seed), and each of its
+scheduler verdicts is replayed on BASE: one BASE does not reproduce is a regression
+(``scheduler_verdicts``).
 ``kvspec diff A B`` is the same comparison between two releases.
 A run that compared nothing is no verdict (exit 2).
 
@@ -33,6 +39,7 @@ from kvspec.targets.registry import Target, TargetError, parse, release_key
 from kvspec.testing.golden import TAG as GOLDEN_TAG
 from kvspec.testing.known import DIFFERS
 from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
+from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, shape_strategy
 from rich.markup import escape
 from rich.table import Table
 
@@ -165,13 +172,18 @@ def lockstep_sides(head: tuple[str, bool], base: tuple[str, bool], args: argpars
     return head_side, base_side
 
 
-def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) -> LockstepRun:
-    """The lockstep search, printed; every behaviour change's golden test verified on both."""
+def run_compare(
+    args: argparse.Namespace, head: Side, base: Side, root: Path, *, scheduler: bool = False
+) -> LockstepRun:
+    """The lockstep search, printed; every behaviour change's golden test verified on both.
+    ``scheduler``: the scheduler machine over vLLM's own V1 scheduler (in every production
+    shape) instead of the block-manager machine over ``head.impl``."""
     overrides = parse_overrides(args.config or [])
-    err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {head.impl}", markup=False)
+    what = "vLLM's own V1 scheduler" if scheduler else head.impl
+    err.print(f"lockstep: HEAD = {head.description}; BASE = {base.description}; {what}", markup=False)
     err.print("starting both targets (each imports vLLM) ...", markup=False)
     try:
-        run = lockstep(args, head, base, overrides)
+        run = lockstep(args, head, base, overrides, scheduler=scheduler)
     except LockstepError as error:
         lines = str(error).strip().splitlines()
         shown = "\n".join([lines[0], "...", *lines[-4:]]) if len(lines) > 6 else str(error)
@@ -225,25 +237,35 @@ def run_compare(args: argparse.Namespace, head: Side, base: Side, root: Path) ->
     return run
 
 
-def lockstep(args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any]) -> LockstepRun:
+def lockstep(
+    args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any], *, scheduler: bool = False
+) -> LockstepRun:
+    machine: dict[str, Any] = {"machine": SchedulerLockstepMachine} if scheduler else {}
     return run_lockstep(
         head,
         base,
-        config_strategy(head.impl, overrides),
+        shape_strategy() if scheduler else config_strategy(head.impl, overrides),
         profile=args.profile or "ci",
         examples=args.examples,
         steps=args.steps,
-        seed=args.seed if args.seed is not None else 0,
+        seed=pr_seed(args),
         focus=check_invariant_ids(args.invariant),
         features=features_from(overrides),
         mode=Mode(args.compare),
         max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
         limits=limits_from(args),
         progress=lambda line: err.print(f"  found: {line}", markup=False),
+        **machine,
     )
 
 
 MAX_VERDICTS = 3  # distinct verdicts one lockstep run shrinks and reports before it stops
+DEFAULT_SEED = 0  # a PR run without --seed: every search of it is repeatable
+
+
+def pr_seed(args: argparse.Namespace) -> int:
+    seed = getattr(args, "seed", None)
+    return seed if seed is not None else DEFAULT_SEED
 
 
 def lockstep_logs() -> list[Path]:
@@ -387,9 +409,11 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     gave) and ``regression``."""
     head_flags = ["--vllm-source", args.vllm_source] if args.vllm_source else ["--vllm", args.vllm]
     common = without(
-        argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare"
+        argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare", "--seed"
     )
-    common = [a for a in common if a not in ("--fail-on-change", "--coverage")]
+    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--head-check")]
+    # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
+    common += ["--seed", str(pr_seed(args))]
     extra = ["--source-version", args.source_version] if args.source_version else []
     extra += ["--venv", args.venv] if args.venv else []
     head_out = root / "head"
@@ -429,6 +453,22 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     return verdicts
 
 
+def add_scheduler_lockstep(summary_path: Path, run: LockstepRun, own: Path) -> None:
+    """The scheduler lockstep's verdicts into the PR's summary: listed (``scheduler_lockstep``,
+    its own summary beside), and counted with the block manager's."""
+    summary = json.loads(summary_path.read_text())
+    mine = json.loads(own.read_text())
+    summary["scheduler_lockstep"] = {
+        k: mine[k] for k in ("status", "examples", "operations", "by_op", "stats", "rounds", "seconds", "verdicts")
+    }
+    summary["scheduler_lockstep"]["summary"] = str(own)
+    summary["rows"] = [*summary.get("rows", []), *mine["rows"]]
+    for kind in ("regressions", "fixes", "changes"):
+        summary[f"scheduler_lockstep_{kind}"] = mine[kind]
+        summary[kind] = summary.get(kind, 0) + mine[kind]
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+
+
 def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     """``kvspec check <HEAD target> --baseline BASE [flags]``: HEAD and BASE in lockstep."""
     if not (args.vllm or args.vllm_source):
@@ -442,7 +482,12 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
     if args.coverage:
         coverage_of_changes(args, argv, base_flags, root)
     scheduler: list[dict] = []
+    runs = [run]
     if head_side.impl == "v1" and not args.no_shapes:
+        out.rule("vLLM's own V1 scheduler in lockstep")
+        runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
+        add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
+    if head_side.impl == "v1" and not args.no_shapes and getattr(args, "head_check", False):
         scheduler = scheduler_verdicts(args, argv, base_flags, root)
         summary_path = root / "pr.json"
         summary = json.loads(summary_path.read_text())
@@ -452,8 +497,8 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         summary["scheduler_changes"] = sum(v["change"] for v in scheduler)
         summary["changes"] = summary.get("changes", 0) + summary["scheduler_changes"]
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
-    regressions, changes = run.by_kind(Kind.REGRESSION), run.by_kind(Kind.CHANGE)
-    changes = [*changes, *(v for v in scheduler if v["change"])]
+    regressions = [v for r in runs for v in r.by_kind(Kind.REGRESSION)]
+    changes = [*(v for r in runs for v in r.by_kind(Kind.CHANGE)), *(v for v in scheduler if v["change"])]
     scheduler_regressions = sum(v["regression"] for v in scheduler)
     if regressions or scheduler_regressions:
         n = len(regressions) + scheduler_regressions

@@ -23,6 +23,7 @@ from kvspec.adapters.harness import legacy as legacy_harness
 from kvspec.adapters.harness import v1 as v1_harness
 from kvspec.adapters.recording import Line, Recorder, Unrecordable, real
 from kvspec.spec.config import Config
+from kvspec.spec.groups import Shape
 from kvspec.spec.state import Status
 
 from .driver import Driver, TraceStep, apply_step
@@ -158,3 +159,87 @@ def _named(recorder: Recorder, prefix: str) -> dict[str, Any]:
         if re.fullmatch(rf"{prefix}\d+", label):
             found[label] = obj
     return found
+
+
+PLANNED = re.compile(r"assert (\w+)\.num_scheduled_tokens == (.*)$")
+
+
+def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, index: int) -> dict[str, Any]:
+    """The golden file of a scheduler lockstep's behaviour change at operation ``index`` (1-based),
+    or ``{"error": why}``: the trace replayed on BASE's own V1 scheduler through the recorder
+    (testing/scheduler_reproducer.py ``record``), every ``schedule()`` before the differing
+    operation asserting what it planned as the reproducer does; at the differing operation what
+    BASE observed -- the tokens each step there scheduled per request, the pool's free blocks,
+    every live request's block table per KV-cache group up to a renaming of block ids -- each
+    failing the file with the ``behaviour-change`` tag where HEAD differs."""
+    from kvspec.adapters.harness import v1_scheduler as sched_harness
+
+    from .scheduler_reproducer import record, setup
+    from .straight_line import NotStraightLine
+
+    if index > len(trace):
+        return {"error": "the difference is in the teardown's drain, which the file does not replay"}
+    try:
+        recording = record(shape, trace[:index], None)
+    except (NotStraightLine, Unrecordable) as why:
+        return {"error": f"not recordable as a straight line: {why}"}
+    except Exception as error:  # BASE itself crashed on the way: nothing golden to assert
+        return {"error": f"BASE raised {type(error).__name__} while replaying: {error}"}
+    if recording.crash is not None or recording.violations:
+        return {"error": "BASE's replay did not end as the lockstep's did (a crash or a violation)"}
+    recorder = recording.recorder
+    scheduler = recording.driver.target.inner._sched
+    name = recorder.names.get(id(scheduler), "scheduler")
+    body: list[str] = list(setup().lines)
+    observed: dict[str, str] = {}
+    expected: dict[str, Any] = {}
+    commented: set[int] = set()
+    for line in (ln for ln in recorder.lines if ln.op_index <= index):
+        if line.op_index and line.op_index not in commented:
+            commented.add(line.op_index)
+            body.append(f"# {_op_comment(line.op_index, trace)}")
+        planned = PLANNED.match(line.code)
+        if planned and line.op_index == index:
+            # The differing step's plan, checked where it is made: the outputs recorded after it
+            # answer BASE's plan, which HEAD's scheduler may refuse.
+            plan, want = planned.groups()
+            body += [
+                f"planned = {want}  # by BASE",
+                f"if dict({plan}.num_scheduled_tokens) != planned:",
+                f'    pytest.fail(f"[{TAG}] scheduled: expected {{planned!r}} (BASE), observed '
+                f'{{dict({plan}.num_scheduled_tokens)!r}}")',
+            ]
+            continue
+        body.append(_asserted(line) if line.answer is not None else line.code)
+    observed["free"] = f"{name}.kv_cache_manager.block_pool.get_num_free_blocks()"
+    expected["free"] = repr(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+    live = sorted(recording.driver.seqs)
+    for gi, group in enumerate(recording.driver.state.groups):
+        ids = ", ".join(f"{s}: block_table({name}, {gi}, 'seq{s}')" for s in live)
+        observed[f"tables ({group.spec.name})"] = f"renamed({{{ids}}})"
+        tables = {s: sched_harness.block_table(scheduler, gi, f"seq{s}") for s in live}
+        expected[f"tables ({group.spec.name})"] = repr(v1_harness.renamed(tables))
+    body += [
+        f"# BASE's observations at operation {_op_comment(index, trace)}",
+        "observed = {",
+        *[f"    {k!r}: {v}," for k, v in observed.items()],
+        "}",
+        "expected = {",
+        *[f"    {k!r}: {v}," for k, v in expected.items()],
+        "}",
+        "for key in expected:",
+        "    if observed[key] != expected[key]:",
+        f'        pytest.fail(f"[{TAG}] {{key}}: expected {{expected[key]!r}} (BASE), observed {{observed[key]!r}}")',
+    ]
+    test = "test_kvspec_v1_scheduler_golden"
+    doc = (
+        f"{title}\n\nOn {shape.describe()}: kvspec replayed the shrunk lockstep trace on BASE's V1 scheduler and "
+        f"asserts what BASE observed at the operation where HEAD differs.  Written by kvspec.\n"
+    )
+    imports = ["from __future__ import annotations", "", "import json", "import pytest", *_import_lines(recorder)]
+    source = [f'"""{doc}"""', "", *imports, ""]
+    for fn in (sched_harness.block_table, v1_harness.renamed):
+        source += ["", inspect.getsource(fn).rstrip(), ""]
+    source += ["", f"def {test}(tmp_path):"]
+    source += ["    " + ln if ln else "" for ln in body]
+    return {"text": "\n".join(source) + "\n", "filename": f"{test}.py"}

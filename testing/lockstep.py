@@ -52,6 +52,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test, initialize
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
+from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import SeqModel, Status
@@ -130,12 +131,17 @@ FIELD_MODE: dict[str, Mode] = {
 }
 
 
-def differing(head: Observation, base: Observation, mode: Mode) -> list[str]:
+# Each observation class's fields, in the order they are compared, with the mode that compares
+# them (the scheduler's observation, testing/scheduler_lockstep.py, registers its own).
+FIELD_MODES: dict[type, dict[str, Mode]] = {Observation: FIELD_MODE}
+
+
+def differing(head: Any, base: Any, mode: Mode) -> list[str]:
     """The fields ``mode`` compares on which the two observations differ, in field order."""
     depth = _ORDER.index(mode)
     return [
         name
-        for name, field_mode in FIELD_MODE.items()
+        for name, field_mode in FIELD_MODES[type(head)].items()
         if _ORDER.index(field_mode) <= depth and getattr(head, name) != getattr(base, name)
     ]
 
@@ -314,14 +320,22 @@ class _Session:
             tripped=self.guard.tripped is not None,
         )
 
-    def golden(self, impl: str, config: Config, trace: list[TraceStep], title: str, index: int) -> dict[str, Any]:
-        from .golden import write_golden
+    def golden(
+        self, impl: str, config: Config | Shape, trace: list[TraceStep], title: str, index: int
+    ) -> dict[str, Any]:
+        from .golden import write_golden, write_scheduler_golden
 
+        if isinstance(config, Shape):  # a scheduler lockstep's verdict: vLLM's own scheduler
+            return write_scheduler_golden(config, trace, title, index)
         return write_golden(impl, config, trace, title, index)
 
 
-def serve() -> None:
-    """A child's main loop: one pickled request in, one pickled answer out, until EOF."""
+CHILD = "kvspec.testing.lockstep"  # the module whose ``serve`` a child runs (the block manager's)
+
+
+def serve(session_class: type = _Session) -> None:
+    """A child's main loop: one pickled request in, one pickled answer out, until EOF; each
+    request a call on ``session_class``'s instance."""
     import logging
 
     channel = os.fdopen(os.dup(1), "wb")
@@ -330,7 +344,7 @@ def serve() -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     requests = sys.stdin.buffer
     limits = pickle.load(requests)
-    session = _Session(limits)
+    session = session_class(limits)
     while True:
         try:
             method, args = pickle.load(requests)
@@ -368,11 +382,14 @@ class Side:
 class Remote:
     """A child process serving one side."""
 
-    def __init__(self, side: Side, limits: Limits) -> None:
+    def __init__(self, side: Side, limits: Limits, child: str = CHILD) -> None:
         self.side = side
         self.limits = limits
+        self.child = child  # the module whose ``serve`` the child process runs
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = Path(tempfile.mkstemp(prefix=f"kvspec-lockstep-{side.label.lower()}-", suffix=".log")[1])
+        handle, name = tempfile.mkstemp(prefix=f"kvspec-lockstep-{side.label.lower()}-", suffix=".log")
+        os.close(handle)  # ``start`` opens the file by name for each child it starts
+        self.log = Path(name)
         self.starts = 0
 
     def start(self) -> None:
@@ -380,7 +397,7 @@ class Remote:
         self.starts += 1
         log = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [self.side.python, "-c", "from kvspec.testing.lockstep import serve; serve()"],
+            [self.side.python, "-c", f"from {self.child} import serve; serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -482,7 +499,7 @@ class Verdict:
     base_violations: tuple[Violation, ...]
     trace: tuple[TraceStep, ...]  # HEAD's record of the operations, the differing one last
     base_step: TraceStep | None  # BASE's record of the differing operation
-    config: Config
+    config: Config | Shape  # the block manager's configuration, or the scheduler's shape
     mode: Mode
 
     def fingerprint(self) -> tuple[str, str, str]:
@@ -592,10 +609,12 @@ class _Ended(Exception):
 class LockstepDriver:
     """Looks like a ``Driver`` to the machine; every operation goes to both sides."""
 
+    observation: type = Observation  # what a side that died observed is built as
+
     def __init__(
         self,
         remotes: tuple[Remote, Remote],
-        config: Config,
+        config: Config | Shape,
         capabilities: frozenset[Capability],
         extra_kinds: frozenset[str],
         mode: Mode,
@@ -633,8 +652,12 @@ class LockstepDriver:
         return []  # each operation is judged as it happens (_judge)
 
     # operations
+    def _ask(self, method: str, *args: Any) -> list[Any]:
+        """One request to both children's sessions."""
+        return both(self.remotes, method, *args)
+
     def _both(self, op: str, *args: Any) -> Any:
-        head, base = both(self.remotes, "op", op, args)
+        head, base = self._ask("op", op, args)
         try:
             return self._judge(op, head, base)
         except _Ended as ended:
@@ -669,7 +692,7 @@ class LockstepDriver:
         return self._both("reset_prefix_cache")
 
     def finish(self, drain: bool) -> None:
-        head, base = both(self.remotes, "finish", drain)
+        head, base = self._ask("finish", drain)
         try:
             self._judge("teardown", head, base)
         except _Ended:
@@ -683,7 +706,7 @@ class LockstepDriver:
         crash = ("ChildDied", "process", op)
         step = TraceStep(op, {}, "the process ended", Crash(op, "ChildDied", str(answer)[:200], "?"))
         died = Violation(CRASH, str(answer)[:300], kind="ChildDied", observed=op)
-        return Reply(None, Observation(outcome=f"{op}: crashed", crash=crash), (died,),
+        return Reply(None, self.observation(outcome=f"{op}: crashed", crash=crash), (died,),
                      step, dict(self.seqs), self.operations, tripped=True)
 
     def _judge(self, op: str, head_answer: Any, base_answer: Any) -> Any:
@@ -724,6 +747,37 @@ class LockstepDriver:
         return head.result
 
 
+def settle_build(
+    remotes: tuple[Remote, Remote], answers: list[Any], config: Config | Shape, stats: LockstepStats,
+    observation: type,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides' answers to building the target: a crash on one side only is judged (raised
+    as its verdict), alike on both is no verdict (rejected), and so is a configuration a side
+    does not support; else the two answers."""
+    answers = [{"crash": ("ChildDied", "process", "construct"), "tripped": True} if isinstance(a, ChildDied)
+               else a for a in answers]
+    for remote, answer in zip(remotes, answers, strict=True):
+        if answer.get("tripped"):
+            remote.close()
+    head_crash, base_crash = (a.get("crash", ()) for a in answers)
+    if head_crash or base_crash:
+        if head_crash == base_crash:
+            stats.shared_crashes += 1
+            reject()
+        found = [(crash_violation(c),) if c else () for c in (head_crash, base_crash)]
+        verdict = Verdict(
+            judge(*found), 1, "construct", "crash", observation(outcome="construct", crash=head_crash),
+            observation(outcome="construct", crash=base_crash), *found, (), None, config, Mode.OUTCOMES,
+        )
+        raise RAISED[verdict.kind](verdict)
+    unsupported = [a["unsupported"] for a in answers if "unsupported" in a]
+    if unsupported:
+        stats.unsupported += 1
+        note(f"configuration not supported: {unsupported[0]}")
+        reject()
+    return answers[0], answers[1]
+
+
 class LockstepMachine(KVCacheMachine):
     """The machine's rules, each operation run on HEAD and BASE and compared."""
 
@@ -757,21 +811,8 @@ class LockstepMachine(KVCacheMachine):
         config = data.draw(self.config_strategy, label="config")
         note(f"config: {config!r}")
         focus = tuple(self.focus) if self.focus is not None else None
-        answers = both(self.remotes, "build", config, focus)
-        answers = [{"crash": ("ChildDied", "process", "construct"), "tripped": True} if isinstance(a, ChildDied)
-                   else a for a in answers]
-        for remote, answer in zip(self.remotes, answers, strict=True):
-            if answer.get("tripped"):
-                remote.close()
-        crashes = [a.get("crash", ()) for a in answers]
-        if any(crashes):
-            self._construct_differs(config, *crashes)
-        unsupported = [a["unsupported"] for a in answers if "unsupported" in a]
-        if unsupported:
-            self.lockstep_stats.unsupported += 1
-            note(f"configuration not supported: {unsupported[0]}")
-            reject()
-        head, base = answers
+        head, base = settle_build(self.remotes, both(self.remotes, "build", config, focus), config,
+                                  self.lockstep_stats, Observation)
         capabilities = head["capabilities"] & base["capabilities"]
         pinned = {"swap": Capability.SWAP, "fork": Capability.FORK, "chunked_prefill": Capability.CHUNKED_PREFILL}
         if any(getattr(self.features, name) and cap not in capabilities for name, cap in pinned.items()):
@@ -782,18 +823,6 @@ class LockstepMachine(KVCacheMachine):
             self.skip, self.lockstep_stats, self.log,
         )
         self.driver = self.lockstep  # type: ignore[assignment]  # the rules' precondition reads it
-
-    def _construct_differs(self, config: Config, head: tuple[str, ...], base: tuple[str, ...]) -> None:
-        """Building the target crashed on a side: alike on both, no verdict; else judged."""
-        if head == base:
-            self.lockstep_stats.shared_crashes += 1
-            reject()
-        found = [(crash_violation(c),) if c else () for c in (head, base)]
-        verdict = Verdict(
-            judge(*found), 1, "construct", "crash", Observation("construct", head), Observation("construct", base),
-            *found, (), None, config, Mode.OUTCOMES,
-        )
-        raise RAISED[verdict.kind](verdict)
 
     def _check(self) -> None:
         return  # every operation is compared and judged as it happens
@@ -834,7 +863,7 @@ class LockstepRun:
 def run_lockstep(
     head: Side,
     base: Side,
-    strategy: st.SearchStrategy[Config],
+    strategy: st.SearchStrategy[Any],
     *,
     profile: str = "ci",
     examples: int | None = None,
@@ -847,11 +876,17 @@ def run_lockstep(
     limits: Limits | None = None,
     progress: Callable[[str], None] | None = None,
     golden: bool = True,
+    machine: type = LockstepMachine,
 ) -> LockstepRun:
     """Search for differences between HEAD and BASE: rounds of the same search, each stepping
-    past the verdicts found before, until a round finds nothing new or ``max_verdicts``."""
+    past the verdicts found before, until a round finds nothing new or ``max_verdicts``.
+    ``machine``: the lockstep machine whose rules draw the operations (the block manager's, or
+    the scheduler's: testing/scheduler_lockstep.py), built with the arguments
+    ``LockstepMachine`` takes, whose ``child`` names the module the target processes serve
+    from; ``strategy`` draws what it builds its targets in."""
     limits = limits or Limits(DEFAULT_OP_TIMEOUT, DEFAULT_MEMORY_CAP_GIB)
-    remotes = (Remote(head, limits), Remote(base, limits))
+    child = getattr(machine, "child", CHILD)
+    remotes = (Remote(head, limits, child), Remote(base, limits, child))
     base_settings = Settings.get_profile(profile)
     requested = examples if examples is not None else base_settings.max_examples
     step_count = steps if steps is not None else base_settings.stateful_step_count
@@ -870,7 +905,7 @@ def run_lockstep(
         while len(run.verdicts) < max_verdicts:
             run.rounds += 1
             skip = frozenset(v.fingerprint() for v in run.verdicts)
-            found = _one_round(remotes, strategy, chosen, seed, focus, features, mode, skip, stats)
+            found = _one_round(machine, remotes, strategy, chosen, seed, focus, features, mode, skip, stats)
             if found is None:
                 break
             run.verdicts.append(found)
@@ -898,8 +933,9 @@ def run_lockstep(
 
 
 def _one_round(
+    machine: type,
     remotes: tuple[Remote, Remote],
-    strategy: st.SearchStrategy[Config],
+    strategy: st.SearchStrategy[Any],
     chosen: Settings,
     seed: int | None,
     focus: tuple[str, ...] | None,
@@ -908,7 +944,7 @@ def _one_round(
     skip: frozenset[tuple[str, str, str]],
     stats: LockstepStats,
 ) -> Verdict | None:
-    class Round(LockstepMachine):
+    class Round(machine):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             super().__init__(remotes, strategy, mode=mode, skip=skip, stats=stats, focus=focus, features=features)
 
@@ -940,4 +976,5 @@ __all__ = [
     "observe",
     "run_lockstep",
     "serve",
+    "settle_build",
 ]

@@ -225,3 +225,26 @@ def test_a_pr_whose_head_check_did_not_run_has_no_scheduler_verdict(monkeypatch,
     # A check that finds nothing writes no summary: no scheduler verdict, and no error.
     monkeypatch.setattr(pr, "_kvspec", lambda a, capture=False: subprocess.CompletedProcess(a, 0, "", ""))
     assert pr.scheduler_verdicts(args, [], ["--vllm", "0.33.0"], tmp_path) == []
+
+
+def test_heads_own_check_runs_with_the_pr_runs_seed(monkeypatch, tmp_path):
+    """HEAD's own check in a PR verdict repeats: it gets the PR's --seed (0 when none is given),
+    never a seed of its own profile's choosing."""
+    import argparse
+    import subprocess
+
+    from kvspec.cli import pr
+
+    calls: list[list[str]] = []
+
+    def fake(a, capture=False):
+        calls.append(list(a))
+        return subprocess.CompletedProcess(a, 0, "", "")
+
+    monkeypatch.setattr(pr, "_kvspec", fake)
+    for given, want in ((None, "0"), (7, "7")):
+        args = argparse.Namespace(vllm_source=str(tmp_path), vllm=None, source_version="0.33.0", venv=None, seed=given)
+        argv = ["check", "--vllm-source", str(tmp_path), "--baseline", "0.33.0"] + (["--seed", "7"] if given else [])
+        pr.scheduler_verdicts(args, argv, ["--vllm", "0.33.0"], tmp_path)
+        seeds = [calls[-1][i + 1] for i, a in enumerate(calls[-1]) if a == "--seed"]
+        assert seeds == [want], calls[-1]

@@ -66,9 +66,11 @@ def test_reversed_eviction_order_is_a_behaviour_change_with_a_verified_golden_te
     head = _copy(tmp_path, "evict", EVICT_LAST, planted)
     proc, summary = _pr(head, tmp_path / "out", "--config", "caching=on", "--config", "window=off")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    # One lockstep change (plus any the scheduler machine sees as a policy difference).
+    # One block-manager lockstep change (plus what the scheduler half sees: vLLM's scheduler
+    # evicts through the same free queue).
     assert summary["regressions"] == 0, summary
-    assert summary["changes"] == 1 + summary.get("scheduler_changes", 0), summary["verdicts"]
+    scheduler = summary.get("scheduler_changes", 0) + summary.get("scheduler_lockstep_changes", 0)
+    assert summary["changes"] == 1 + scheduler, summary["verdicts"]
     (verdict,) = summary["verdicts"]
     assert verdict["verdict"] == "behaviour change"
     assert len(verdict["trace"]) <= 4, verdict["trace"]  # shrunk
@@ -93,9 +95,10 @@ def test_a_leaked_block_is_a_regression(tmp_path):
     head = _copy(tmp_path, "leak", DECREF, planted)
     proc, summary = _pr(head, tmp_path / "out", "--no-verify")
     assert proc.returncode == 1, proc.stdout[-4000:]
-    # The lockstep's one regression, plus what the scheduler machine's verdicts add (the leak
-    # breaks vLLM's scheduler too: cli/pr.py ``scheduler_verdicts``).
-    assert summary["regressions"] == 1 + summary.get("scheduler_regressions", 0), summary["verdicts"]
+    # The block-manager lockstep's one regression, plus what the scheduler half adds (the leak
+    # breaks vLLM's scheduler too: the scheduler lockstep, and HEAD's own check with --head-check).
+    scheduler = summary.get("scheduler_regressions", 0) + summary.get("scheduler_lockstep_regressions", 0)
+    assert summary["regressions"] == 1 + scheduler, summary["verdicts"]
     (verdict,) = summary["verdicts"]
     assert verdict["head_violations"] and not verdict["base_violations"], verdict
     assert "HEAD regressed" in proc.stdout
@@ -104,7 +107,8 @@ def test_a_leaked_block_is_a_regression(tmp_path):
 def test_an_unmodified_copy_reports_nothing_and_says_what_it_compared(tmp_path):
     proc, summary = _pr(_copy(tmp_path, "unmodified"), tmp_path / "out")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert summary["verdicts"] == [] and summary["regressions"] == 0
+    assert summary["verdicts"] == [] and summary["regressions"] == 0 and summary["changes"] == 0, summary
+    assert summary["scheduler_lockstep"]["verdicts"] == [] and summary["scheduler_lockstep"]["examples"] > 0
     assert _compared(proc) == summary["examples"] >= 40
     assert summary["operations"] > summary["examples"]
     assert "no regression" in proc.stdout

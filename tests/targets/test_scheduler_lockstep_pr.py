@@ -1,0 +1,127 @@
+"""The scheduler lockstep (testing/scheduler_lockstep.py) on vLLM 0.33.0's own scheduler: a copy of
+the installed vllm/ tree as HEAD (symlinks, with vllm/v1/core/sched/scheduler.py a real file),
+the release as BASE.  Three HEADs:
+
+* one request admitted at a time (``max_num_active_reqs`` set to 1, scheduler.py:134-138,
+  read at :1073): every invariant holds and every request finishes, so it is a behaviour change
+  in what a step schedules, shrunk to a few operations;
+* a finished request's blocks never returned (``_free_request_blocks`` skips
+  ``kv_cache_manager.free``, scheduler.py:3088-3090): a regression;
+* the unmodified copy: nothing, and the run says how many examples it compared.
+
+Through ``kvspec check --baseline`` the behaviour change comes with a golden file that fails on
+the copy and passes on 0.33.0.
+
+The copy is made at test time from the installed package (nothing of vLLM's is kept in this
+repository).  Runs in the 0.33.0 venv (``kvspec test-targets 0.33.0``); each case starts two
+target processes.  The same HEADs through ``kvspec check --baseline`` (the PR verdict) are the
+last test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvspec.testing.lockstep import Kind, Side, run_lockstep
+from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, shape_strategy
+
+from .conftest import requires_vllm
+
+pytestmark = requires_vllm("0.33.0", "0.33.0")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
+
+from bench.lockstep_mutation import overlay  # noqa: E402
+
+SCHEDULER = Path("v1/core/sched/scheduler.py")
+ACTIVE = """        self.max_num_active_reqs = (
+            self.scheduler_config.max_num_active_seqs
+            if self.scheduler_config.max_num_active_seqs is not None
+            else self.max_num_running_reqs
+        )
+"""
+SERIAL = "        self.max_num_active_reqs = 1  # planted: one request at a time\n"
+FREE = """        if self._request_blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+"""
+LEAK = """        if self._request_blocks_can_be_freed(request):
+            return  # planted: the blocks are never returned
+"""
+BUDGET = dict(profile="ci", examples=25, max_verdicts=1, machine=SchedulerLockstepMachine, golden=False)
+
+
+def _copy(tmp_path: Path, name: str, old: str | None = None, new: str | None = None) -> Path:
+    import vllm
+
+    package = Path(vllm.__file__).parent
+    replaced = {Path("__init__.py"): (package / "__init__.py").read_text()}
+    if old is not None and new is not None:
+        text = (package / SCHEDULER).read_text()
+        assert text.count(old) == 1, "the planted line moved: update the test for this release"
+        replaced[SCHEDULER] = text.replace(old, new)
+    root = tmp_path / name
+    overlay(package, root / "vllm", replaced)
+    return root
+
+
+def _run(head: Path):
+    sides = (Side("HEAD", f"the copy {head}", sys.executable, "v1", pythonpath=str(head)),
+             Side("BASE", "vLLM 0.33.0", sys.executable, "v1"))
+    run = run_lockstep(*sides, shape_strategy(), **BUDGET)
+    assert run.status == "compared", run.status
+    assert str(head) in run.imported["HEAD"] and str(head) not in run.imported["BASE"], run.imported
+    return run
+
+
+def test_the_unmodified_copy_differs_nowhere(tmp_path):
+    run = _run(_copy(tmp_path, "plain"))
+    assert run.verdicts == [], [v.describe() for v in run.verdicts]
+    assert run.stats.examples >= 15 and run.stats.by_op.get("step", 0) > run.stats.examples
+
+
+def test_one_request_at_a_time_is_a_behaviour_change_in_what_a_step_schedules(tmp_path):
+    run = _run(_copy(tmp_path, "serial", ACTIVE, SERIAL))
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.CHANGE, "\n".join(verdict.describe())
+    assert verdict.op == "step" and verdict.field in ("hits", "scheduled"), "\n".join(verdict.describe())
+    assert not verdict.head_violations and not verdict.base_violations
+    head, base = verdict.values()
+    assert len(base) > len(head), (head, base)  # BASE batches both requests, HEAD one
+    assert len(verdict.trace) <= 4, "\n".join(verdict.describe())  # shrunk: two arrivals and a step
+
+
+def test_blocks_never_returned_are_a_regression(tmp_path):
+    run = _run(_copy(tmp_path, "leak", FREE, LEAK))
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.REGRESSION, "\n".join(verdict.describe())
+    assert verdict.head_violations and not verdict.base_violations
+    assert {v.invariant for v in verdict.head_violations} & {"no-leak", "refcount-exact", "conservation"}
+
+
+def test_the_pr_verdict_reports_the_scheduler_change(tmp_path):
+    """``kvspec check --baseline``: the scheduler lockstep's behaviour change is in pr.json and
+    counted; the block-manager half (which never runs scheduler.py) reports nothing."""
+    head = _copy(tmp_path, "serial", ACTIVE, SERIAL)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvspec.cli", "check", "--vllm-source", str(head), "--source-version", "0.33.0",
+         "--baseline", "0.33.0", "--profile", "ci", "--examples", "20", "--max-violations", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=3000, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "pr.json").read_text())
+    assert summary["regressions"] == 0, summary
+    half = summary["scheduler_lockstep"]
+    assert half["status"] == "compared" and half["examples"] > 0, half
+    (verdict,) = half["verdicts"]
+    assert verdict["verdict"] == "behaviour change" and verdict["operation"] == "step", verdict
+    assert summary["scheduler_lockstep_changes"] == 1 and summary["changes"] >= 1, summary
+    # Its golden file asserts BASE's plan at the differing step: kvspec ran it, it failed on the
+    # copy (tagged) and passed on 0.33.0.
+    assert verdict["golden"]["status"] == "verified", verdict["golden"]
+    assert "scheduled" in verdict["golden"]["head_failure"], verdict["golden"]
+    assert "vLLM's own V1 scheduler in lockstep" in proc.stdout
