@@ -199,11 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", metavar="VERSION|PATH", help="the release or checkout HEAD is compared with")
     _compare_args(b)
     b.add_argument(
-        "--head-check",
+        "--no-head-check",
         action="store_true",
-        help="V1: also run HEAD's own check (the block-manager search and vLLM's scheduler against the "
-        "reference scheduler's declared policy, seeded from --seed) and replay each of its scheduler "
-        "verdicts on BASE, after the two lockstep halves",
+        help="V1: skip HEAD's own check (the block-manager search and vLLM's scheduler against the "
+        "reference scheduler's declared policy, seeded from --seed, each scheduler verdict replayed on "
+        "BASE), which runs by default after the two lockstep halves",
     )
     o = p.add_argument_group("output")
     o.add_argument(

@@ -11,8 +11,8 @@ behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) vLLM's
 scheduler runs in lockstep too (testing/scheduler_lockstep.py: the scheduler machine's
 operations on both sides, what each step scheduled, preempted and finished, the blocks and
 tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, a
-behaviour change with its golden file, ``golden.write_scheduler_golden``).  With
-``--head-check`` HEAD's own check also runs (the scheduler machine against the reference
+behaviour change with its golden file, ``golden.write_scheduler_golden``).  Unless
+``--no-head-check``, HEAD's own check also runs (the scheduler machine against the reference
 scheduler's declared policy, cli/shapes.py, seeded from the PR's seed), and each of its
 scheduler verdicts is replayed on BASE: one BASE does not reproduce is a regression
 (``scheduler_verdicts``).
@@ -411,7 +411,7 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     common = without(
         argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare", "--seed"
     )
-    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--head-check")]
+    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--no-head-check")]
     # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
     common += ["--seed", str(pr_seed(args))]
     extra = ["--source-version", args.source_version] if args.source_version else []
@@ -487,7 +487,7 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         out.rule("vLLM's own V1 scheduler in lockstep")
         runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
         add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
-    if head_side.impl == "v1" and not args.no_shapes and getattr(args, "head_check", False):
+    if head_side.impl == "v1" and not args.no_shapes and not getattr(args, "no_head_check", False):
         scheduler = scheduler_verdicts(args, argv, base_flags, root)
         summary_path = root / "pr.json"
         summary = json.loads(summary_path.read_text())

@@ -96,7 +96,7 @@ def test_a_leaked_block_is_a_regression(tmp_path):
     proc, summary = _pr(head, tmp_path / "out", "--no-verify")
     assert proc.returncode == 1, proc.stdout[-4000:]
     # The block-manager lockstep's one regression, plus what the scheduler half adds (the leak
-    # breaks vLLM's scheduler too: the scheduler lockstep, and HEAD's own check with --head-check).
+    # breaks vLLM's scheduler too: the scheduler lockstep, and HEAD's own check).
     scheduler = summary.get("scheduler_regressions", 0) + summary.get("scheduler_lockstep_regressions", 0)
     assert summary["regressions"] == 1 + scheduler, summary["verdicts"]
     (verdict,) = summary["verdicts"]
