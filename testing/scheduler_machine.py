@@ -57,7 +57,7 @@ from kvspec.spec.invariants import Violation
 from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from .driver import SpecViolation, TraceStep
-from .generator_rules import block_relative, spare_blocks
+from .generator_rules import block_relative, eagle_caches, eagle_repeated_blocks, spare_blocks
 from .generator_rules import token as rule_token
 from .machine import CONTINUE, StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
@@ -103,6 +103,11 @@ def shapes(draw) -> Shape:
         eagle=chunk is None and draw(st.booleans()),
         lookahead_hashes=draw(st.booleans()),
     )
+    # Rule ``eagle-prefix-hits``: an EAGLE head meets prefix hits (drawn after the others, so
+    # their draws stay as they were).
+    if shape.eagle and shape.num_spec_tokens and not shape.prefix_caching:
+        if eagle_caches(draw(st.integers(0, 2))):
+            shape = attrs.evolve(shape, prefix_caching=True)
     # A third of the hybrid shapes pair full attention with Mamba layers instead (drawn
     # last, so the other shapes' draws stay as they were).  Without draft tokens: the worker
     # model keeps no per-draft states (vLLM's speculative Mamba blocks).
@@ -501,13 +506,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         B = shape.block_size
         # Room for the sampled tokens and a step's drafts within max_model_len.
         longest = shape.max_model_len - shape.max_tokens - shape.num_spec_tokens - 1
-        prompt = prompt_from(raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens)
+        repeat = eagle_repeated_blocks(self._drops_hit_block())
+        prompt = prompt_from(
+            raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
+        )
         self.prompts.append(prompt)
         max_tokens = 1 + raw[3] % shape.max_tokens
         # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by.
         extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
         self.d.arrive(self.next_id, [rule_token(t) for t in prompt], max_tokens, extra)
         self.next_id += 1
+
+    def _drops_hit_block(self) -> bool:
+        """Whether the target's EAGLE head drops the last block of every prefix hit: what the
+        target says (the V1 scheduler adapter's ``drops_eagle_block``, read off the release; the
+        reference scheduler's ``drop_eagle_block``), else the shape's (an EAGLE head with no
+        lookahead hashes)."""
+        shape = self.shape
+        assert shape is not None
+        target = self.d.target
+        said = getattr(target, "drops_eagle_block", getattr(target, "drop_eagle_block", None))
+        if said is None:
+            said = shape.eagle and not shape.lookahead_hashes
+        return bool(said and shape.num_spec_tokens and shape.prefix_caching)
 
     @precondition(lambda self: self.driver is not None)
     @rule(accept=step_bytes, tokens=step_bytes)
