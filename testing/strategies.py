@@ -82,12 +82,13 @@ def prompt_from(
 ) -> tuple[int, ...]:
     """A prompt from an admission's bytes: usually an earlier prompt cut and extended (so that
     prefixes are shared), cut at a block boundary half of the time (that is where cache hits
-    happen).  ``repeat_blocks`` (``generator_rules.eagle_repeated_blocks``): with an earlier
-    prompt, always extend one (the longest if the one drawn is shorter than this many blocks), by
-    at least this many whole blocks (as many as it has), and run at least one token past them.  Its length is drawn apart from its content (``generator_rules.prompt_length``:
+    happen).  Its length is drawn apart from its content (``generator_rules.prompt_length``:
     mostly the product of two bytes, sometimes an edge: a block boundary, ``max_len``, the
     token ``budget``, the pool's ``capacity`` in tokens), so the shrinker can make the prompt
-    fresh and its tokens 0 without losing the length a failure needs."""
+    fresh and its tokens 0 without losing the length a failure needs.  ``repeat_blocks``
+    (``generator_rules.eagle_repeated_blocks``): with an earlier prompt, always extend one (the
+    longest if the one drawn is shorter than this many blocks) by at least this many whole
+    blocks (as many as it has), and run at least one token past them."""
     source, cut_code, _, _, len_a, len_b = raw[:6]
     length = prompt_length(len_a, len_b, max_len, block_size, budget=budget, capacity=capacity)
     tail = as_tokens(raw[ADMISSION_HEADER:])
