@@ -62,7 +62,7 @@ from .generator_rules import token as rule_token
 from .machine import CONTINUE, StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
-from .strategies import admission_bytes, extra_from, prompt_from
+from .strategies import admission_bytes, extended_index, extra_from, prompt_from
 
 
 @st.composite
@@ -121,6 +121,11 @@ def shapes(draw) -> Shape:
             eagle=False,
             mamba=True,
         )
+        # Half the "align" shapes hash finer than the Mamba block (vLLM's prefix_match_unit):
+        # hits inside a Mamba block, partial tails and their copy-on-write.
+        units = [u for u in (1, 2, 4) if u < B and B % u == 0]
+        if shape.prefix_caching and units and draw(st.booleans()):
+            shape = attrs.evolve(shape, prefix_match_unit=draw(st.sampled_from(units)))
     return shape
 
 
@@ -458,6 +463,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.failed = False
         self.next_id = 0
         self.prompts: list[tuple[int, ...]] = []
+        self.domains: list[Any] = []  # each prompt's domain (ExtraKeys)
         self.checked_at = -1
 
     @initialize(data=st.data())
@@ -510,10 +516,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt_from(
             raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
         )
-        self.prompts.append(prompt)
         max_tokens = 1 + raw[3] % shape.max_tokens
-        # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by.
+        # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by;
+        # under rule ``eagle-prefix-hits``, the domain of the prompt it repeats (a hit is there).
         extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
+        if repeat and self.prompts:
+            # Its salt and adapter; media placements are the new prompt's own.
+            base = self.domains[extended_index(raw, self.prompts, B, repeat)]
+            extra = attrs.evolve(extra, cache_salt=base.cache_salt, lora=base.lora)
+        self.prompts.append(prompt)
+        self.domains.append(extra)
         self.d.arrive(self.next_id, [rule_token(t) for t in prompt], max_tokens, extra)
         self.next_id += 1
 

@@ -70,6 +70,17 @@ def as_tokens(raw: bytes) -> tuple[int, ...]:
     return tuple(rules.token(b) for b in raw)
 
 
+def extended_index(raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, repeat_blocks: int = 0) -> int:
+    """The index in ``earlier`` of the prompt an admission's bytes extend, if it extends one
+    (``prompt_from``): counted back from the newest prompt, so that the shrinker can drop older
+    admissions without changing which prompt this one extends; with ``repeat_blocks``, the
+    longest one if the one counted is shorter than that many blocks."""
+    index = len(earlier) - 1 - (raw[0] // 4) % len(earlier)
+    if len(earlier[index]) < repeat_blocks * block_size:
+        index = max(range(len(earlier)), key=lambda i: len(earlier[i]))
+    return index
+
+
 def prompt_from(
     raw: bytes,
     earlier: Sequence[tuple[int, ...]],
@@ -88,18 +99,15 @@ def prompt_from(
     fresh and its tokens 0 without losing the length a failure needs.  ``repeat_blocks``
     (``generator_rules.eagle_repeated_blocks``): with an earlier prompt, always extend one (the
     longest if the one drawn is shorter than this many blocks) by at least this many whole
-    blocks (as many as it has), and run at least one token past them."""
+    blocks (as many as it has), and run at least one token past them (``extended_index`` says
+    which)."""
     source, cut_code, _, _, len_a, len_b = raw[:6]
     length = prompt_length(len_a, len_b, max_len, block_size, budget=budget, capacity=capacity)
     tail = as_tokens(raw[ADMISSION_HEADER:])
     if not earlier or not (repeat_blocks or repeats_prefix(source)):
         prefix: tuple[int, ...] = ()
     else:
-        # Counted back from the newest prompt: the shrinker can drop older admissions
-        # without changing which prompt this one extends.
-        base = earlier[-1 - (source // 4) % len(earlier)]
-        if len(base) < repeat_blocks * block_size:
-            base = max(earlier, key=len)
+        base = earlier[extended_index(raw, earlier, block_size, repeat_blocks)]
         if cut_code % 2 == 0:
             cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
         else:
