@@ -447,7 +447,8 @@ class SchedulerDriver:
 
     def cache_counts(self) -> Counter:
         """What the prefix cache saw in this example: admissions per domain kind
-        ("cache_salt", "lora", "mm"), partial tails, and the KV events the target reported."""
+        ("cache_salt", "lora", "mm"), partial tails, the KV events the target reported, EAGLE's
+        dropped hit blocks and the copy-on-write copies the worker ran."""
         out: Counter = Counter(self.partials)
         for step in self.trace:
             for kind, used in step.args.get("extra", {}).items() if step.op == "arrive" else ():
@@ -456,7 +457,7 @@ class SchedulerDriver:
         out["events"] = sum(len(g.events or ()) for g in self.state.groups)
         for fmt, n in getattr(self.target, "event_hash_formats", {}).items():
             out[f"event_hashes_{fmt}"] += n  # the hash forms the events carried (int, bytes)
-        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks"):
+        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks", "block_copies"):
             out[key] = self.counts[key]
         return out
 
