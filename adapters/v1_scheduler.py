@@ -48,7 +48,11 @@ Mamba           a full-attention group and a ``MambaSpec`` group (Jamba, Granite
                 ``mamba_cache_mode`` "align" with prefix caching (Mamba block = the block size)
                 and "none" without (Mamba block = ``max_model_len``, the scheduler's block size
                 the groups' least common multiple, kv_cache_utils.py:860-863); no drafts beside
-                it.  0.33.0 only (``_mamba_supported``).
+                it.  0.33.0 only (``_mamba_supported``).  With ``Shape.prefix_match_unit`` the
+                hashes are finer than the blocks (``CacheConfig.prefix_match_unit``, the
+                Scheduler's ``hash_block_size``): hits inside a Mamba block, the prompt's partial
+                tail cached, and the copy-on-write of a shared tail that the scheduler output
+                hands the worker (``kv_cache_block_copies``, ``Plan.copies``).
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
@@ -208,6 +212,9 @@ class VLLMV1SchedulerAdapter:
         if any(B % g.block_size for g in groups):
             raise ConfigError(f"group block sizes must divide the scheduler's block size {B}")
         self.hash_block_size = math.gcd(*(g.block_size for g in groups))
+        if shape.prefix_match_unit is not None:
+            self._partial_hits_supported(v)
+            self.hash_block_size = shape.prefix_match_unit
         # The groups' block sizes above the hash block: their cache keys are derived (``_learn``).
         self._coarser_block_sizes = sorted({g.block_size for g in groups} - {self.hash_block_size})
         self._sched_params = _params(sched_mod.Scheduler.__init__)
@@ -379,6 +386,7 @@ class VLLMV1SchedulerAdapter:
                 if shape.mamba
                 else {}
             ),
+            **({"prefix_match_unit": shape.prefix_match_unit} if shape.prefix_match_unit is not None else {}),
         )
         speculative_config = None
         if shape.num_spec_tokens and shape.eagle:
@@ -489,6 +497,15 @@ class VLLMV1SchedulerAdapter:
                 f"vLLM {v.version}: Mamba state groups are modelled on 0.33.0's MambaManager only"
             )
 
+    def _partial_hits_supported(self, v: Any) -> None:
+        """Refuse hits inside a Mamba block on a release without them: the cache config's
+        ``prefix_match_unit`` and ``partial_hash_hits_enabled`` (0.33.0 config/cache.py:203,
+        kv_cache_utils.py:762; 0.31.0 and 0.30.0 have the field but not the function, and kvspec
+        drives their Mamba groups not at all, ``_mamba_supported``)."""
+        fields = {f.name for f in dataclasses.fields(v.config.CacheConfig)}
+        if "prefix_match_unit" not in fields or not hasattr(v.kcu, "partial_hash_hits_enabled"):
+            raise ConfigError(f"vLLM {v.version}: no prefix hits inside a Mamba block (no partial_hash_hits_enabled)")
+
     def _count_allocations(self) -> None:
         """Count how often the pool hands each block out (observation only, as in v1.py)."""
         pool = self.manager.block_pool
@@ -582,7 +599,10 @@ class VLLMV1SchedulerAdapter:
         finished = tuple(self._seq_of[r] for r in so.finished_req_ids if r in self._seq_of)
         for r in self._req.values():
             self._learn(r)
-        return Plan(tuple(scheduled), preempted, finished, so)
+        # The copy-on-write copies the worker runs before this step's forward (0.33.0
+        # sched/output.py:309, scheduler.py:1698-1707; absent before).
+        copies = tuple((c.src_block_id, c.dst_block_id) for c in getattr(so, "kv_cache_block_copies", None) or ())
+        return Plan(tuple(scheduled), preempted, finished, so, copies)
 
     def update(
         self,

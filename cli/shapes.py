@@ -348,7 +348,8 @@ def print_cache_counts(o: ShapesOutcome) -> None:
     prefix = "event_hashes_"
     formats = ", ".join(f"{n} {k.removeprefix(prefix)}" for k, n in sorted(c.items()) if k.startswith(prefix))
     events = f"{c['events']} KV events (replayed per group" + (f"; hashes: {formats})" if formats else ")")
-    out.print(f"  prefix cache: {domains}; {partial}; {events}")
+    copies = f"; {c['block_copies']} copy-on-write copies run" if c["block_copies"] else ""
+    out.print(f"  prefix cache: {domains}; {partial}{copies}; {events}")
     missing = [
         name
         for name, n in (

@@ -162,6 +162,37 @@ class StateFreedBeforeRead(ReferenceScheduler):
         return first + 1 if group.state else first
 
 
+class MambaBlockAsHashBlock(ReferenceScheduler):
+    """Mamba with hashes finer than its blocks: lays the state group's table out in blocks of
+    the prefix match unit (the hash block) instead of the Mamba block, so the state a step
+    leaves sits in another slot than the one its next step reads.  The two sizes are one in
+    every other Mamba shape, so only hashes finer than the block (``mamba-partial-hits``) show
+    it."""
+
+    name = "mamba-block-as-hash-block"
+
+    def _grow(self, req: _Req, end: int) -> None:
+        unit = self.shape.prefix_match_unit
+        if unit is not None:
+            self.group_specs = tuple(attrs.evolve(g, block_size=unit) if g.state else g for g in self.group_specs)
+        try:
+            super()._grow(req, end)
+        finally:
+            self.group_specs = self.shape.groups()
+
+
+class EagleDropAdds(ReferenceScheduler):
+    """EAGLE with prefix caching: adds the block the EAGLE head should drop from a prefix hit
+    instead of taking it off, so the request starts past the blocks it was handed.  Only a
+    prefix hit under a block-dropping EAGLE head (``spec-decode-eagle``, rule
+    ``eagle-prefix-hits``) runs it."""
+
+    name = "eagle-drop-adds"
+
+    def _after_eagle_drop(self, length: int, full: GroupSpec) -> int:
+        return length + min(self.alignment, full.block_size)
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -193,6 +224,12 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     StatePerPosition.name: BrokenScheduler(StatePerPosition, "hybrid-mamba", frozenset({"window-bound"})),
     StateFreedBeforeRead.name: BrokenScheduler(
         StateFreedBeforeRead, "hybrid-mamba", frozenset({"kv-readback"})
+    ),
+    MambaBlockAsHashBlock.name: BrokenScheduler(
+        MambaBlockAsHashBlock, "mamba-partial-hits", frozenset({"kv-readback", "admission-soundness", "window-bound"})
+    ),
+    EagleDropAdds.name: BrokenScheduler(
+        EagleDropAdds, "spec-decode-eagle", frozenset({"kv-readback", "admission-soundness"})
     ),
 }
 

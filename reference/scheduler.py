@@ -297,7 +297,7 @@ class ReferenceScheduler:
         blocks: list[int | None] = list(full_hit(self._lookup(req, 0), limit // full.block_size))
         length = len(blocks) * full.block_size
         if drop and length:
-            length -= min(self.alignment, full.block_size)
+            length = self._after_eagle_drop(length, full)
         length -= length % self.alignment
         tables: list[tuple[int | None, ...]] = [()] * len(groups)
         for gi, group in enumerate(groups[1:], start=1):
@@ -315,6 +315,12 @@ class ReferenceScheduler:
             tables[gi] = tuple(found)
         tables[0] = tuple(blocks[: ceil_div(length, full.block_size)])
         return Hit(length, tuple(tables)) if length else NO_HIT
+
+    def _after_eagle_drop(self, length: int, full: GroupSpec) -> int:
+        """A full-attention hit of ``length`` tokens less the block an EAGLE head drops (one
+        alignment unit when hits are finer than the block: vLLM 0.33.0
+        single_type_kv_cache_manager.py:826-830)."""
+        return length - min(self.alignment, full.block_size)
 
     def _skipped_blocks(self, computed: int, group: GroupSpec) -> int:
         return group.first_attended(computed) // group.block_size if group.local else 0

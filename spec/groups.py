@@ -107,6 +107,7 @@ SHAPE_TAGS = (
     "hybrid-block-sizes",
     "hybrid-chunked-local",
     "hybrid-mamba",
+    "mamba-partial-hits",
     "async",
     "spec-decode",
     "spec-decode-eagle",
@@ -147,6 +148,17 @@ class Shape:
                       caching, "none" without (vLLM derives the mode so, 0.33.0
                       model_executor/models/config.py:760-787), and the Mamba block size vLLM
                       picks for the mode (``mamba_block``).
+    prefix_match_unit the finest token boundary a prefix hit lands on (vLLM's
+                      ``CacheConfig.prefix_match_unit``, the scheduler's ``hash_block_size``): a
+                      proper divisor of ``block_size`` in a Mamba "align" shape, whose Mamba
+                      block is then larger than the hash block (vLLM 0.33.0 sets the Mamba block
+                      to the attention block in "align" mode, platforms/interface.py
+                      ``_align_hybrid_block_size``, and hashes at the unit,
+                      kv_cache_utils.py:885-891): hits inside a block
+                      (``partial_hash_hits_enabled``, kv_cache_utils.py:762-783), the partial
+                      tail a prompt caches and the copy-on-write of a shared tail
+                      (single_type_kv_cache_manager.py:1497-1518, 1746-1753, 1872-1918,
+                      2028-2137).  None: hashes at the groups' block sizes' divisor.
     """
 
     block_size: int
@@ -164,11 +176,22 @@ class Shape:
     eagle: bool = False
     lookahead_hashes: bool = False
     mamba: bool = False
+    prefix_match_unit: int | None = None
 
     def __attrs_post_init__(self) -> None:
         second = (self.sliding_window is not None, self.attention_chunk_size is not None, self.mamba)
         if sum(second) > 1:
             raise ValueError("one second group: a sliding window, a chunked-local or a Mamba one")
+        unit = self.prefix_match_unit
+        if unit is not None and not (self.mamba and self.prefix_caching and 0 < unit < self.block_size
+                                     and self.block_size % unit == 0):
+            raise ValueError("a prefix match unit is a proper divisor of the block size of a Mamba shape "
+                             "with prefix caching")
+
+    @property
+    def mamba_partial_hits(self) -> bool:
+        """Mamba "align" blocks larger than the hash block: prefix hits inside a Mamba block."""
+        return self.prefix_match_unit is not None
 
     @property
     def hybrid(self) -> bool:
@@ -228,6 +251,8 @@ class Shape:
                 out.append("hybrid-chunked-local")
             if self.mamba:
                 out.append("hybrid-mamba")
+            if self.mamba_partial_hits:
+                out.append("mamba-partial-hits")
         if self.async_scheduling:
             out.append("async")
         if self.num_spec_tokens:
@@ -246,7 +271,8 @@ class Shape:
         if self.attention_chunk_size is not None:
             parts.append(f"hybrid(chunked C={self.attention_chunk_size} B={self.swa_block_size})")
         elif self.mamba:
-            parts.append(f"hybrid(mamba {self.mamba_cache_mode} B={self.mamba_block})")
+            unit = "" if self.prefix_match_unit is None else f" unit={self.prefix_match_unit}"
+            parts.append(f"hybrid(mamba {self.mamba_cache_mode} B={self.mamba_block}{unit})")
         elif self.hybrid:
             parts.append(f"hybrid(swa W={self.sliding_window} B={self.swa_block_size})")
         parts.append(f"N=startup-min+{self.extra_blocks}")
@@ -282,12 +308,16 @@ class Scheduled:
 
 @attrs.frozen
 class Plan:
-    """What one ``schedule()`` call planned."""
+    """What one ``schedule()`` call planned.  ``copies``: the (source, destination) block
+    copies the worker runs before the step's forward (vLLM 0.33.0
+    ``SchedulerOutput.kv_cache_block_copies``, sched/output.py:309: a shared partial tail's
+    copy-on-write)."""
 
     scheduled: tuple[Scheduled, ...]
     preempted: tuple[int, ...]
     finished: tuple[int, ...]
     handle: Any = attrs.field(eq=False, repr=False)
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen

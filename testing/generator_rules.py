@@ -20,7 +20,10 @@ The rules:
 ``prompt-edges``        prompt lengths on block boundaries, at the token budget and at the
                         longest length allowed;
 ``shared-prefixes``     prompts repeat earlier prompts' prefixes, in whatever domain (tenant,
-                        adapter, media) the new request draws.
+                        adapter, media) the new request draws;
+``eagle-prefix-hits``   under an EAGLE head, prefix caching is on (vLLM's default) most of the
+                        time, and where the head drops a hit's last block every admission after
+                        the first repeats at least two whole blocks of an earlier prompt.
 """
 
 from __future__ import annotations
@@ -40,10 +43,16 @@ class Rule:
 RULES = tuple(
     Rule(name)
     for name in (
-        "shared-identifiers", "special-tokens", "block-relative", "pool-edges", "prompt-edges", "shared-prefixes"
+        "shared-identifiers",
+        "special-tokens",
+        "block-relative",
+        "pool-edges",
+        "prompt-edges",
+        "shared-prefixes",
+        "eagle-prefix-hits",
     )
 )
-SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES = RULES
+SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES, EAGLE_PREFIX_HITS = RULES
 
 # ------------------------------------------------------------------------------ identifiers
 
@@ -171,12 +180,37 @@ def repeats_prefix(source: int) -> bool:
     return SHARED_PREFIXES.on and source % 4 != 0
 
 
+# ------------------------------------------------------------------------------ EAGLE
+
+EAGLE_REPEATED_BLOCKS = 2  # whole blocks an admission repeats under a block-dropping EAGLE head
+
+
+def eagle_caches(draw_byte: int) -> bool:
+    """Rule ``eagle-prefix-hits`` (scheduler shapes): an EAGLE shape drawn without prefix caching
+    turns it on two times in three (``draw_byte``: a draw in 0..2), since vLLM's default is on
+    and an EAGLE head changes prefix hits only when there are some."""
+    return EAGLE_PREFIX_HITS.on and draw_byte != 0
+
+
+def eagle_repeated_blocks(drops_hit_block: bool) -> int:
+    """Rule ``eagle-prefix-hits`` (admissions): under an EAGLE head that drops a prefix hit's
+    last block (vLLM 0.33.0 ``FullAttentionManager.find_longest_cache_hit``,
+    single_type_kv_cache_manager.py:826-830; 0.12.0 and before, every EAGLE head), every
+    admission after the first repeats at least ``EAGLE_REPEATED_BLOCKS`` whole blocks of an
+    earlier prompt (as many as it has) and runs past them, so that a hit longer than the one
+    block the head drops is there to be found.  0: the admission follows ``shared-prefixes``."""
+    return EAGLE_REPEATED_BLOCKS if drops_hit_block and EAGLE_PREFIX_HITS.on else 0
+
+
 __all__ = [
     "ALPHABET",
+    "EAGLE_REPEATED_BLOCKS",
     "RULES",
     "SPECIAL_TOKENS_IDS",
     "Rule",
     "block_relative",
+    "eagle_caches",
+    "eagle_repeated_blocks",
     "identifiers",
     "pool_blocks",
     "prompt_length",

@@ -32,6 +32,7 @@ from kvspec.spec.invariants import Violation, admission_soundness, immutability
 from kvspec.spec.kv_memory import (
     Write,
     WriteFault,
+    copy_cells,
     ended_lifetimes,
     plan_state_write,
     plan_step_writes,
@@ -238,8 +239,24 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------ the worker
 
+    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """The block copies a step's plan hands the worker, run before its forward: each
+        destination block becomes a copy of its source (every cell the source holds, nothing
+        the destination held before), as vLLM's worker copies a shared partial tail into the
+        private block a prefix hit or a producer's next step takes (0.33.0
+        single_type_kv_cache_manager.py:455-475, 1883-1918)."""
+        B = max(g.spec.block_size for g in self.state.groups)
+        for src, dst in copies:
+            writes = copy_cells(self.memory, (Device.GPU, src), (Device.GPU, dst), B)
+            for off in range(B):
+                self.memory.pop((Device.GPU, dst, off), None)
+            for w in writes:
+                self.memory[w.cell] = w.kv
+            self.counts["block_copies"] += 1
+
     def _execute(self, plan: Any, accept: bytes, tokens: bytes) -> tuple[dict, dict]:
         before = self.state
+        self._copy_blocks(getattr(plan, "copies", ()))
         sampled: dict[int, list[int]] = {}
         drafts_out: dict[int, list[int]] = {}
         for i, s in enumerate(plan.scheduled):
@@ -432,7 +449,8 @@ class SchedulerDriver:
 
     def cache_counts(self) -> Counter:
         """What the prefix cache saw in this example: admissions per domain kind
-        ("cache_salt", "lora", "mm"), partial tails, and the KV events the target reported."""
+        ("cache_salt", "lora", "mm"), partial tails, the KV events the target reported, EAGLE's
+        dropped hit blocks and the copy-on-write copies the worker ran."""
         out: Counter = Counter(self.partials)
         for step in self.trace:
             for kind, used in step.args.get("extra", {}).items() if step.op == "arrive" else ():
@@ -441,7 +459,7 @@ class SchedulerDriver:
         out["events"] = sum(len(g.events or ()) for g in self.state.groups)
         for fmt, n in getattr(self.target, "event_hash_formats", {}).items():
             out[f"event_hashes_{fmt}"] += n  # the hash forms the events carried (int, bytes)
-        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks"):
+        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks", "block_copies"):
             out[key] = self.counts[key]
         return out
 

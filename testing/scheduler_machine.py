@@ -57,12 +57,12 @@ from kvspec.spec.invariants import Violation
 from .differential import Mode
 from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from .driver import SpecViolation, TraceStep
-from .generator_rules import block_relative, spare_blocks
+from .generator_rules import block_relative, eagle_caches, eagle_repeated_blocks, spare_blocks
 from .generator_rules import token as rule_token
 from .machine import CONTINUE, StepPast
 from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from .scheduler_progress import drain
-from .strategies import admission_bytes, extra_from, prompt_from
+from .strategies import admission_bytes, extended_index, extra_from, prompt_from
 
 
 @st.composite
@@ -103,6 +103,11 @@ def shapes(draw) -> Shape:
         eagle=chunk is None and draw(st.booleans()),
         lookahead_hashes=draw(st.booleans()),
     )
+    # Rule ``eagle-prefix-hits``: an EAGLE head meets prefix hits (drawn after the others, so
+    # their draws stay as they were).
+    if shape.eagle and shape.num_spec_tokens and not shape.prefix_caching:
+        if eagle_caches(draw(st.integers(0, 2))):
+            shape = attrs.evolve(shape, prefix_caching=True)
     # A third of the hybrid shapes pair full attention with Mamba layers instead (drawn
     # last, so the other shapes' draws stay as they were).  Without draft tokens: the worker
     # model keeps no per-draft states (vLLM's speculative Mamba blocks).
@@ -116,6 +121,11 @@ def shapes(draw) -> Shape:
             eagle=False,
             mamba=True,
         )
+        # Two "align" shapes in three hash finer than the Mamba block (vLLM's
+        # prefix_match_unit): hits inside a Mamba block, partial tails and their copy-on-write.
+        units = [u for u in (1, 2, 4) if u < B and B % u == 0]
+        if shape.prefix_caching and units and draw(st.integers(0, 2)) != 0:
+            shape = attrs.evolve(shape, prefix_match_unit=draw(st.sampled_from(units)))
     return shape
 
 
@@ -453,6 +463,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.failed = False
         self.next_id = 0
         self.prompts: list[tuple[int, ...]] = []
+        self.domains: list[Any] = []  # each prompt's domain (ExtraKeys)
         self.checked_at = -1
 
     @initialize(data=st.data())
@@ -501,13 +512,35 @@ class SchedulerMachine(RuleBasedStateMachine):
         B = shape.block_size
         # Room for the sampled tokens and a step's drafts within max_model_len.
         longest = shape.max_model_len - shape.max_tokens - shape.num_spec_tokens - 1
-        prompt = prompt_from(raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens)
-        self.prompts.append(prompt)
+        repeat = eagle_repeated_blocks(self._drops_hit_block())
+        prompt = prompt_from(
+            raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
+        )
         max_tokens = 1 + raw[3] % shape.max_tokens
-        # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by.
+        # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by;
+        # under rule ``eagle-prefix-hits``, the domain of the prompt it repeats (a hit is there).
         extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
+        if repeat and self.prompts:
+            # Its salt and adapter; media placements are the new prompt's own.
+            base = self.domains[extended_index(raw, self.prompts, B, repeat)]
+            extra = attrs.evolve(extra, cache_salt=base.cache_salt, lora=base.lora)
+        self.prompts.append(prompt)
+        self.domains.append(extra)
         self.d.arrive(self.next_id, [rule_token(t) for t in prompt], max_tokens, extra)
         self.next_id += 1
+
+    def _drops_hit_block(self) -> bool:
+        """Whether the target's EAGLE head drops the last block of every prefix hit: what the
+        target says (the V1 scheduler adapter's ``drops_eagle_block``, read off the release; the
+        reference scheduler's ``drop_eagle_block``), else the shape's (an EAGLE head with no
+        lookahead hashes)."""
+        shape = self.shape
+        assert shape is not None
+        target = self.d.target
+        said = getattr(target, "drops_eagle_block", getattr(target, "drop_eagle_block", None))
+        if said is None:
+            said = shape.eagle and not shape.lookahead_hashes
+        return bool(said and shape.num_spec_tokens and shape.prefix_caching)
 
     @precondition(lambda self: self.driver is not None)
     @rule(accept=step_bytes, tokens=step_bytes)

@@ -70,6 +70,17 @@ def as_tokens(raw: bytes) -> tuple[int, ...]:
     return tuple(rules.token(b) for b in raw)
 
 
+def extended_index(raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, repeat_blocks: int = 0) -> int:
+    """The index in ``earlier`` of the prompt an admission's bytes extend, if it extends one
+    (``prompt_from``): counted back from the newest prompt, so that the shrinker can drop older
+    admissions without changing which prompt this one extends; with ``repeat_blocks``, the
+    longest one if the one counted is shorter than that many blocks."""
+    index = len(earlier) - 1 - (raw[0] // 4) % len(earlier)
+    if len(earlier[index]) < repeat_blocks * block_size:
+        index = max(range(len(earlier)), key=lambda i: len(earlier[i]))
+    return index
+
+
 def prompt_from(
     raw: bytes,
     earlier: Sequence[tuple[int, ...]],
@@ -78,26 +89,32 @@ def prompt_from(
     *,
     budget: int | None = None,
     capacity: int | None = None,
+    repeat_blocks: int = 0,
 ) -> tuple[int, ...]:
     """A prompt from an admission's bytes: usually an earlier prompt cut and extended (so that
     prefixes are shared), cut at a block boundary half of the time (that is where cache hits
     happen).  Its length is drawn apart from its content (``generator_rules.prompt_length``:
     mostly the product of two bytes, sometimes an edge: a block boundary, ``max_len``, the
     token ``budget``, the pool's ``capacity`` in tokens), so the shrinker can make the prompt
-    fresh and its tokens 0 without losing the length a failure needs."""
+    fresh and its tokens 0 without losing the length a failure needs.  ``repeat_blocks``
+    (``generator_rules.eagle_repeated_blocks``): with an earlier prompt, always extend one (the
+    longest if the one drawn is shorter than this many blocks) by at least this many whole
+    blocks (as many as it has), and run at least one token past them (``extended_index`` says
+    which)."""
     source, cut_code, _, _, len_a, len_b = raw[:6]
     length = prompt_length(len_a, len_b, max_len, block_size, budget=budget, capacity=capacity)
     tail = as_tokens(raw[ADMISSION_HEADER:])
-    if not earlier or not repeats_prefix(source):
+    if not earlier or not (repeat_blocks or repeats_prefix(source)):
         prefix: tuple[int, ...] = ()
     else:
-        # Counted back from the newest prompt: the shrinker can drop older admissions
-        # without changing which prompt this one extends.
-        base = earlier[-1 - (source // 4) % len(earlier)]
+        base = earlier[extended_index(raw, earlier, block_size, repeat_blocks)]
         if cut_code % 2 == 0:
             cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
         else:
             cut = (cut_code // 2) % (len(base) + 1)
+        if repeat_blocks:
+            cut = max(cut, min(repeat_blocks, len(base) // block_size) * block_size)
+            length = max(length, min(cut + 1, max_len))
         prefix = base[:cut]
     prompt = (prefix + tail)[:length]
     return prompt + (rules.token(0),) * (length - len(prompt))

@@ -52,7 +52,15 @@ def switch(request, monkeypatch):
 
 
 def test_every_rule_is_tested_here():
-    tested = {"shared-identifiers", "special-tokens", "block-relative", "pool-edges", "prompt-edges", "shared-prefixes"}
+    tested = {
+        "shared-identifiers",
+        "special-tokens",
+        "block-relative",
+        "pool-edges",
+        "prompt-edges",
+        "shared-prefixes",
+        "eagle-prefix-hits",
+    }
     assert {r.name for r in rules.RULES} == tested
 
 
@@ -147,3 +155,31 @@ def test_prefixes_repeat_across_tenants(switch):
         )
         earlier.append((prompt, domain))
     assert bool(across) == on
+
+
+def test_admissions_under_a_block_dropping_eagle_head_repeat_two_blocks(switch):
+    """Under an EAGLE head that drops a hit's last block, every admission after the first
+    repeats two whole blocks of an earlier prompt and runs past them (a hit the drop leaves
+    something of); switched off, some admissions repeat nothing."""
+    on = switch(rules.EAGLE_PREFIX_HITS)
+    rng = random.Random(6)
+    shared = rules.EAGLE_REPEATED_BLOCKS * B
+    earlier: list[tuple[int, ...]] = []
+    repeated = []
+    for _ in range(DRAWS // 4):
+        raw = _raw(rng, tail=MAX_LEN)
+        prompt = prompt_from(raw, earlier, B, MAX_LEN, repeat_blocks=rules.eagle_repeated_blocks(True))
+        if any(len(p) >= shared for p in earlier):
+            repeated.append(
+                len(prompt) > shared and any(len(p) >= shared and p[:shared] == prompt[:shared] for p in earlier)
+            )
+        earlier.append(prompt)
+    assert repeated
+    assert all(repeated) == on
+    assert rules.eagle_repeated_blocks(False) == 0
+
+
+def test_eagle_shapes_cache_prefixes(switch):
+    """An EAGLE shape drawn without prefix caching turns it on (two draws in three)."""
+    on = switch(rules.EAGLE_PREFIX_HITS)
+    assert [rules.eagle_caches(b) for b in range(3)] == [False, on, on]

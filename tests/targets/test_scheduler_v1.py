@@ -95,6 +95,43 @@ def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
     assert counts.operations[tag] >= 200, counts
 
 
+def _partial_tail_trace(adapter, copies: bool) -> tuple[SchedulerDriver, list]:
+    """A two-token prompt in a Mamba "align" shape hashing every token (unit 1, blocks of 2):
+    its first chunk stops at the prompt's last hash boundary and caches the state there as a
+    partial tail; its next step moves that cache entry to a fresh block the worker fills by
+    copy (0.33.0 single_type_kv_cache_manager.py:1883-1912).  ``copies`` False: a worker that
+    skips the plan's copies."""
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2, mamba=True, prefix_match_unit=1,
+    )
+    driver = SchedulerDriver(adapter(shape))
+    if not copies:
+        driver._copy_blocks = lambda _copies: None
+    driver.arrive(1, [0, 0], 1)
+    found = []
+    for _ in range(2):
+        driver.step(bytes(4), bytes(4))
+        found += driver.check()
+    return driver, found
+
+
+@on_033
+def test_a_mamba_partial_tail_is_copied_on_write(adapter):
+    driver, found = _partial_tail_trace(adapter, copies=True)
+    assert found == [] and driver.counts["block_copies"] >= 1, (found, driver.counts)
+    assert driver.finish() == []
+
+
+@on_033
+def test_a_worker_that_skips_the_copy_leaves_a_cached_state_block_empty(adapter):
+    """The copy-on-write the scheduler output hands the worker is what fills the block the
+    partial tail is cached in: skipped, ``prefix-cache-consistency`` sees an empty cached state."""
+    _, found = _partial_tail_trace(adapter, copies=False)
+    assert {(v.invariant, v.kind) for v in found} >= {("prefix-cache-consistency", "uncomputed-hit")}, found
+
+
 # The shapes 0.9.1 has: no AsyncScheduler, no scheduler_reserve_full_isl, no chunked-local
 # attention, one block size for every group (the adapter refuses the rest, as the release does).
 SHAPES_091 = ("hybrid", "spec-decode", "budget-chunked", "full-isl-off", "startup-min")
