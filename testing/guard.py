@@ -415,6 +415,12 @@ class Guard:
             raise
         finally:
             self._op = None
+        if self.tripped is not None:
+            # The limit was hit during the call and its raise swallowed (a bare ``except`` in the
+            # target, or a gc callback, whose exceptions Python only prints), yet the call then
+            # returned: it still overran, and this call is the one that fails.
+            self.failure = Failure(op, config, self.tripped)
+            raise self.tripped
         self._calls += 1
         grown = self.over_cap() if self._calls % MEMORY_CHECK_EVERY == 0 else None
         if grown is not None:

@@ -155,6 +155,24 @@ def test_a_target_that_swallows_the_limit_is_stopped_again():
         guard.call("free", None, swallow_once)
 
 
+def test_a_call_that_swallows_the_limit_and_returns_still_fails_as_that_call():
+    """A trip raised where Python only prints exceptions (a gc callback) must not let the call
+    return as if in time: the next call would fail instead, and the run read as nondeterministic."""
+
+    def swallow_then_return() -> str:
+        try:
+            while True:
+                pass
+        except BaseException:
+            pass
+        return "done"
+
+    guard = Guard(Limits(op_timeout=0.2, memory_cap_gib=None))
+    with guard.armed(), pytest.raises(TargetHung):
+        guard.call("construct", None, swallow_then_return)
+    assert guard.failure is not None and guard.failure.call == "construct"
+
+
 def test_guard_stops_a_runaway_allocation():
     guard = Guard(Limits(op_timeout=30, memory_cap_gib=0.25))
     hoard: list[bytearray] = []
