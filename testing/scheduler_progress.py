@@ -23,7 +23,8 @@ already planned, vLLM gives it no step; 0.33.0 scheduler.py:802-816).  Summed ov
 with ``async_depth + 1`` more for the outputs in flight when the drain starts.
 
 The bound rests on the head never being preempted while it fits alone: a step that preempts a
-request no other request held a block beside is reported there (``ProgressFacts.preempted_alone``;
+request no other request held a block beside (before the step, or by being scheduled in it) is
+reported there (``ProgressFacts.preempted_alone``;
 it may still finish, recomputing from scratch each time, but no bound on the target's own loop
 holds).  A step that plans nothing, preempts nothing, has no output in flight and leaves the
 observed state as it was, leaves the scheduler where it was: every later step does the same, so
@@ -92,6 +93,9 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
         found = check()
         if found:
             return found
+        # A request scheduled in this step holds blocks during it, though it may have held none
+        # before (admitted with nothing to compute yet) and none after (finished in it).
+        holders |= {s.seq_id for s in plan.scheduled}
         alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s}]
         idle = not plan.scheduled and not plan.preempted
         if idle and driver.state == before and all(not p.scheduled for p, _, _ in driver.in_flight):
