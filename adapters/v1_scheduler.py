@@ -3,7 +3,7 @@
 ``adapters/v1.py`` drives the ``KVCacheManager`` directly, one operation at a time, with the
 scheduler's protocol written out by hand (unit level).  This adapter builds the release's real
 scheduler instead and lets it decide: requests are added, ``schedule()`` plans a step,
-kvspec's worker model executes it (testing/scheduler_driver.py), and ``update_from_output``
+kvspec's worker model executes it (testing/scheduler/driver.py), and ``update_from_output``
 receives a fabricated ``ModelRunnerOutput`` (sampled tokens, accepted and rejected drafts).
 Nothing of the scheduler's protocol is re-modelled here; what it does to the block pool is
 observed after every call.

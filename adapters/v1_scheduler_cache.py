@@ -58,7 +58,7 @@ from kvspec.spec.prefix_hash import ExtraKeys, HashCollision, PrefixKey
 
 from .v1 import INT_EVENT_HASHES_ENV, VLLMV1Adapter, _params, learn_hash_keys, spec_event
 
-# The kinds of extra key a request may carry (testing/strategies.py EXTRA_KINDS), by capability.
+# The kinds of extra key a request may carry (testing/blockmanager/strategies.py EXTRA_KINDS), by capability.
 EXTRA_KIND_OF = {
     Capability.CACHE_SALT: "cache_salt",
     Capability.LORA: "lora",

@@ -102,7 +102,7 @@ def render_throughput(data: dict[str, Any], seconds: float | None = None) -> str
         "Steps are driver operations (admit, step, fork, free, preempt, swap, reset), each "
         "followed by `observe()` and every invariant. *Oracle*: the hypothesis machine "
         "(`KVCacheMachine`, ci profile, derandomized). *Driver replay*: the same recorded "
-        "traces through `kvspec.testing.driver.replay` (every check, no hypothesis). *Raw*: the "
+        "traces through `kvspec.testing.blockmanager.driver.replay` (every check, no hypothesis). *Raw*: the "
         "same traces through `bench/rawreplay.py` (the implementation's own calls only, "
         "observation bookkeeping off), including building the manager per example; *raw "
         "ops-only* excludes building. Each figure is the best of `--repeats` identical "
@@ -195,7 +195,7 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
 # do (cli/search.py ``Sieve``), and a seed counts as found only when its first other failure
 # is the case's own finding.
 TTC_OTHERS_STEPPED_PAST = frozenset({"F6", "F13", "F15"})
-# Findings on vLLM's own V1 scheduler (testing/scheduler_machine.py), as their pinned tests in
+# Findings on vLLM's own V1 scheduler (testing/scheduler/machine.py), as their pinned tests in
 # tests/targets/test_scheduler_v1.py draw them: label, the release whose venv runs it, the
 # scheduler implementation (testing/implementations.py ``lookup_scheduler``), the shapes
 # (bench/worker.py ``_scheduler_shapes``), the focus.
@@ -397,7 +397,7 @@ def render_ttc(data: dict[str, Any], seconds: float | None = None) -> str:
         "the configurations and focus of tests/targets/test_tenancy_targets.py (N <= 8, caching "
         "on, no swap; F-KV2 windowed, on 0.12.0 where F-KV1 is fixed); F-KV3, pinned by its trace, "
         "from scratch on 0.12.0, full attention, `prefix-cache-isolation` watched. V1-S4a, V1-S2a and the "
-        "`broken-scheduler:` rows: the scheduler machine (testing/scheduler_machine.py "
+        "`broken-scheduler:` rows: the scheduler machine (testing/scheduler/machine.py "
         "`SchedulerMachine`, the implementation from testing/implementations.py "
         "`lookup_scheduler`), drawing the shapes of the pinned tests (tests/targets/"
         "test_scheduler_v1.py; a broken scheduler its own shape, as tests/test_scheduler_shapes.py;"

@@ -92,7 +92,7 @@ def strategy(workload: dict[str, Any]):
     swap, max_blocks, block_sizes, max_lookahead: as ``strategies.configs``.
     """
     from hypothesis import strategies as st
-    from kvspec.testing.strategies import configs
+    from kvspec.testing.blockmanager.strategies import configs
 
     caching = workload.get("caching", "any")
     window = workload.get("window", "any")

@@ -58,7 +58,7 @@ def _op_case(variant: str):
     from hypothesis import given
     from hypothesis import strategies as st
     from kvspec.spec.config import Config
-    from kvspec.testing.driver import Driver, SpecViolation
+    from kvspec.testing.blockmanager.driver import Driver, SpecViolation
 
     if variant == "reference":
         from kvspec.reference import ReferenceManager as cls
@@ -103,7 +103,7 @@ def _machine_case(variant: str, examples: int, backend: str):
     from hypothesis.stateful import get_state_machine_test
     from kvspec.reference.broken import BROKEN
     from kvspec.testing import KVCacheMachine
-    from kvspec.testing.strategies import configs
+    from kvspec.testing.blockmanager.strategies import configs
 
     cls = BROKEN[variant].cls
     strat = configs(block_sizes=st.sampled_from([1, 2, 3, 4]), max_blocks=8)

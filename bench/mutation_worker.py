@@ -40,7 +40,7 @@ def _canon(state) -> str:
 def _replay_digests(make, config, trace) -> tuple[list[str], list[str], str]:
     """Replay a trace through the Driver recording every observed state; also the outcomes
     and the first violation or crash ('' if none)."""
-    from kvspec.testing.driver import Driver, apply_step
+    from kvspec.testing.blockmanager.driver import Driver, apply_step
 
     impl = make(config)
     digests: list[str] = []
@@ -179,7 +179,7 @@ def _oracle(target: str, workload: dict, examples: int, steps: int,
             opts = machine_options(workload)
         machine = KVCacheMachine
         if search == "swarm":
-            from kvspec.testing.swarm import SwarmMachine as machine
+            from kvspec.testing.blockmanager.swarm import SwarmMachine as machine
         run_machine(lambda: machine(make, strat, stats=stats, focus=focus, **opts), settings,
                     seed=seed)
         out["status"] = "survived"

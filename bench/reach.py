@@ -29,7 +29,7 @@ SHAPES = [(b, n, k, 3) for b in (1, 2, 4) for (n, k) in ((4, 2), (8, 3), (3, 3),
 
 def scenarios(make, config_cls) -> list[str]:
     """Run every scenario; the first violation or crash of each, as text."""
-    from kvspec.testing.driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
     found: list[str] = []
     for block_size, blocks, prompt_blocks, rounds in SHAPES:

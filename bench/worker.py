@@ -75,7 +75,7 @@ def _oracle_run(target: str, workload: dict, examples: int, steps: int):
 
 
 def _kvspec_rel(filename: str) -> str | None:
-    """The path inside kvspec (``testing/driver.py``), from the checkout or an installed copy
+    """The path inside kvspec (``testing/blockmanager/driver.py``), from the checkout or an installed copy
     (a venv may hold a non-editable install while another job reinstalls it)."""
     repo = str(REPO) + "/"
     if filename.startswith(repo):
@@ -150,7 +150,7 @@ def throughput(p: dict[str, Any]) -> dict[str, Any]:
     """Oracle steps/s, the same traces replayed through the Driver (no hypothesis) and raw
     (the implementation's calls only), plus cProfile breakdowns."""
     from kvspec.testing import KVCacheMachine
-    from kvspec.testing.driver import replay
+    from kvspec.testing.blockmanager.driver import replay
 
     target = p["target"]
     # Best of a few identical (derandomized) runs: the machine is shared, and interference
@@ -328,7 +328,7 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
     row of ``python -m bench ttc``."""
     from hypothesis.errors import Unsatisfiable
     from kvspec.testing import SpecViolation
-    from kvspec.testing.scheduler_machine import PolicyDifference
+    from kvspec.testing.scheduler.machine import PolicyDifference
 
     rows = []
     for seed in p["seeds"]:
@@ -413,7 +413,7 @@ def _scheduler_shapes(key: str):
     beside B=2, EAGLE drafts past the block, the startup minimum)."""
     from hypothesis import strategies as st
     from kvspec.spec.groups import Shape
-    from kvspec.testing.scheduler_machine import shapes
+    from kvspec.testing.scheduler.machine import shapes
 
     if key == "any":
         return shapes()
@@ -461,8 +461,8 @@ def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: d
     reported violation or a crash of the target, both raised through a rule or the
     invariant, both in flight when hypothesis calls teardown."""
     from hypothesis.errors import HypothesisException, StopTest
-    from kvspec.testing.differential import Mode
-    from kvspec.testing.scheduler_machine import SchedulerMachine
+    from kvspec.testing.blockmanager.differential import Mode
+    from kvspec.testing.scheduler.machine import SchedulerMachine
 
     mark["examples"] = 0
     mode = Mode.RENAMING if differential else None
@@ -489,7 +489,7 @@ def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: d
 
 
 def ttc_scheduler(p: dict[str, Any]) -> dict[str, Any]:
-    """``ttc`` for the scheduler machine (testing/scheduler_machine.py): a scheduler
+    """``ttc`` for the scheduler machine (testing/scheduler/machine.py): a scheduler
     implementation, the shapes it draws, the invariants it watches, the differential or not."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     make = _scheduler_factory(p["scheduler"])

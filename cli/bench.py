@@ -91,7 +91,7 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="with --keys and --assemble WORKDIR: each mutant under N hypothesis "
                    "seeds (random search) with --search's machine; the search evidence")
     m.add_argument("--search", choices=("default", "swarm"), default="default",
-                   help="the machine: KVCacheMachine, or SwarmMachine (testing/swarm.py)")
+                   help="the machine: KVCacheMachine, or SwarmMachine (testing/blockmanager/swarm.py)")
     m.add_argument("--assemble", metavar="WORKDIR",
                    help="rebuild a cut-short run's result from its kept work directory and "
                    "progress file (same --targets and --max-mutants)")

@@ -18,13 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
-from kvspec.testing.differential import Mode
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.guard import Guard, GuardTripped
-from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
-from kvspec.testing.machine import RunStats
-from kvspec.testing.reach import Measurement
-from kvspec.testing.report import (
+from kvspec.testing.artifacts.report import (
     ReportError,
     build_report,
     config_from_json,
@@ -33,9 +27,15 @@ from kvspec.testing.report import (
     write_atomic,
     write_report,
 )
-from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
-from kvspec.testing.rerun import rerun
-from kvspec.testing.scheduler_replay import in_context, scheduler_session
+from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer, generate
+from kvspec.testing.artifacts.rerun import rerun
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.blockmanager.machine import RunStats
+from kvspec.testing.guard import Guard, GuardTripped
+from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
+from kvspec.testing.reach import Measurement
+from kvspec.testing.scheduler.replay import in_context, scheduler_session
 from rich.markup import escape
 from rich.table import Table
 
@@ -103,7 +103,7 @@ from .target import (
 # ------------------------------------------------------------------------------ shared
 
 if TYPE_CHECKING:
-    from kvspec.testing.timeline import Film
+    from kvspec.testing.artifacts.timeline import Film
 
 
 def check_invariant_ids(ids: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -550,7 +550,7 @@ def draw_report(o: Outcome, impl: str, out_dir: Path, report: dict[str, Any]) ->
     config = o.config
 
     def shoot() -> Film:
-        from kvspec.testing.timeline import film
+        from kvspec.testing.artifacts.timeline import film
 
         return film(factory_for(impl)(config), o.trace, o.focus, o.violations)
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:
-    from kvspec.testing.timeline import Film
+    from kvspec.testing.artifacts.timeline import Film
 
 # Results go to stdout; progress, notes and errors to stderr, so `kvspec ... > out` keeps the
 # results clean.  Width is fixed when not on a terminal so that captured output (tests, CI
@@ -79,12 +79,12 @@ def captured_fds() -> Iterator[list[str]]:
 
 def write_picture(out_dir: Path, report: Mapping[str, Any], shoot: Callable[[], Film], setting: str) -> None:
     """The block-table timeline (timeline.svg) and the one-file report.html beside report.json:
-    ``shoot`` replays the report's trace into a film (testing/timeline.py), ``setting`` names
+    ``shoot`` replays the report's trace into a film (testing/artifacts/timeline.py), ``setting`` names
     the configuration or shape in the picture's title.  The picture is a courtesy: when it
     cannot be drawn the report stands without it, and the reason is printed."""
     try:
-        from kvspec.testing.report import write_atomic
-        from kvspec.testing.timeline import report_html, timeline_svg
+        from kvspec.testing.artifacts.report import write_atomic
+        from kvspec.testing.artifacts.timeline import report_html, timeline_svg
     except ImportError as error:  # a target venv provisioned before drawsvg was a dependency
         out.print(f"[yellow]no timeline picture[/]: {escape(str(error))} (run `kvspec provision` again)")
         return

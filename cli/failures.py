@@ -16,7 +16,8 @@ from typing import Any
 
 from hypothesis.errors import Flaky
 from kvspec.spec.config import Config
-from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.artifacts.rerun import Rerun, first_difference, name_nondeterminism
+from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
 from kvspec.testing.guard import (
     DEFAULT_MEMORY_CAP_GIB,
     DEFAULT_OP_TIMEOUT,
@@ -27,7 +28,6 @@ from kvspec.testing.guard import (
     crash_traceback,
     raised_in_kvspec,
 )
-from kvspec.testing.rerun import Rerun, first_difference, name_nondeterminism
 from rich.markup import escape
 
 from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, out

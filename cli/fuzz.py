@@ -112,7 +112,7 @@ def open_database(url: str, local: Path | None = None):
 
 def machine_class(search: str):
     if search == "swarm":
-        from kvspec.testing.swarm import SwarmMachine
+        from kvspec.testing.blockmanager.swarm import SwarmMachine
 
         return SwarmMachine
     from kvspec.testing import KVCacheMachine
@@ -278,7 +278,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "starts no example after it, and the summary says what each worker got")
     p.add_argument("--steps", type=int, default=40, help="operations per example, at most")
     p.add_argument("--search", choices=("default", "swarm"), default="default",
-                   help="the machine: KVCacheMachine or SwarmMachine (testing/swarm.py)")
+                   help="the machine: KVCacheMachine or SwarmMachine (testing/blockmanager/swarm.py)")
     p.add_argument("--invariant", action="append", metavar="ID", help="watch only these")
     p.add_argument("--config", action="append", metavar="KEY=VALUE",
                    help="pin a configuration field or feature (as kvspec check)")
@@ -288,7 +288,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
-    from kvspec.testing.report import build_report, config_from_json, trace_from_json, write_report
+    from kvspec.testing.artifacts.report import build_report, config_from_json, trace_from_json, write_report
 
     from .check import check_invariant_ids, describe_target, resolve, target_json
     from .run import parse_overrides

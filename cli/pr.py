@@ -8,7 +8,7 @@ HEAD violates an invariant BASE does not -> regression (exit 1), the reverse -> 
 behaviour change, which comes with a golden pytest file asserting BASE's value at the differing
 call, kept only once it has failed on HEAD and passed on BASE (``--fail-on-change`` makes a
 behaviour change fail the PR).  On the V1 engine (unless ``--no-shapes``) vLLM's own V1
-scheduler runs in lockstep too (testing/scheduler_lockstep.py: the scheduler machine's
+scheduler runs in lockstep too (testing/scheduler/lockstep.py: the scheduler machine's
 operations on both sides, what each step scheduled, preempted and finished, the blocks and
 tables per KV-cache group, the prefix hits compared after each; verdicts judged alike, a
 behaviour change with its golden file, ``golden.write_scheduler_golden``).  Unless
@@ -36,10 +36,10 @@ from typing import Any
 
 import attrs
 from kvspec.targets.registry import Target, TargetError, parse, release_key
-from kvspec.testing.golden import TAG as GOLDEN_TAG
+from kvspec.testing.artifacts.golden import TAG as GOLDEN_TAG
 from kvspec.testing.known import DIFFERS
 from kvspec.testing.lockstep import Kind, LockstepError, LockstepRun, Mode, Side, run_lockstep
-from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, shape_strategy
+from kvspec.testing.scheduler.lockstep import SchedulerLockstepMachine, shape_strategy
 from rich.markup import escape
 from rich.table import Table
 

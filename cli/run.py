@@ -25,11 +25,11 @@ from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing import Features, KVCacheMachine, RunStats, SpecViolation, TraceStep
 from kvspec.testing import profiles as _profiles  # registers the ci/dev/deep profiles
+from kvspec.testing.artifacts.rerun import Difference
+from kvspec.testing.blockmanager.machine import StepPast
+from kvspec.testing.blockmanager.strategies import configs
 from kvspec.testing.guard import Crash, GuardTripped, raised_in_kvspec
 from kvspec.testing.implementations import BROKEN_PREFIX, lookup
-from kvspec.testing.machine import StepPast
-from kvspec.testing.rerun import Difference
-from kvspec.testing.strategies import configs
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,

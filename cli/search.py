@@ -43,9 +43,9 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.testing import Features
-from kvspec.testing.driver import Driver, SpecViolation
+from kvspec.testing.blockmanager.driver import Driver, SpecViolation
+from kvspec.testing.blockmanager.machine import CONTINUE
 from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, label_failures
-from kvspec.testing.machine import CONTINUE
 from rich.markup import escape
 from rich.table import Table
 

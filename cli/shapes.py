@@ -1,14 +1,14 @@
 """``kvspec check`` on a V1 release: vLLM's own scheduler in the shapes production runs.
 
 After the block-manager search, ``kvspec check`` on a V1 target runs the scheduler machine
-(testing/scheduler_machine.py) over vLLM's own ``Scheduler``/``AsyncScheduler``
+(testing/scheduler/machine.py) over vLLM's own ``Scheduler``/``AsyncScheduler``
 (adapters/v1_scheduler.py): hybrid KV-cache groups, async scheduling, speculative decoding,
 token-budget chunking, ``full_sequence_must_fit`` on and off, pools at vLLM's startup
 minimum.  It searches as the block-manager machine does (cli/search.py ``search_rounds``):
 rounds that step past the known findings of the scheduler target (``SCHEDULER_IMPL``) and what
 earlier rounds found, every distinct verdict shrunk on its own, then each known finding that
 fired found again.  Each verdict gets a report folder beside the block-manager ones
-(``write_scheduler_reports``) that ``kvspec replay`` re-runs (testing/scheduler_replay.py).
+(``write_scheduler_reports``) that ``kvspec replay`` re-runs (testing/scheduler/replay.py).
 The summary gives the examples and operations run in each shape, and names a shape no
 example reached.
 """
@@ -32,16 +32,16 @@ from kvspec.reference.policies import Comparison, declared_spans
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
-from kvspec.testing.differential import Mode
-from kvspec.testing.driver import SpecViolation, TraceStep
+from kvspec.testing.artifacts.report import build_report, write_atomic, write_report
+from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
+from kvspec.testing.blockmanager.machine import StepPast
 from kvspec.testing.guard import GuardTripped, crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
-from kvspec.testing.machine import StepPast
-from kvspec.testing.report import build_report, write_atomic, write_report
-from kvspec.testing.reproducer import NotReproducible, Reproducer
-from kvspec.testing.scheduler_driver import ShapeCounts
-from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine
-from kvspec.testing.scheduler_reproducer import generate as generate_reproducer
+from kvspec.testing.scheduler.driver import ShapeCounts
+from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler.reproducer import generate as generate_reproducer
 from rich.markup import escape
 
 from .budget import BudgetSpent, Part, budget_examples
@@ -66,7 +66,7 @@ from .search import (
 EXAMPLES_SHARE = 1  # as many examples as the block-manager search
 
 if TYPE_CHECKING:
-    from kvspec.testing.timeline import Film
+    from kvspec.testing.artifacts.timeline import Film
 
 
 @attrs.define
@@ -81,7 +81,7 @@ class ShapesOutcome:
     shape: Shape | None = None
     error: str | None = None
     rejected: list[str] = attrs.Factory(list)
-    # The reference scheduler in lockstep (testing/scheduler_machine.py SchedulerLockstep).
+    # The reference scheduler in lockstep (testing/scheduler/machine.py SchedulerLockstep).
     differential: DiffCounts = attrs.Factory(DiffCounts)
     # status "differs": the target differs from its release's declared scheduling policy.
     difference: PolicyDifference | None = None
@@ -89,7 +89,7 @@ class ShapesOutcome:
     seed: int | None = None
 
 
-# The scheduler differential's mode in kvspec check: the strictest (testing/differential.py).
+# The scheduler differential's mode in kvspec check: the strictest (testing/blockmanager/differential.py).
 DIFFERENTIAL_MODE = Mode.RENAMING
 
 
@@ -116,7 +116,7 @@ def run_shapes(
     """One hypothesis search of the scheduler machine; ``step_past`` may discard failing
     examples (the rounds of ``run_scheduler_search``), ``counts`` and ``differential`` gather
     what every round ran; ``shape_strategy`` narrows the shapes (default: every production
-    shape, testing/scheduler_machine.py ``shapes``); ``part``: the scheduler's share of a time
+    shape, testing/scheduler/machine.py ``shapes``); ``part``: the scheduler's share of a time
     budget (cli/budget.py)."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
@@ -284,7 +284,7 @@ def headline(o: ShapesOutcome) -> str:
 
 # A failing round's verdict kind, by its status: ``invariant`` (a state or per-step invariant
 # violated), ``differential`` (the target differs from its release's declared policy, every
-# invariant holding: testing/scheduler_machine.py ``PolicyDifference``), ``crash`` (the target
+# invariant holding: testing/scheduler/machine.py ``PolicyDifference``), ``crash`` (the target
 # raised), ``kvspec-error`` (kvspec's own code raised).
 VERDICT_KINDS = {"violated": "invariant", "differs": "differential", "error": "crash", KVSPEC_ERROR: KVSPEC_ERROR}
 
@@ -369,7 +369,7 @@ def print_cache_counts(o: ShapesOutcome) -> None:
             "search above draws them"
         )
     # EAGLE's dropped last hit block (the hit-completeness policy's freedom), where the
-    # scheduler drops it (testing/scheduler_driver.py ``_count_hits``).
+    # scheduler drops it (testing/scheduler/driver.py ``_count_hits``).
     eagle, dropped = c["eagle_admissions_with_cached_prefix"], c["eagle_dropped_blocks"]
     if eagle:
         out.print(f"  EAGLE: {dropped} of {eagle} admissions with a cached prefix lost the hit's last block")
@@ -589,7 +589,7 @@ def verdict_json(found: Found) -> dict[str, Any]:
 def scheduler_reproducer(
     o: ShapesOutcome, fingerprint: Fingerprint, vllm_version: str | None
 ) -> Reproducer | NotReproducible:
-    """The straight-line pytest file of a scheduler verdict (testing/scheduler_reproducer.py),
+    """The straight-line pytest file of a scheduler verdict (testing/scheduler/reproducer.py),
     or why there is none.  The re-run watches the verdict's invariant alone (a crash: none), so
     that it stops where the verdict did, not at another violation the search stepped past."""
     if o.status == "differs":
@@ -626,7 +626,7 @@ def draw_scheduler_report(
     watched = sorted({v.invariant for v in o.violations}) or None
 
     def shoot() -> Film:
-        from kvspec.testing.timeline import scheduler_film
+        from kvspec.testing.artifacts.timeline import scheduler_film
 
         # A policy difference is met against the reference scheduler: the replay compares again.
         mode = DIFFERENTIAL_MODE if o.difference is not None else None

@@ -7,7 +7,7 @@ processed token count (when the steps in flight do not read them).  Which choice
 release makes is a fact about that release, not a rule of the spec, so the table lives here,
 beside the reference scheduler that it configures (reference/scheduler.py
 ``ReferenceScheduler``), and spec/ stays release-agnostic.  The scheduler differential
-(testing/scheduler_machine.py ``SchedulerLockstep``) runs the reference with the policy
+(testing/scheduler/machine.py ``SchedulerLockstep``) runs the reference with the policy
 declared for the release under test, compares only what that policy declares, and runs no
 comparison at all for a release without one.
 
@@ -27,8 +27,8 @@ import attrs
 
 
 class Comparison(StrEnum):
-    """What the differential compares after a step (testing/scheduler_machine.py), in the
-    order of the modes that add them (testing/differential.py ``Mode``)."""
+    """What the differential compares after a step (testing/scheduler/machine.py), in the
+    order of the modes that add them (testing/blockmanager/differential.py ``Mode``)."""
 
     SCHEDULED = "scheduled"  # outcomes: which requests a step schedules
     PREEMPTED = "preempted"  # outcomes: which it preempts, in order

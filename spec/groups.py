@@ -395,7 +395,7 @@ Judge = Callable[[str, World, "Collection[str] | None"], list[Violation]]
 """Evaluates the state invariants that apply (those named, if given) on one of a hybrid state's
 worlds, named by a key that is the same world after world ("pool", "group <i>").  ``check_world``
 is the definition; an equal evaluation that remembers the last world of each key may stand in
-(kvspec.testing.incremental)."""
+(kvspec.testing.blockmanager.incremental)."""
 
 
 def whole_world(_key: str, world: World, only: Collection[str] | None = None) -> list[Violation]:

@@ -122,7 +122,7 @@ def explained(m: Mismatch, known: tuple[Divergence, ...] = KNOWN) -> Divergence 
 
 SCHEDULER_KNOWN: tuple[Divergence, ...] = ()
 """Differences between vLLM's V1 scheduler and the reference scheduler the spec allows
-(testing/scheduler_machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
+(testing/scheduler/machine.py ``SchedulerLockstep``).  Same form as ``KNOWN``: ``Mismatch.op``
 names what was compared (``scheduled``, ``preempted``, ``scheduled (start, tokens, drafts)``,
 ``held blocks in group G``, ``(table length, dropped slots) in group G``).  Where a release's
 scheduling policy differs from another's, the reference scheduler follows the policy declared

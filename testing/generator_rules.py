@@ -2,8 +2,8 @@
 generator that never produces a value cannot find the bug that needs it.
 
 Each rule is a ``Rule`` with its statement as the docstring of the function that applies it;
-the strategies (testing/strategies.py for the block-manager machine, ``shapes`` and
-``SchedulerMachine.arrive`` in testing/scheduler_machine.py) go through these functions, so a
+the strategies (testing/blockmanager/strategies.py for the block-manager machine, ``shapes`` and
+``SchedulerMachine.arrive`` in testing/scheduler/machine.py) go through these functions, so a
 rule holds for both machines.  Every rule can be switched off (``Rule.on``) only so that
 tests/test_generator_rules.py can show that its edge then disappears: each test is able to
 fail.

@@ -207,7 +207,7 @@ def crash_traceback(error: BaseException, limit: int | None = 12) -> list[str]:
     return [ln for chunk in frames for ln in chunk.rstrip("\n").splitlines()] + head
 
 
-_CALLERS = frozenset({__name__, "kvspec.testing.driver"})  # the frames that call into the target
+_CALLERS = frozenset({__name__, "kvspec.testing.blockmanager.driver"})  # the frames that call into the target
 
 
 # ------------------------------------------------------------------------------ the guard

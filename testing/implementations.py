@@ -8,7 +8,7 @@ line, the benchmarks, the reproducer and the target tests read.
 * ``v1``: vLLM's V1-engine ``KVCacheManager`` through ``kvspec.adapters.v1``.
 
 The scheduler-driven implementations (``SCHEDULERS``) take a ``Shape``, not a ``Config``: the
-scheduler machine (testing/scheduler_machine.py) builds them per drawn production shape.
+scheduler machine (testing/scheduler/machine.py) builds them per drawn production shape.
 
 * ``v1-scheduler``: vLLM's own V1 ``Scheduler`` / ``AsyncScheduler`` through
   ``kvspec.adapters.v1_scheduler``;
@@ -39,8 +39,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import KVSpecError
 from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Implementation
-
-from .scheduler_driver import SchedulerTarget
+from kvspec.testing.scheduler.driver import SchedulerTarget
 
 Factory = Callable[[Config], Implementation]
 Engine = Literal["kvspec", "legacy", "v1"]

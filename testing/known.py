@@ -31,16 +31,15 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.violation import Violation
 from kvspec.targets.registry import release_key
-
-from .driver import Driver, SpecViolation, TraceStep
-from .scheduler_driver import SchedulerDriver
-from .scheduler_machine import PolicyDifference
+from kvspec.testing.blockmanager.driver import Driver, SpecViolation, TraceStep
+from kvspec.testing.scheduler.driver import SchedulerDriver
+from kvspec.testing.scheduler.machine import PolicyDifference
 
 SHIPPED = Path(__file__).with_name("known_findings.toml")
 UPSTREAM_DOCS = Path(__file__).resolve().parents[1] / "docs" / "upstream"  # <id>.md: ready-to-file write-ups
 CRASH = "crash"  # the invariant field of a target's exception
 # The invariant field of a scheduler that differs from its release's declared policy
-# (testing/scheduler_machine.py ``PolicyDifference``): no invariant is violated.
+# (testing/scheduler/machine.py ``PolicyDifference``): no invariant is violated.
 DIFFERS = "differs"
 
 # Driver methods whose frames name the operation a crash happened in ("_swap" reads it from
@@ -53,7 +52,7 @@ _OP_CODES: dict[CodeType, str] = {
     inspect.unwrap(Driver.preempt).__code__: "preempt",
     inspect.unwrap(Driver.reset_prefix_cache).__code__: "reset_prefix_cache",
     Driver._swap.__code__: "_swap",
-    # The scheduler machine's driver (testing/scheduler_driver.py).
+    # The scheduler machine's driver (testing/scheduler/driver.py).
     inspect.unwrap(SchedulerDriver.arrive).__code__: "arrive",
     inspect.unwrap(SchedulerDriver.abort).__code__: "abort",
     inspect.unwrap(SchedulerDriver.step).__code__: "step",

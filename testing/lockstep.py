@@ -56,11 +56,10 @@ from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import SeqModel, Status
-
-from . import profiles as _profiles  # noqa: F401  (registers the ci/dev/deep profiles)
-from .driver import Driver, TraceStep
-from .guard import DEFAULT_MEMORY_CAP_GIB, DEFAULT_OP_TIMEOUT, Crash, Guard, GuardTripped, Limits
-from .machine import Features, KVCacheMachine
+from kvspec.testing import profiles as _profiles  # noqa: F401  (registers the ci/dev/deep profiles)
+from kvspec.testing.blockmanager.driver import Driver, TraceStep
+from kvspec.testing.blockmanager.machine import Features, KVCacheMachine
+from kvspec.testing.guard import DEFAULT_MEMORY_CAP_GIB, DEFAULT_OP_TIMEOUT, Crash, Guard, GuardTripped, Limits
 
 CRASH = "crash"  # the verdict's invariant name for a target crash (as the plain check reports it)
 CHILD_START_TIMEOUT = 600.0  # seconds: the first build in a child imports vLLM and torch
@@ -132,7 +131,7 @@ FIELD_MODE: dict[str, Mode] = {
 
 
 # Each observation class's fields, in the order they are compared, with the mode that compares
-# them (the scheduler's observation, testing/scheduler_lockstep.py, registers its own).
+# them (the scheduler's observation, testing/scheduler/lockstep.py, registers its own).
 FIELD_MODES: dict[type, dict[str, Mode]] = {Observation: FIELD_MODE}
 
 
@@ -232,8 +231,7 @@ class _Session:
     def hello(self, impl: str) -> dict[str, Any]:
         """Import the target once, unguarded (importing vLLM and torch takes far longer than any
         operation may), by building it on a small configuration; say what was imported."""
-        from . import implementations
-
+        from kvspec.testing import implementations
         self.impl = impl
         implementations.factory(impl)(Config(block_size=16, num_blocks=16))
         vllm = sys.modules.get("vllm")
@@ -241,8 +239,7 @@ class _Session:
                 "version": getattr(vllm, "__version__", None)}
 
     def build(self, config: Config, focus: tuple[str, ...] | None) -> dict[str, Any]:
-        from . import implementations
-
+        from kvspec.testing import implementations
         factory = self.guard.wrap(implementations.factory(self.impl))
         try:
             with self.guard.armed():
@@ -285,7 +282,7 @@ class _Session:
     def finish(self, drain: bool) -> Reply:
         """The machine's teardown: the scheduler loop drains (progress), then every sequence
         is freed (no-leak)."""
-        from .progress import drain as drain_loop
+        from kvspec.testing.blockmanager.progress import drain as drain_loop
 
         d = self.driver
         assert d is not None, "finish before build"
@@ -323,7 +320,7 @@ class _Session:
     def golden(
         self, impl: str, config: Config | Shape, trace: list[TraceStep], title: str, index: int
     ) -> dict[str, Any]:
-        from .golden import write_golden, write_scheduler_golden
+        from kvspec.testing.artifacts.golden import write_golden, write_scheduler_golden
 
         if isinstance(config, Shape):  # a scheduler lockstep's verdict: vLLM's own scheduler
             return write_scheduler_golden(config, trace, title, index)
@@ -881,7 +878,7 @@ def run_lockstep(
     """Search for differences between HEAD and BASE: rounds of the same search, each stepping
     past the verdicts found before, until a round finds nothing new or ``max_verdicts``.
     ``machine``: the lockstep machine whose rules draw the operations (the block manager's, or
-    the scheduler's: testing/scheduler_lockstep.py), built with the arguments
+    the scheduler's: testing/scheduler/lockstep.py), built with the arguments
     ``LockstepMachine`` takes, whose ``child`` names the module the target processes serve
     from; ``strategy`` draws what it builds its targets in."""
     limits = limits or Limits(DEFAULT_OP_TIMEOUT, DEFAULT_MEMORY_CAP_GIB)

@@ -55,7 +55,7 @@ def freeze_local_constants() -> bool:
     caught alone and missed after ``kvspec.adapters.v1_scheduler`` had been imported.  The
     ``ci`` profile's promise (the same examples every time) and every replay need the pool
     fixed; empty is the one value every process agrees on.  The machines draw bytes and
-    small integers whose interesting values they steer themselves (testing/strategies.py).
+    small integers whose interesting values they steer themselves (testing/blockmanager/strategies.py).
     """
     if _providers is None or not hasattr(_providers, "_get_local_constants"):
         return False

@@ -17,8 +17,8 @@ from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.targets.registry import TargetError
 from kvspec.testing import TraceStep
-from kvspec.testing.report import FORMAT, ReportError, load_report, write_atomic
-from kvspec.testing.reproducer import NotReproducible, generate
+from kvspec.testing.artifacts.report import FORMAT, ReportError, load_report, write_atomic
+from kvspec.testing.artifacts.reproducer import NotReproducible, generate
 
 SEED_CONFIG = [
     "--config", "block_size=4", "--config", "num_blocks=4", "--config", "sliding_window=8",

@@ -20,7 +20,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.interface import BlockCopy
 from kvspec.spec.prefix_hash import key_of
 from kvspec.spec.state import KVState
-from kvspec.testing.driver import Driver
+from kvspec.testing.blockmanager.driver import Driver
 
 # Four blocks, so the admission after the copies is handed the block the promotion freed (vLLM's
 # run had six; its allocator hands a freed hashless block out again first).

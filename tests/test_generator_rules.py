@@ -11,8 +11,7 @@ import pytest
 from hypothesis import find, settings
 from hypothesis.errors import NoSuchExample
 from kvspec.testing import generator_rules as rules
-from kvspec.testing.scheduler_machine import shapes
-from kvspec.testing.strategies import (
+from kvspec.testing.blockmanager.strategies import (
     ADMISSION_HEADER,
     EXTRA_KINDS,
     as_tokens,
@@ -21,6 +20,7 @@ from kvspec.testing.strategies import (
     prompt_from,
     windows,
 )
+from kvspec.testing.scheduler.machine import shapes
 
 DRAWS = 4000
 B = 4

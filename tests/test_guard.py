@@ -23,7 +23,8 @@ from kvspec.cli.main import main
 from kvspec.cli.target import _import_failed
 from kvspec.reference.misbehaving import MISBEHAVING, FlakyAdmission
 from kvspec.spec.config import Config
-from kvspec.testing.driver import TraceStep
+from kvspec.testing.artifacts.rerun import Rerun
+from kvspec.testing.blockmanager.driver import TraceStep
 from kvspec.testing.guard import (
     GIB,
     Crash,
@@ -34,7 +35,6 @@ from kvspec.testing.guard import (
     TargetHung,
     crash_site,
 )
-from kvspec.testing.rerun import Rerun
 
 FAST = ["--profile", "ci", "--no-known", "--examples", "30", "--max-violations", "1"]
 

@@ -1,4 +1,4 @@
-"""Incremental checking equals the whole-world definition (testing/incremental.py).
+"""Incremental checking equals the whole-world definition (testing/blockmanager/incremental.py).
 
 The machines run in ``both`` mode: after every operation the incremental rules and
 ``check_world`` judge the same world, and any difference in the invariants found or their
@@ -21,8 +21,8 @@ from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.config import Config
 from kvspec.spec.state import Device
 from kvspec.testing import KVCacheMachine, SpecViolation
-from kvspec.testing.driver import Driver, replay
-from kvspec.testing.incremental import (
+from kvspec.testing.blockmanager.driver import Driver, replay
+from kvspec.testing.blockmanager.incremental import (
     CHECK_ENV,
     RULES,
     IncrementalMismatch,
@@ -31,9 +31,9 @@ from kvspec.testing.incremental import (
     check_mode,
     readback_rule,
 )
-from kvspec.testing.machine import CONTINUE
-from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
-from kvspec.testing.strategies import configs
+from kvspec.testing.blockmanager.machine import CONTINUE
+from kvspec.testing.blockmanager.strategies import configs
+from kvspec.testing.scheduler.machine import SchedulerMachine, shapes
 from test_stateful_broken import _configs_for
 
 # Derandomized and small: each run compares both evaluations after every operation of every

@@ -18,7 +18,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import Driver, KVCacheMachine, RunStats
-from kvspec.testing.driver import OPS
+from kvspec.testing.blockmanager.driver import OPS
 from kvspec.testing.known import (
     CRASH,
     SHIPPED,
@@ -28,7 +28,7 @@ from kvspec.testing.known import (
     fingerprint,
     load_known,
 )
-from kvspec.testing.scheduler_replay import OPS as SCHEDULER_OPS
+from kvspec.testing.scheduler.replay import OPS as SCHEDULER_OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -168,8 +168,8 @@ def test_a_violation_stepped_past_by_going_on_lets_the_example_continue():
     from hypothesis import strategies as st
     from kvspec.reference.broken import OffByOneWindow
     from kvspec.testing import SpecViolation
-    from kvspec.testing.machine import CONTINUE
-    from kvspec.testing.strategies import configs
+    from kvspec.testing.blockmanager.machine import CONTINUE
+    from kvspec.testing.blockmanager.strategies import configs
 
     windowed = configs(block_sizes=st.just(1), max_blocks=8, require_window=True, swap=False)
     went_on: list[int] = []
@@ -330,7 +330,7 @@ def _sieve_case():
     from kvspec.cli.search import Sieve
     from kvspec.spec.invariants import Violation
     from kvspec.testing import SpecViolation
-    from kvspec.testing.driver import TraceStep
+    from kvspec.testing.blockmanager.driver import TraceStep
 
     a = KnownFinding(
         "A", "a", ("admission-soundness",), ("admit",), kind=("ok-then-failed",), alongside=("no-leak",)
@@ -356,7 +356,7 @@ def test_a_known_finding_met_first_does_not_hide_another_violation_of_the_same_o
     """Every invariant an operation violated is judged on its own: a known one met first
     (stepped past by discarding, or by going on) and an unknown one beside it end the example on
     the unknown one, which becomes the round's failure."""
-    from kvspec.testing.machine import CONTINUE
+    from kvspec.testing.blockmanager.machine import CONTINUE
 
     for first in (KNOWN_A, KNOWN_G):
         sieve, show = _sieve_case()
@@ -378,7 +378,7 @@ def test_a_known_finding_is_found_again_when_another_known_one_comes_first():
     assert show(KNOWN_G, KNOWN_A) is False
     assert sieve.target == "A" and sieve.last == Fingerprint("admission-soundness", "admit")
     # While A shrinks, G alone is gone past as the search went past it; anything else is discarded.
-    from kvspec.testing.machine import CONTINUE
+    from kvspec.testing.blockmanager.machine import CONTINUE
 
     assert show(KNOWN_G) == CONTINUE
     assert show(UNKNOWN) is True
@@ -441,7 +441,7 @@ def test_a_collision_between_domains_is_labelled_by_the_domains_it_confused(form
     """F-KV9 and F-KV10 are one kind of violation told apart by the extra keys it confused (a
     fact, ``Violation.domains``), each inside the releases its bisect measured."""
     from kvspec.spec.violation import Violation
-    from kvspec.testing.driver import SpecViolation, TraceStep
+    from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
     from kvspec.testing.known import label_failures
 
     impl, invariant, kind = form

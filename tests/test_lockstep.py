@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 
 from kvspec.spec.invariants import Violation
+from kvspec.testing.blockmanager.strategies import configs
 from kvspec.testing.lockstep import Kind, Mode, Observation, Side, differing, judge, run_lockstep
-from kvspec.testing.strategies import configs
 
 BUDGET = dict(profile="ci", examples=15, max_verdicts=1)
 

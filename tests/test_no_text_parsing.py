@@ -279,6 +279,6 @@ def test_the_walk_covers_the_scheduler_verdicts():
     those walked."""
     walked = {str(p.relative_to(ROOT)) for p in _modules()}
     assert {
-        "testing/scheduler_machine.py", "testing/scheduler_driver.py", "testing/scheduler_reproducer.py",
-        "testing/known.py", "testing/timeline.py", "cli/shapes.py", "cli/search.py",
+        "testing/scheduler/machine.py", "testing/scheduler/driver.py", "testing/scheduler/reproducer.py",
+        "testing/known.py", "testing/artifacts/timeline.py", "cli/shapes.py", "cli/search.py",
     } <= walked

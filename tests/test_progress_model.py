@@ -1,13 +1,13 @@
 """The ``progress`` drain's victim rule on the reference manager: a request that already
-stepped in an iteration is never preempted for a newer one (testing/progress.py)."""
+stepped in an iteration is never preempted for a newer one (testing/blockmanager/progress.py)."""
 
 from __future__ import annotations
 
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import Livelock
 from kvspec.spec.config import Config
-from kvspec.testing.driver import Driver
-from kvspec.testing.progress import drain
+from kvspec.testing.blockmanager.driver import Driver
+from kvspec.testing.blockmanager.progress import drain
 
 # B=1, 10 blocks, 3 lookahead slots: two admitted requests that cannot both run to their end.
 SHAPE = Config(block_size=1, num_blocks=10, max_lookahead=3)

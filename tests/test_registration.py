@@ -17,7 +17,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS, check_world, invariant
 from kvspec.spec.state import World
 from kvspec.testing import KVCacheMachine, SpecViolation
-from kvspec.testing.strategies import configs
+from kvspec.testing.blockmanager.strategies import configs
 
 TOY = "toy-third-block-idle"
 TOY_BLOCK = 2

@@ -1,4 +1,4 @@
-"""The scheduler differential (testing/scheduler_machine.py ``SchedulerLockstep``): the
+"""The scheduler differential (testing/scheduler/machine.py ``SchedulerLockstep``): the
 reference scheduler agrees with itself in the strictest mode in every production shape; a
 broken scheduler that every invariant accepts (reference/broken_scheduler.py
 ``DIFFERENTIAL_ONLY``) passes the invariants and fails the differential, with a shrunk trace,
@@ -26,8 +26,8 @@ from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import SpecViolation
-from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
 
 EXAMPLES = 100
 
@@ -137,7 +137,7 @@ def test_the_differential_compares_only_what_the_policy_declares(monkeypatch):
     a small pool): under a policy that compares only shared slots, no verdict; the examples
     where an undeclared comparison differs end their comparison and say which, and the summary
     names what was not compared."""
-    import kvspec.testing.scheduler_machine as machine
+    import kvspec.testing.scheduler.machine as machine
     from kvspec.cli.shapes import not_compared_lines
 
     variant, comparison = DIFFERENTIAL_ONLY["over-reserve"]
@@ -161,7 +161,7 @@ def test_a_release_without_a_declared_policy_gets_no_differential(monkeypatch):
     """A target of an undeclared release runs without the reference beside it: even a
     scheduler that differs from every policy (``serial-admission``) gets no verdict, and the
     counts say the differential did not run and for which release."""
-    import kvspec.testing.scheduler_machine as machine
+    import kvspec.testing.scheduler.machine as machine
 
     variant, _ = DIFFERENTIAL_ONLY["serial-admission"]
 

@@ -1,4 +1,4 @@
-"""The scheduler lockstep (testing/scheduler_lockstep.py) on kvspec's own schedulers: two child
+"""The scheduler lockstep (testing/scheduler/lockstep.py) on kvspec's own schedulers: two child
 processes of this interpreter, the reference scheduler as BASE; as HEAD the reference (nothing
 differs), a scheduler that breaks no invariant but batches nothing (``serial-admission``: a
 behaviour change), and one that breaks an invariant (a regression; the reverse a fix).
@@ -14,8 +14,8 @@ import sys
 from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS, SerialAdmission
 from kvspec.testing.implementations import BROKEN_SCHEDULER_PREFIX
 from kvspec.testing.lockstep import Kind, Mode, Side, differing, run_lockstep
-from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, SchedulerObservation
-from kvspec.testing.scheduler_machine import shapes
+from kvspec.testing.scheduler.lockstep import SchedulerLockstepMachine, SchedulerObservation
+from kvspec.testing.scheduler.machine import shapes
 
 # No golden files: they replay on vLLM's scheduler (tests/targets/test_scheduler_lockstep_pr.py).
 BUDGET = dict(profile="ci", examples=12, max_verdicts=1, machine=SchedulerLockstepMachine, golden=False)

@@ -1,7 +1,7 @@
 """The scheduler machine's search in ``kvspec check`` (cli/shapes.py): rounds that step past
 what earlier rounds found and the known findings of the scheduler target, every distinct
 verdict shrunk on its own, a report folder per verdict that ``kvspec replay``'s loop
-(testing/rerun.py with testing/scheduler_replay.py's session) re-runs.  On a deliberately
+(testing/artifacts/rerun.py with testing/scheduler/replay.py's session) re-runs.  On a deliberately
 broken reference scheduler (reference/broken_scheduler.py), no vLLM needed."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from kvspec.cli.shapes import (
 from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS, DIFFERENTIAL_ONLY
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.groups import Shape
-from kvspec.testing.differential import Mode
+from kvspec.testing.artifacts.report import trace_from_json
+from kvspec.testing.artifacts.rerun import rerun
+from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.guard import Guard, Limits
 from kvspec.testing.known import KnownFinding
-from kvspec.testing.report import trace_from_json
-from kvspec.testing.rerun import rerun
-from kvspec.testing.scheduler_replay import in_context, scheduler_session
+from kvspec.testing.scheduler.replay import in_context, scheduler_session
 
 BROKEN = BROKEN_SCHEDULERS["no-draft-rollback"].cls  # kv-readback in spec-decode shapes
 EXAMPLES = 150

@@ -1,4 +1,4 @@
-"""The scheduler machine (testing/scheduler_machine.py) on the reference scheduler: it holds
+"""The scheduler machine (testing/scheduler/machine.py) on the reference scheduler: it holds
 every invariant per KV-cache group and over the shared pool in every production shape, and
 each shape's deliberately broken variant (reference/broken_scheduler.py) is caught there and
 only there."""
@@ -12,8 +12,8 @@ from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.groups import SHAPE_TAGS
 from kvspec.testing import SpecViolation
-from kvspec.testing.scheduler_driver import ShapeCounts
-from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
+from kvspec.testing.scheduler.driver import ShapeCounts
+from kvspec.testing.scheduler.machine import SchedulerMachine, shapes
 
 EXAMPLES = 150
 
@@ -95,7 +95,7 @@ def test_a_stalled_request_of_0_33_is_labelled_c3():
     request preempted at the startup minimum on 0.33.0 is C3."""
     from kvspec.cli.shapes import SCHEDULER_IMPL
     from kvspec.spec.invariants import Violation
-    from kvspec.testing.driver import TraceStep
+    from kvspec.testing.blockmanager.driver import TraceStep
     from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
 
     trace = [TraceStep("arrive", {"seq": 0}), TraceStep("step", {})]
@@ -115,7 +115,7 @@ def test_a_finding_the_step_past_policy_goes_on_past_does_not_end_the_example():
     """``CONTINUE`` (a known finding that leaves the state usable, e.g. a wrong usage figure from
     the first operation on) lets the example go on, as the block-manager machine does; without
     it a release whose every example shows such a finding would run nothing."""
-    from kvspec.testing.machine import CONTINUE
+    from kvspec.testing.blockmanager.machine import CONTINUE
 
     variant = BROKEN_SCHEDULERS["chunk-as-sliding-window"]
     within = shapes().filter(lambda s: variant.shape in s.tags())

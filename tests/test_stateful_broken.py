@@ -10,7 +10,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken import BROKEN
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import KVCacheMachine, SpecViolation
-from kvspec.testing.strategies import configs
+from kvspec.testing.blockmanager.strategies import configs
 
 
 def _configs_for(needs: dict):

@@ -9,9 +9,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import OffByOneWindow
 from kvspec.testing import RunStats, SpecViolation
-from kvspec.testing.differential import DifferentialMachine, Mode
+from kvspec.testing.blockmanager.differential import DifferentialMachine, Mode
+from kvspec.testing.blockmanager.strategies import configs
 from kvspec.testing.divergences import KNOWN
-from kvspec.testing.strategies import configs
 
 
 @pytest.mark.parametrize("mode", list(Mode))

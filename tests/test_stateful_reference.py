@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference import ReferenceManager
 from kvspec.testing import KVCacheMachine, RunStats
-from kvspec.testing.strategies import configs
+from kvspec.testing.blockmanager.strategies import configs
 
 
 def _run(strategy, **kw) -> RunStats:

@@ -1,4 +1,4 @@
-"""The straight-line writer on a trace whose requests carry extra keys (testing/straight_line.py),
+"""The straight-line writer on a trace whose requests carry extra keys (testing/artifacts/straight_line.py),
 without vLLM: a recorded trace of two requests in two domains (a LoRA adapter, a cache salt)
 whose block hashes an untagged hasher makes equal.  The written file must check what vLLM's
 state shows (the two requests' block hashes), fail while the hasher folds the domains together
@@ -17,9 +17,9 @@ from kvspec.adapters.recording import Recorder
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import Violation
 from kvspec.spec.prefix_hash import ExtraKeys, HashCollision, key_of
-from kvspec.testing import straight_line
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.reproducer import NotReproducible, generate
+from kvspec.testing.artifacts import straight_line
+from kvspec.testing.artifacts.reproducer import NotReproducible, generate
+from kvspec.testing.blockmanager.driver import TraceStep
 
 MODULE = "kvspec_fake_engine"
 

@@ -1,4 +1,4 @@
-"""testing/swarm.py: prompt shaping decodes to what it promises; the swarm machine runs clean on
+"""testing/blockmanager/swarm.py: prompt shaping decodes to what it promises; the swarm machine runs clean on
 the reference and still catches a broken variant."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import BROKEN
 from kvspec.testing import RunStats, SpecViolation
-from kvspec.testing.strategies import configs, prompt_from
-from kvspec.testing.swarm import PROMPT_BYTES, Swarm, SwarmMachine, length_bytes, shape
+from kvspec.testing.blockmanager.strategies import configs, prompt_from
+from kvspec.testing.blockmanager.swarm import PROMPT_BYTES, Swarm, SwarmMachine, length_bytes, shape
 
 MAX_LEN = 24
 B = 4

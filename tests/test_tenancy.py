@@ -15,7 +15,7 @@ from kvspec.spec.invariants import INVARIANTS
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature, block_keys, key_of
 from kvspec.spec.state import Device, KVState, PoolView, SeqModel, TableView, World
 from kvspec.testing import KVCacheMachine, RunStats
-from kvspec.testing.strategies import configs, extra_from
+from kvspec.testing.blockmanager.strategies import configs, extra_from
 
 IMG = MMFeature("image-x", 3, 2)
 
@@ -126,7 +126,7 @@ def test_partial_tail_is_published_promoted_and_retired():
     """A prompt ending inside a block publishes the block under its partial chain; when the
     block fills, the partial key is retired (BlockRemoved) and the full key stored."""
     from kvspec.reference.manager import PartialTailReference
-    from kvspec.testing.driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
     d = Driver(PartialTailReference(Config(block_size=4, num_blocks=4, prefix_caching=True)))
     assert d.admit(0, [1, 2, 3, 4, 5, 6], 6, next_token=7)

@@ -20,9 +20,8 @@ import pytest
 from kvspec.reference.broken import BROKEN
 from kvspec.spec.config import Config
 from kvspec.spec.violation import PoolFacts, Violation
-from kvspec.testing.driver import TraceStep, replay
-from kvspec.testing.report import build_report
-from kvspec.testing.timeline import (
+from kvspec.testing.artifacts.report import build_report
+from kvspec.testing.artifacts.timeline import (
     FREE_ALL,
     film,
     offending_cells,
@@ -31,6 +30,7 @@ from kvspec.testing.timeline import (
     timeline_svg,
     verdict_facts,
 )
+from kvspec.testing.blockmanager.driver import TraceStep, replay
 
 CONFIG = Config(block_size=4, num_blocks=8)
 TRACE = [
@@ -168,7 +168,7 @@ def test_a_page_read_back_against_a_wrong_report_fails(shown_report, tmp_path):
 def test_report_html_is_written_beside_report_json_by_check(tmp_path, shown_report):
     """``kvspec check`` on a broken variant writes report.html that passes the read-back."""
     from kvspec.cli.main import main
-    from kvspec.testing.report import load_report
+    from kvspec.testing.artifacts.report import load_report
 
     code = main(["check", "--impl", "broken:window-capped-admission", "--profile", "ci", "--examples", "60",
                  "--invariant", "admission-soundness", "--out", str(tmp_path), "--no-verify"])
@@ -191,7 +191,7 @@ REPORTS = os.environ.get("KVSPEC_REPORT_DIR")
     "`kvspec check --vllm 0.6.3.post1 --seed 1 --examples 50 --out DIR` makes it run",
 )
 def test_every_page_of_a_real_run_reads_back(shown_report):
-    from kvspec.testing.report import load_report
+    from kvspec.testing.artifacts.report import load_report
 
     pages = sorted(Path(str(REPORTS)).rglob("report.html"))
     assert pages, f"no report.html under {REPORTS}"
@@ -269,7 +269,7 @@ def scheduler_reports(tmp_path_factory):
 
     from kvspec.cli.shapes import run_scheduler_search, write_scheduler_reports
     from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
-    from kvspec.testing.scheduler_machine import shapes
+    from kvspec.testing.scheduler.machine import shapes
 
     base = tmp_path_factory.mktemp("scheduler")
     shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
@@ -287,7 +287,7 @@ def scheduler_reports(tmp_path_factory):
 
 
 def test_every_scheduler_verdict_gets_a_page_that_draws_it(scheduler_reports):
-    from kvspec.testing.report import load_report
+    from kvspec.testing.artifacts.report import load_report
 
     reports = scheduler_reports
     kinds = {load_report(r)["verdict"]["kind"] for r in reports}
@@ -305,8 +305,8 @@ def test_the_offline_reader_fails_a_page_that_leaves_out_an_operation(scheduler_
     last operation does not pass for the report."""
     from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
     from kvspec.spec.groups import Shape
-    from kvspec.testing.report import load_report, trace_from_json
-    from kvspec.testing.timeline import scheduler_film
+    from kvspec.testing.artifacts.report import load_report, trace_from_json
+    from kvspec.testing.artifacts.timeline import scheduler_film
 
     reports = scheduler_reports
     report = next(load_report(r) for r in reports if load_report(r)["violations"])
@@ -319,7 +319,7 @@ def test_the_offline_reader_fails_a_page_that_leaves_out_an_operation(scheduler_
 
 
 def test_the_browser_reads_back_every_scheduler_page(scheduler_reports, shown_report):
-    from kvspec.testing.report import load_report
+    from kvspec.testing.artifacts.report import load_report
 
     reports = scheduler_reports
     for path in reports:
@@ -339,7 +339,7 @@ def _collision_of_two_domains(seqs: bool = True):
     from kvspec.reference.scheduler import ReferenceScheduler
     from kvspec.spec.groups import Shape
     from kvspec.spec.prefix_hash import ExtraKeys
-    from kvspec.testing.scheduler_driver import SchedulerDriver
+    from kvspec.testing.scheduler.driver import SchedulerDriver
 
     shape = Shape(
         block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=4, prefix_caching=True,
@@ -365,7 +365,7 @@ def test_a_domain_collision_names_both_requests_and_the_page_marks_them(tmp_path
     the domains it confused (facts), so the picture marks those requests' cells; without the
     requests it has no red cell."""
     from kvspec.reference.scheduler import ReferenceScheduler
-    from kvspec.testing.timeline import scheduler_film
+    from kvspec.testing.artifacts.timeline import scheduler_film
 
     shape, trace, (v,) = _collision_of_two_domains()
     assert (v.kind, v.seqs, v.domains) == ("domain-collision", (0, 1), ("cache_salt", "lora"))

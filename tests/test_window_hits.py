@@ -14,7 +14,7 @@ from kvspec.spec.admission import AdmissionPolicy, window_hit_blocks
 from kvspec.spec.config import Config
 from kvspec.spec.prefix_hash import NO_EXTRA, block_keys
 from kvspec.spec.state import KVState, PoolView
-from kvspec.testing.completeness import CompletenessObserver, window_hit
+from kvspec.testing.blockmanager.completeness import CompletenessObserver, window_hit
 
 WINDOW_POLICY = AdmissionPolicy(watermark_when_idle=False, window_hits_from_the_end=True)
 

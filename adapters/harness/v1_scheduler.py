@@ -1,5 +1,5 @@
 """Reading vLLM's V1 ``Scheduler`` (vllm/v1/core/sched), for the scheduler machine's
-straight-line reproducers (testing/scheduler_reproducer.py).
+straight-line reproducers (testing/scheduler/reproducer.py).
 
 Each function is copied into a reproducer with ``inspect.getsource``: it imports nothing and
 reads only the scheduler's own objects, as ``adapters/v1_scheduler.py`` observes them.

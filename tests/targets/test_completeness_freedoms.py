@@ -9,7 +9,7 @@ import attrs
 import pytest
 from kvspec.spec.admission import AdmissionPolicy
 from kvspec.spec.config import Config
-from kvspec.testing.driver import replay
+from kvspec.testing.blockmanager.driver import replay
 
 from .conftest import VLLM, requires_vllm
 
@@ -115,12 +115,11 @@ def test_v1_full_sequence_must_fit_is_needed():
 
 def _lockstep_found(impl, trace, drop: str | None, monkeypatch):
     from kvspec.reference import ReferenceManager
-    from kvspec.testing import differential
-
+    from kvspec.testing.blockmanager import differential
     monkeypatch.setattr(differential, "note", lambda _msg: None)  # no hypothesis test here
-    from kvspec.testing.differential import Lockstep, Mode
+    from kvspec.testing.blockmanager.differential import Lockstep, Mode
+    from kvspec.testing.blockmanager.driver import Driver
     from kvspec.testing.divergences import KNOWN
-    from kvspec.testing.driver import Driver
 
     known = tuple(d for d in KNOWN if d.id != drop)
     ls = Lockstep(Driver(impl), Driver(ReferenceManager(impl.config)), Mode.RENAMING, known)

@@ -25,7 +25,7 @@ def _hit_after(first_prompt: list[int], next_token: int, steps: int) -> tuple[in
     then admit ``[0, 3, 0]`` as seq 1; returns seq 1's cached tokens and the state before it."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvspec.adapters.legacy import make_legacy
-    from kvspec.testing.driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
     driver = Driver(make_legacy(CONFIG, "v1"))
     driver.admit(0, first_prompt, len(first_prompt), next_token=next_token)

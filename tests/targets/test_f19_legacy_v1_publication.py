@@ -25,7 +25,7 @@ def _hit_after(prompt: list[int], steps: int) -> int:
     seq 1; returns seq 1's cached tokens."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvspec.adapters.legacy import make_legacy
-    from kvspec.testing.driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
     driver = Driver(make_legacy(CONFIG, "v1"))
     driver.admit(0, prompt, len(prompt), next_token=0)

@@ -18,7 +18,7 @@ from kvspec.adapters.v1 import VLLMV1Adapter
 from kvspec.spec.config import Config
 from kvspec.spec.prefix_hash import ExtraKeys, MMFeature
 from kvspec.spec.violation import Violation
-from kvspec.testing.driver import Driver
+from kvspec.testing.blockmanager.driver import Driver
 
 from .conftest import requires_vllm
 

@@ -21,8 +21,8 @@ from kvspec.spec.groups import Shape
 from kvspec.spec.prefix_hash import ExtraKeys
 from kvspec.spec.violation import Violation
 from kvspec.targets.registry import parse
-from kvspec.testing.driver import Driver
-from kvspec.testing.scheduler_driver import SchedulerDriver
+from kvspec.testing.blockmanager.driver import Driver
+from kvspec.testing.scheduler.driver import SchedulerDriver
 
 from .conftest import VLLM, requires_vllm
 

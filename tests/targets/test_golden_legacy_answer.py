@@ -34,8 +34,8 @@ pytestmark = [
 WRITE = """
 import sys
 from kvspec.spec.config import Config
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.golden import write_golden
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.artifacts.golden import write_golden
 
 config = Config(block_size=1, num_blocks=1, num_cpu_blocks=1, sliding_window=None, prefix_caching=False,
                 max_lookahead=0)

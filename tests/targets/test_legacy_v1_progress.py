@@ -36,8 +36,8 @@ F18_TRACE = [_admit(1, 1), {"op": "swap_out", "args": {"seq": 0}}, {"op": "swap_
 def _progress(config: Config, trace: list[dict]) -> list[str]:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvspec.adapters.legacy import make_legacy
-    from kvspec.testing.driver import Driver, apply_step
-    from kvspec.testing.progress import drain
+    from kvspec.testing.blockmanager.driver import Driver, apply_step
+    from kvspec.testing.blockmanager.progress import drain
 
     driver = Driver(make_legacy(config, "v1"))
     for step in trace:

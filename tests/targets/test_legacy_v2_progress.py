@@ -1,7 +1,7 @@
 """FINDINGS F14 and F15, the legacy V2 manager's progress findings, on every provisioned
 release that has it: BlockSpaceManagerV2 (0.5.4 .. 0.6.3) and SelfAttnBlockSpaceManager, its
 renamed successor (0.6.3.post1 .. 0.10.2, the last release with vllm/core).  A progress verdict
-comes from the drain (testing/progress.py), which ``kvspec replay`` and so ``kvspec bisect`` do
+comes from the drain (testing/blockmanager/progress.py), which ``kvspec replay`` and so ``kvspec bisect`` do
 not run: these tests are the range measurement.  Run one release with
 ``kvspec test-targets X``, or in its venv:
 ``KVSPEC_CHECKOUT=. ~/.cache/kvspec/venvs/vllm-X/bin/python -m pytest tests/targets/test_legacy_v2_progress.py``.
@@ -13,7 +13,7 @@ import attrs
 import pytest
 from kvspec.spec.config import Config
 from kvspec.targets.registry import release_key
-from kvspec.testing.driver import Driver
+from kvspec.testing.blockmanager.driver import Driver
 from kvspec.testing.implementations import factory
 
 from .conftest import VLLM, requires_vllm
@@ -31,7 +31,7 @@ F15 = Config(block_size=1, num_blocks=3, num_cpu_blocks=2, sliding_window=1, max
 
 
 def _swapped_back(config: Config) -> tuple[bool, list]:
-    from kvspec.testing.progress import drain
+    from kvspec.testing.blockmanager.progress import drain
 
     driver = Driver(factory(V2)(config), focus={"progress"})
     assert driver.admit(0, [0], 1)
@@ -83,7 +83,7 @@ def test_v2_chunked_prompt_that_fills_the_pool_never_finishes():
     lands in the partly filled block allocate already took, yet can_append_slots counts that
     touched block as needing a free one (block_manager_v2.py:202-229), so the request alone is
     refused, preempted, re-admitted and refused again: it never finishes."""
-    from kvspec.testing.progress import drain
+    from kvspec.testing.blockmanager.progress import drain
 
     driver = Driver(factory(V2)(Config(block_size=2, num_blocks=2)), focus={"progress"})
     assert driver.admit(0, [0, 0, 0], 2)

@@ -6,9 +6,9 @@ the real manager drains clean under the loop vLLM's scheduler runs."""
 from __future__ import annotations
 
 from kvspec.spec.config import Config
-from kvspec.testing.driver import Driver
+from kvspec.testing.blockmanager.driver import Driver
+from kvspec.testing.blockmanager.progress import drain
 from kvspec.testing.implementations import factory
-from kvspec.testing.progress import drain
 
 from .conftest import requires_vllm
 

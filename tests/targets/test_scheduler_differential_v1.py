@@ -1,4 +1,4 @@
-"""vLLM's own V1 scheduler beside the reference scheduler (testing/scheduler_machine.py
+"""vLLM's own V1 scheduler beside the reference scheduler (testing/scheduler/machine.py
 ``SchedulerLockstep``), compared in the strictest mode after every step: the same requests
 scheduled and preempted, the same start and token counts, the same blocks per (request, group)
 up to renaming, under the policy declared for 0.33.0 (reference/policies.py).  A broken
@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY
 from kvspec.reference.policies import declared_for
-from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
 
 from .conftest import requires_vllm
 
@@ -47,7 +47,7 @@ def test_vllm_scheduler_agrees_with_the_reference_scheduler(adapter):
 
 def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, monkeypatch):
     """The reference replaced by ``serial-admission``: vLLM batches what it serialises."""
-    import kvspec.testing.scheduler_machine as machine
+    import kvspec.testing.scheduler.machine as machine
 
     variant, comparison = DIFFERENTIAL_ONLY["serial-admission"]
     monkeypatch.setattr(machine, "ReferenceScheduler", variant)
@@ -84,7 +84,7 @@ def test_a_prefix_cache_evicting_otherwise_differs_from_vllm(adapter, monkeypatc
     """The reference replaced by ``evicts-newest-first`` (its freed blocks, cached or not, go
     to the head of the free queue): vLLM keeps other blocks cached, and the differential,
     comparing past prefix hits, reports vLLM as differing from that policy."""
-    import kvspec.testing.scheduler_machine as machine
+    import kvspec.testing.scheduler.machine as machine
 
     monkeypatch.setattr(machine, "ReferenceScheduler", PREFIX_CACHE_ONLY["evicts-newest-first"])
     with pytest.raises(PolicyDifference) as caught:

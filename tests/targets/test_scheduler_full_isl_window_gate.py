@@ -17,7 +17,7 @@ import logging
 
 import attrs
 from kvspec.spec.groups import Shape
-from kvspec.testing.scheduler_driver import SchedulerDriver
+from kvspec.testing.scheduler.driver import SchedulerDriver
 
 from .conftest import requires_vllm
 
@@ -65,7 +65,7 @@ def test_c4_the_drain_reports_progress_and_kvspec_labels_it_c4():
     unfinished, and the shipped fingerprints label that C4 on 0.19.1 (and not on 0.20.1)."""
     from kvspec.testing import SpecViolation
     from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
-    from kvspec.testing.scheduler_progress import drain
+    from kvspec.testing.scheduler.progress import drain
 
     _, driver = _run(C4)
     found = drain(driver, driver.check)

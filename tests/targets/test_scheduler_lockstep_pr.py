@@ -1,4 +1,4 @@
-"""The scheduler lockstep (testing/scheduler_lockstep.py) on vLLM 0.33.0's own scheduler: a copy of
+"""The scheduler lockstep (testing/scheduler/lockstep.py) on vLLM 0.33.0's own scheduler: a copy of
 the installed vllm/ tree as HEAD (symlinks, with vllm/v1/core/sched/scheduler.py a real file),
 the release as BASE.  Three HEADs:
 
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from kvspec.testing.lockstep import Kind, Side, run_lockstep
-from kvspec.testing.scheduler_lockstep import SchedulerLockstepMachine, shape_strategy
+from kvspec.testing.scheduler.lockstep import SchedulerLockstepMachine, shape_strategy
 
 from .conftest import requires_vllm
 

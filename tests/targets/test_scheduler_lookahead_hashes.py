@@ -26,7 +26,7 @@ def _shape(lookahead: bool) -> Shape:
 def test_block_hashes_cover_the_next_token_exactly_when_the_engine_says(lookahead):
     logging.getLogger("vllm").setLevel(logging.ERROR)
     from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
-    from kvspec.testing.scheduler_driver import SchedulerDriver
+    from kvspec.testing.scheduler.driver import SchedulerDriver
 
     target = VLLMV1SchedulerAdapter(_shape(lookahead))
     assert target.drops_eagle_block is not lookahead

@@ -13,7 +13,7 @@ from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import Shape
 from kvspec.spec.kv_memory import STATE_SLOT
 from kvspec.spec.state import Device
-from kvspec.testing.scheduler_driver import SchedulerDriver
+from kvspec.testing.scheduler.driver import SchedulerDriver
 
 from .conftest import requires_vllm
 

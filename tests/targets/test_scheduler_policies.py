@@ -11,9 +11,9 @@ import logging
 
 from kvspec.reference.policies import Comparison, declared_for
 from kvspec.spec.groups import Shape
-from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_driver import SchedulerDriver
-from kvspec.testing.scheduler_machine import SchedulerLockstep, reference_beside
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.scheduler.driver import SchedulerDriver
+from kvspec.testing.scheduler.machine import SchedulerLockstep, reference_beside
 
 from .conftest import requires_vllm
 
@@ -94,10 +94,10 @@ def test_a_policy_difference_is_reported_in_its_folder_and_replays(monkeypatch, 
     from kvspec.cli.common import EXIT_FOUND, EXIT_OK
     from kvspec.cli.failures import replay_verdict
     from kvspec.cli.shapes import run_scheduler_search, scheduler_factory, shapes_exit, write_scheduler_reports
-    from kvspec.testing import scheduler_machine
-    from kvspec.testing.report import trace_from_json
-    from kvspec.testing.rerun import rerun
-    from kvspec.testing.scheduler_replay import in_context, scheduler_session
+    from kvspec.testing.artifacts.report import trace_from_json
+    from kvspec.testing.artifacts.rerun import rerun
+    from kvspec.testing.scheduler import machine as scheduler_machine
+    from kvspec.testing.scheduler.replay import in_context, scheduler_session
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     other = declared_for("0.12.0")

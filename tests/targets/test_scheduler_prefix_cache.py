@@ -19,9 +19,9 @@ import logging
 import pytest
 from kvspec.reference.policies import Comparison, declared_for
 from kvspec.spec.groups import Shape
-from kvspec.testing.differential import Mode
-from kvspec.testing.scheduler_driver import SchedulerDriver
-from kvspec.testing.scheduler_machine import SchedulerLockstep, reference_beside
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.scheduler.driver import SchedulerDriver
+from kvspec.testing.scheduler.machine import SchedulerLockstep, reference_beside
 
 from .conftest import VLLM, requires_vllm
 

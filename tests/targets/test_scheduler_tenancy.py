@@ -13,8 +13,8 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.events import EventKind, replay
 from kvspec.spec.groups import Shape, check_hybrid
 from kvspec.spec.prefix_hash import ExtraKeys, key_of
-from kvspec.testing.scheduler_driver import SchedulerDriver, ShapeCounts
-from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
+from kvspec.testing.scheduler.driver import SchedulerDriver, ShapeCounts
+from kvspec.testing.scheduler.machine import SchedulerMachine, shapes
 
 from .conftest import requires_vllm
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.testing import SpecViolation
-from kvspec.testing.scheduler_driver import SchedulerDriver, ShapeCounts
-from kvspec.testing.scheduler_machine import SchedulerMachine, shapes
+from kvspec.testing.scheduler.driver import SchedulerDriver, ShapeCounts
+from kvspec.testing.scheduler.machine import SchedulerMachine, shapes
 
 from .conftest import requires_vllm
 
@@ -208,11 +208,11 @@ def test_012_v1_s2a_is_reported_by_its_known_finding_and_replays(adapter, tmp_pa
     import json
 
     from kvspec.cli.shapes import SCHEDULER_IMPL, run_scheduler_search, write_scheduler_reports
-    from kvspec.testing.differential import Mode
+    from kvspec.testing.artifacts.report import trace_from_json
+    from kvspec.testing.artifacts.rerun import rerun
+    from kvspec.testing.blockmanager.differential import Mode
     from kvspec.testing.known import SHIPPED, load_known
-    from kvspec.testing.report import trace_from_json
-    from kvspec.testing.rerun import rerun
-    from kvspec.testing.scheduler_replay import in_context, scheduler_session
+    from kvspec.testing.scheduler.replay import in_context, scheduler_session
 
     known = [k for k in load_known([SHIPPED]) if k.concerns(SCHEDULER_IMPL, "0.12.0")]
     run = run_scheduler_search(

@@ -12,7 +12,7 @@ import logging
 import attrs
 import pytest
 from kvspec.spec.groups import Shape
-from kvspec.testing.scheduler_driver import SchedulerDriver
+from kvspec.testing.scheduler.driver import SchedulerDriver
 
 from .conftest import requires_vllm
 
@@ -82,7 +82,7 @@ def test_c3_runs_with_one_block_more_or_lookahead_within_the_block(change):
 
 
 def test_c3_is_found_from_scratch_by_the_scheduler_machine():
-    """The scheduler machine's ``progress`` drain (testing/scheduler_progress.py) finds C3 in
+    """The scheduler machine's ``progress`` drain (testing/scheduler/progress.py) finds C3 in
     its neighbourhood (B=2 full attention + a window group of 1-token blocks, EAGLE drafts past
     the block, the startup minimum) within the CI budget, and ``kvspec check`` labels it C3."""
     from hypothesis import settings
@@ -91,7 +91,7 @@ def test_c3_is_found_from_scratch_by_the_scheduler_machine():
     from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
     from kvspec.testing import SpecViolation
     from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
-    from kvspec.testing.scheduler_machine import SchedulerMachine
+    from kvspec.testing.scheduler.machine import SchedulerMachine
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     within = st.builds(

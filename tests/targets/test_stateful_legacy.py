@@ -11,9 +11,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.testing import KVCacheMachine, RunStats, SpecViolation
-from kvspec.testing.driver import replay
+from kvspec.testing.blockmanager.driver import replay
+from kvspec.testing.blockmanager.strategies import configs
 from kvspec.testing.implementations import by_manager
-from kvspec.testing.strategies import configs
 
 from .conftest import requires_vllm
 

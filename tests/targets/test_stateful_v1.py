@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.testing import KVCacheMachine, RunStats
+from kvspec.testing.blockmanager.strategies import configs
 from kvspec.testing.implementations import factory
-from kvspec.testing.strategies import configs
 
 from .conftest import requires_vllm
 
@@ -46,7 +46,7 @@ def test_stateful_v1_differential_against_the_reference(caching):
     """Lockstep with the reference, comparing outcomes (counts and renaming differ on
     policy here: V1 reserves lookahead at admission and keeps out-of-window hit blocks for
     the admission step)."""
-    from kvspec.testing.differential import DifferentialMachine, Mode
+    from kvspec.testing.blockmanager.differential import DifferentialMachine, Mode
 
     strategy = configs(swap=False, max_blocks=16, prefix_caching=st.just(caching))
     stats = RunStats()

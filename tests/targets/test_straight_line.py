@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from kvspec.spec.config import Config
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.reproducer import NotReproducible, Reproducer, generate
+from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer, generate
+from kvspec.testing.blockmanager.driver import TraceStep
 
 from .conftest import requires_vllm
 

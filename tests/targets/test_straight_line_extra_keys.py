@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import Violation
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.reproducer import Reproducer, generate
+from kvspec.testing.artifacts.reproducer import Reproducer, generate
+from kvspec.testing.blockmanager.driver import TraceStep
 
 from .conftest import VLLM, requires_vllm
 

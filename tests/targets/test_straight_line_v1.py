@@ -28,8 +28,8 @@ LEAK = (
 WRITE = """
 import sys
 from kvspec.spec.config import Config
-from kvspec.testing.driver import TraceStep
-from kvspec.testing.reproducer import Reproducer, generate
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.artifacts.reproducer import Reproducer, generate
 
 def op(name, **args):
     return TraceStep(name, args)

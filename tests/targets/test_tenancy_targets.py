@@ -16,8 +16,8 @@ from kvspec.spec.config import Config
 from kvspec.spec.interface import Capability
 from kvspec.spec.prefix_hash import ExtraKeys, MMFeature
 from kvspec.testing import KVCacheMachine, RunStats
-from kvspec.testing.driver import Driver
-from kvspec.testing.strategies import configs
+from kvspec.testing.blockmanager.driver import Driver
+from kvspec.testing.blockmanager.strategies import configs
 
 from .conftest import requires_vllm
 

@@ -45,7 +45,7 @@ def test_block_manager_usage_is_observed_and_checked():
 @requires_vllm("0.10.1", pin="0.33.0")
 def test_scheduler_usage_is_observed():
     from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
-    from kvspec.testing.scheduler_driver import SchedulerDriver
+    from kvspec.testing.scheduler.driver import SchedulerDriver
 
     shape = Shape(
         block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=2, prefix_caching=True,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 from kvspec.adapters.v1 import VLLMV1Adapter
 from kvspec.spec.config import Config
-from kvspec.testing.driver import Driver
+from kvspec.testing.blockmanager.driver import Driver
 
 from .conftest import requires_vllm
 

@@ -36,11 +36,10 @@ from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation, normalized, progress
 from kvspec.spec.state import Status
 from kvspec.spec.window import needed_blocks
-
-from .completeness import policy_of
+from kvspec.testing.blockmanager.completeness import policy_of
 
 if TYPE_CHECKING:
-    from .driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
 
 def _chunk(driver: Driver, remaining: int) -> int:

@@ -31,9 +31,8 @@ from kvspec.spec.invariants import INVARIANTS, USAGE_TOLERANCE, Violation
 from kvspec.spec.kv_memory import OVERWRITE, SHARED_WRITE
 from kvspec.spec.prefix_hash import key_of
 from kvspec.spec.state import Device, Status, TableView
-
-from .driver import TraceStep
-from .rerun import DriverSession, Rerun, Session, SessionFactory, rerun
+from kvspec.testing.artifacts.rerun import DriverSession, Rerun, Session, SessionFactory, rerun
+from kvspec.testing.blockmanager.driver import TraceStep
 
 CRASH = "crash"
 
@@ -67,7 +66,7 @@ class Recording:
     violations: tuple[Violation, ...]
     crash: BaseException | None
     failed_at: int  # 1-based operation index; len(trace) + 1 for the final free-all
-    driver: Any  # the machine's driver after the replay (testing/driver.py, scheduler_driver.py)
+    driver: Any  # the machine's driver after the replay (testing/blockmanager/driver.py, scheduler_driver.py)
     engine: str = "legacy"  # which harness module's readers the checks use: legacy or v1
 
 
@@ -76,7 +75,7 @@ class NotStraightLine(KVSpecError):
 
 
 class Numbered:
-    """A re-run's session (testing/rerun.py) numbering the recorder's lines by trace operation:
+    """A re-run's session (testing/artifacts/rerun.py) numbering the recorder's lines by trace operation:
     the end of the run (freeing every sequence, draining) is operation ``len(trace) + 1``."""
 
     def __init__(self, inner: Session, recorder: Recorder) -> None:
@@ -121,7 +120,7 @@ def record(
     session: SessionFactory = DriverSession,
     context: Callable[[Callable[[], Rerun]], Rerun] = lambda run: run(),
 ) -> Recording:
-    """Re-run ``trace`` (testing/rerun.py ``rerun``, in ``session``'s machine, inside
+    """Re-run ``trace`` (testing/artifacts/rerun.py ``rerun``, in ``session``'s machine, inside
     ``context``) on the adapter ``build(config, recorder)`` makes, recording every call."""
     recorder = Recorder()
     sessions: list[Numbered] = []

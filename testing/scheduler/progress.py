@@ -1,8 +1,8 @@
 """``progress`` for a scheduler-driven target: its own loop with no new arrivals, at the end of
 an example.
 
-The target is the scheduler (testing/scheduler_driver.py), so the drain does not play one
-(testing/progress.py does, for a block manager): it stops the arrivals and aborts, and steps
+The target is the scheduler (testing/scheduler/driver.py), so the drain does not play one
+(testing/blockmanager/progress.py does, for a block manager): it stops the arrivals and aborts, and steps
 the engine with the worker's default outputs (every draft rejected, the smallest progress a
 decode step makes) until every request has finished or the bound is spent.  In scope is every
 live request that could run alone in the pool under some schedule
@@ -41,8 +41,7 @@ from kvspec.spec.invariants import Violation, progress
 
 if TYPE_CHECKING:
     from kvspec.spec.groups import HybridState
-
-    from .scheduler_driver import SchedulerDriver
+    from kvspec.testing.scheduler.driver import SchedulerDriver
 
 DEFAULT_OUTPUT = bytes(4)  # the step rule's accept and token bytes: no draft accepted, token 0
 

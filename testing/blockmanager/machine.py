@@ -34,11 +34,10 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.interface import Capability, Implementation
 from kvspec.spec.state import Status
-
-from .driver import Driver, SpecViolation
-from .generator_rules import token as rule_token
-from .progress import drain
-from .strategies import admission_bytes, configs, extra_from, prompt_from
+from kvspec.testing.blockmanager.driver import Driver, SpecViolation
+from kvspec.testing.blockmanager.progress import drain
+from kvspec.testing.blockmanager.strategies import admission_bytes, configs, extra_from, prompt_from
+from kvspec.testing.generator_rules import token as rule_token
 
 ImplementationFactory = Callable[[Config], Implementation]
 CONTINUE = "continue"

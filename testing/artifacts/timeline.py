@@ -36,10 +36,9 @@ from kvspec.spec.groups import HybridState, Shape
 from kvspec.spec.interface import Implementation
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import DROPPED, Device, PoolView, TableView
-
-from .differential import Mode
-from .driver import Driver, TraceStep, apply_step
-from .scheduler_replay import SchedulerSession, in_context
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
+from kvspec.testing.scheduler.replay import SchedulerSession, in_context
 
 CELL_W, CELL_H = 64, 22
 LABEL_W, HEADER_H, FOOT_H = 132, 56, 12

@@ -26,10 +26,9 @@ import attrs
 from kvspec.adapters.recording import Recorder, Unrecordable
 from kvspec.spec.config import Config
 from kvspec.spec.invariants import Violation
-
-from . import straight_line
-from .driver import TraceStep
-from .implementations import VLLM
+from kvspec.testing.artifacts import straight_line
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.implementations import VLLM
 
 LEGACY_MANAGERS = {i.name: i.manager for i in VLLM if i.harness == "legacy"}
 

@@ -29,10 +29,9 @@ from hypothesis.stateful import initialize
 from kvspec.reference import ReferenceManager
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import Status
-
-from .divergences import KNOWN, Divergence, Mismatch, explained
-from .driver import Driver, SpecViolation
-from .machine import KVCacheMachine
+from kvspec.testing.blockmanager.driver import Driver, SpecViolation
+from kvspec.testing.blockmanager.machine import KVCacheMachine
+from kvspec.testing.divergences import KNOWN, Divergence, Mismatch, explained
 
 
 class Mode(StrEnum):

@@ -4,7 +4,7 @@ Rules: requests arrive (prompts drawn from earlier ones, so prefixes are shared)
 iterates (schedule, execute, output; under async scheduling the output of a step comes back
 after the next step is planned), requests are aborted.  Every invariant is checked per
 KV-cache group and over the shared pool after every rule.  Teardown stops the arrivals and
-steps the target until every request finishes (``progress``, testing/scheduler_progress.py),
+steps the target until every request finishes (``progress``, testing/scheduler/progress.py),
 then aborts what is left, drains the outputs in flight and checks ``no-leak``.  The shape of
 each example (hybrid groups, async, speculative decoding, token budget, startup-minimum pool)
 is drawn by ``shapes``.
@@ -12,7 +12,7 @@ is drawn by ``shapes``.
 With ``differential`` set, the reference scheduler (reference/scheduler.py) runs in lockstep
 (``SchedulerLockstep``): the same arrivals, aborts and worker outputs, the same pool size and
 running-request cap as the target, and after every step the two are compared in a mode
-(testing/differential.py ``Mode``):
+(testing/blockmanager/differential.py ``Mode``):
 
 outcomes  every step schedules the same requests and preempts the same ones, in order;
 counts    also, each scheduled request starts at the same position and computes the same
@@ -53,16 +53,15 @@ from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import HybridState, Plan, Shape
 from kvspec.spec.invariants import Violation
-
-from .differential import Mode
-from .divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
-from .driver import SpecViolation, TraceStep
-from .generator_rules import block_relative, eagle_caches, eagle_repeated_blocks, spare_blocks
-from .generator_rules import token as rule_token
-from .machine import CONTINUE, StepPast
-from .scheduler_driver import SchedulerDriver, SchedulerTarget, ShapeCounts
-from .scheduler_progress import drain
-from .strategies import admission_bytes, extended_index, extra_from, prompt_from
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
+from kvspec.testing.blockmanager.machine import CONTINUE, StepPast
+from kvspec.testing.blockmanager.strategies import admission_bytes, extended_index, extra_from, prompt_from
+from kvspec.testing.divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
+from kvspec.testing.generator_rules import block_relative, eagle_caches, eagle_repeated_blocks, spare_blocks
+from kvspec.testing.generator_rules import token as rule_token
+from kvspec.testing.scheduler.driver import SchedulerDriver, SchedulerTarget, ShapeCounts
+from kvspec.testing.scheduler.progress import drain
 
 
 @st.composite
@@ -448,7 +447,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     ) -> None:
         super().__init__()
         # Whether a failing example is discarded (True) rather than reported: cli/search.py's
-        # rounds step past what earlier rounds found (testing/machine.py ``StepPast``).
+        # rounds step past what earlier rounds found (testing/blockmanager/machine.py ``StepPast``).
         self.step_past = step_past
         self.differential = differential
         self.diff_counts = diff_counts if diff_counts is not None else DiffCounts()
@@ -479,7 +478,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def start(self, shape: Shape) -> None:
         """Build the target in ``shape`` (a ConfigError: the target refuses it) and its driver,
         in lockstep with the reference scheduler when the differential is on.  ``build`` draws
-        the shape; a replay (testing/scheduler_replay.py) gives the recorded one."""
+        the shape; a replay (testing/scheduler/replay.py) gives the recorded one."""
         target = self.factory(shape)
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0

@@ -16,9 +16,8 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import Violation
-
-from .driver import Driver, TraceStep, apply_step
-from .guard import Crash
+from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
+from kvspec.testing.guard import Crash
 
 RERUNS = 3  # re-runs of a trace that failed once and not again, to name the differing step
 
@@ -31,7 +30,7 @@ class Rerun:
     error: BaseException | None = None  # the exception of the crash, or of the unapplied step
     unapplied: str | None = None  # a step the driver could not apply: the trace diverged
     # The scheduler machine's target differed from its release's declared policy, every
-    # invariant holding (testing/scheduler_machine.py ``PolicyDifference``).
+    # invariant holding (testing/scheduler/machine.py ``PolicyDifference``).
     difference: Exception | None = None
 
     @property
@@ -53,7 +52,7 @@ class Session(Protocol):
 
 
 class DriverSession:
-    """The block-manager driver (testing/driver.py) as a re-run's session: the trace ends by
+    """The block-manager driver (testing/blockmanager/driver.py) as a re-run's session: the trace ends by
     freeing every sequence."""
 
     def __init__(self, impl: Any, focus: Iterable[str] | None) -> None:
@@ -90,7 +89,7 @@ def rerun(
     session: SessionFactory = DriverSession,
 ) -> Rerun:
     """Build the implementation and run ``trace`` through a session of its machine's driver
-    (the block manager's by default; the scheduler's: testing/scheduler_replay.py), checking
+    (the block manager's by default; the scheduler's: testing/scheduler/replay.py), checking
     after every step.  A configuration the target refuses (ConfigError, Unsupported) is raised
     to the caller."""
     try:

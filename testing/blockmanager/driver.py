@@ -37,10 +37,9 @@ from kvspec.spec.kv_memory import (
 from kvspec.spec.prefix_hash import ExtraKeys, as_extra
 from kvspec.spec.state import Device, KVState, SeqModel, Status, World
 from kvspec.spec.window import first_needed_block
-
-from .completeness import CompletenessObserver
-from .guard import Crash, GuardTripped
-from .incremental import IncrementalChecker, TouchedMemory, check_both, check_mode
+from kvspec.testing.blockmanager.completeness import CompletenessObserver
+from kvspec.testing.blockmanager.incremental import IncrementalChecker, TouchedMemory, check_both, check_mode
+from kvspec.testing.guard import Crash, GuardTripped
 
 _EXTRA_CAPS = {
     "cache_salt": Capability.CACHE_SALT,

@@ -40,10 +40,9 @@ from kvspec.spec.kv_memory import (
 )
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey, confused_domains, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
-
-from .driver import TraceStep, _Target, record_crash, trace_args
-from .guard import Crash
-from .incremental import Judges, TouchedMemory, check_mode
+from kvspec.testing.blockmanager.driver import TraceStep, _Target, record_crash, trace_args
+from kvspec.testing.blockmanager.incremental import Judges, TouchedMemory, check_mode
+from kvspec.testing.guard import Crash
 
 DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
 

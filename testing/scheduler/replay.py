@@ -1,7 +1,7 @@
 """Re-running a scheduler machine's trace (the report of a scheduler verdict of ``kvspec
-check``) against a scheduler target: ``kvspec replay`` through testing/rerun.py's loop.
+check``) against a scheduler target: ``kvspec replay`` through testing/artifacts/rerun.py's loop.
 
-The session is the scheduler machine itself (testing/scheduler_machine.py), started in the
+The session is the scheduler machine itself (testing/scheduler/machine.py), started in the
 recorded shape instead of a drawn one: the same driver, the same checks after every operation
 (with the reference scheduler in lockstep when the report's run compared against it), and the
 same end (the ``progress`` drain, then aborting every request and ``no-leak``).  The machine
@@ -19,13 +19,12 @@ from hypothesis import strategies as st
 from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import Violation
 from kvspec.spec.prefix_hash import ExtraKeys
-
-from .differential import Mode
-from .driver import SpecViolation, TraceStep
-from .guard import Crash
-from .rerun import SessionFactory
-from .scheduler_driver import SchedulerDriver
-from .scheduler_machine import PolicyDifference, SchedulerMachine
+from kvspec.testing.artifacts.rerun import SessionFactory
+from kvspec.testing.blockmanager.differential import Mode
+from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
+from kvspec.testing.guard import Crash
+from kvspec.testing.scheduler.driver import SchedulerDriver
+from kvspec.testing.scheduler.machine import PolicyDifference, SchedulerMachine
 
 OPS = ("arrive", "abort", "step", "drain")
 T = TypeVar("T")
@@ -91,7 +90,7 @@ class SchedulerSession:
 
 
 def scheduler_session(shape: Shape, mode: Mode | None) -> SessionFactory:
-    """A session factory for testing/rerun.py ``rerun``: the scheduler machine in ``shape``,
+    """A session factory for testing/artifacts/rerun.py ``rerun``: the scheduler machine in ``shape``,
     comparing against the reference scheduler in ``mode`` (None: no differential)."""
 
     def start(impl: Any, focus: Iterable[str] | None) -> SchedulerSession:

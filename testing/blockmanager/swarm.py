@@ -31,9 +31,8 @@ import attrs
 from hypothesis import note, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-
-from .generator_rules import EDGE_CODE, prompt_length, repeats_prefix
-from .machine import KVCacheMachine
+from kvspec.testing.blockmanager.machine import KVCacheMachine
+from kvspec.testing.generator_rules import EDGE_CODE, prompt_length, repeats_prefix
 
 # Operations a swarm can switch off (admissions and scheduler iterations always run).
 SWARM_OPS = ("step", "fork", "free", "preempt", "readmit", "swap_out", "swap_in",

@@ -39,7 +39,7 @@ from kvspec.spec.state import KVState, PoolView, Status
 from kvspec.spec.window import first_needed_block
 
 if TYPE_CHECKING:
-    from .driver import Driver
+    from kvspec.testing.blockmanager.driver import Driver
 
 
 def policy_of(impl: object) -> AdmissionPolicy:

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 from kvspec.spec.config import Config
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature
-
-from . import generator_rules as rules
-from .generator_rules import block_relative, identifiers, pool_blocks, prompt_length, repeats_prefix
+from kvspec.testing import generator_rules as rules
+from kvspec.testing.generator_rules import block_relative, identifiers, pool_blocks, prompt_length, repeats_prefix
 
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 8, 16])
 BOTH = st.booleans()

@@ -1,9 +1,9 @@
 """Scheduler lockstep: vLLM's own scheduler on BASE and HEAD at once, the spec judging every difference.
 
-The scheduler machine's rules (testing/scheduler_machine.py: requests arrive, the engine steps,
+The scheduler machine's rules (testing/scheduler/machine.py: requests arrive, the engine steps,
 requests are aborted, then the teardown drains) run on two targets, each vLLM's own V1
 ``Scheduler`` / ``AsyncScheduler`` (adapters/v1_scheduler.py) driven by the scheduler machine's
-worker model (testing/scheduler_driver.py) in a child process of its own -- the same children,
+worker model (testing/scheduler/driver.py) in a child process of its own -- the same children,
 protocol, guard, verdicts and search rounds as the block manager's lockstep
 (testing/lockstep.py: ``Remote``, ``Side``, ``judge``, ``Verdict``, ``run_lockstep``).  After
 every operation the two sides' ``SchedulerObservation`` are compared, in the lockstep's modes:
@@ -19,7 +19,7 @@ renaming  also every group's block tables up to a renaming of block ids (one ren
 At the first difference the spec judges on each side's own check (``SchedulerDriver.check``:
 every invariant per group and over the shared pool): HEAD violates an invariant BASE does not
 -> regression, the reverse -> fix, neither -> behaviour change; each shrunk on its own, a
-behaviour change with a golden pytest file BASE writes (testing/golden.py
+behaviour change with a golden pytest file BASE writes (testing/artifacts/golden.py
 ``write_scheduler_golden``).
 """
 
@@ -40,10 +40,9 @@ from kvspec.spec.groups import HybridState, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
 from kvspec.spec.state import Status
-
-from .guard import Guard, GuardTripped
-from .implementations import SCHEDULERS
-from .lockstep import (
+from kvspec.testing.guard import Guard, GuardTripped
+from kvspec.testing.implementations import SCHEDULERS
+from kvspec.testing.lockstep import (
     FIELD_MODES,
     Limits,
     LockstepDriver,
@@ -58,10 +57,10 @@ from .lockstep import (
     crash_violation,
     settle_build,
 )
-from .lockstep import serve as serve_requests
-from .scheduler_driver import SchedulerDriver
-from .scheduler_machine import SchedulerMachine, shapes
-from .scheduler_progress import drain
+from kvspec.testing.lockstep import serve as serve_requests
+from kvspec.testing.scheduler.driver import SchedulerDriver
+from kvspec.testing.scheduler.machine import SchedulerMachine, shapes
+from kvspec.testing.scheduler.progress import drain
 
 SCHEDULER_IMPL = "v1-scheduler"  # testing/implementations.py SCHEDULERS: vLLM's own V1 scheduler
 TEARDOWN = "teardown"
@@ -328,7 +327,7 @@ class SchedulerLockstepDriver(LockstepDriver):
 class SchedulerLockstepMachine(SchedulerMachine):
     """The scheduler machine's rules, each operation run on HEAD and BASE and compared."""
 
-    child = "kvspec.testing.scheduler_lockstep"  # what its target processes run (``serve``)
+    child = "kvspec.testing.scheduler.lockstep"  # what its target processes run (``serve``)
 
     def __init__(
         self,
@@ -375,7 +374,7 @@ class SchedulerLockstepMachine(SchedulerMachine):
 
 
 def shape_strategy() -> st.SearchStrategy[Shape]:
-    """Every production shape the scheduler machine draws (testing/scheduler_machine.py)."""
+    """Every production shape the scheduler machine draws (testing/scheduler/machine.py)."""
     return shapes()
 
 

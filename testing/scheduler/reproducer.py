@@ -1,8 +1,8 @@
 """Straight-line reproducers for the scheduler machine: a verdict on vLLM's own V1 scheduler as
 a short pytest file that imports only vllm, pytest and the standard library.
 
-The trace is re-run once more (testing/rerun.py, through the scheduler machine's session of
-testing/scheduler_replay.py) on ``VLLMV1SchedulerAdapter`` built with a ``Recorder``
+The trace is re-run once more (testing/artifacts/rerun.py, through the scheduler machine's session of
+testing/scheduler/replay.py) on ``VLLMV1SchedulerAdapter`` built with a ``Recorder``
 (adapters/recording.py): every line of the file is a construction or a call the adapter
 really made, with its arguments -- the release's own config classes (``ModelConfig`` over a
 two-layer config.json the test writes into ``tmp_path``, ``SchedulerConfig``,
@@ -43,11 +43,10 @@ from kvspec.spec.invariants import Violation
 from kvspec.spec.kv_memory import cell_of
 from kvspec.spec.registry import live_tables
 from kvspec.spec.state import Device, Status, World
-
-from . import straight_line
-from .driver import TraceStep
-from .reproducer import NotReproducible, Reproducer
-from .scheduler_replay import in_context, scheduler_session
+from kvspec.testing.artifacts import straight_line
+from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.scheduler.replay import in_context, scheduler_session
 
 ENGINE = "v1-scheduler"
 # What a request is named by in vLLM: kvspec's adapter names seq N's request "seqN".

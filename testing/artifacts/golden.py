@@ -3,7 +3,7 @@ change was not intended.
 
 The shrunk trace of a lockstep verdict is replayed on BASE through the adapter with a
 ``Recorder`` (``kvspec.adapters.recording``), exactly as a reproducer is
-(``testing/straight_line.py``): one recorded vLLM call per line.  At the differing operation the
+(``testing/artifacts/straight_line.py``): one recorded vLLM call per line.  At the differing operation the
 file asserts what BASE observed there -- the prefix-cache hit, whether the allocation succeeded,
 the free and cached block counts, every request's held blocks and the block tables up to a
 renaming of block ids -- read off the manager by the harness functions the file copies in.  On
@@ -25,10 +25,9 @@ from kvspec.adapters.recording import Line, Recorder, Unrecordable, real
 from kvspec.spec.config import Config
 from kvspec.spec.groups import Shape
 from kvspec.spec.state import Status
-
-from .driver import Driver, TraceStep, apply_step
-from .progress import drain
-from .straight_line import _asserted, _condition, _import_lines, _op_comment
+from kvspec.testing.artifacts.straight_line import _asserted, _condition, _import_lines, _op_comment
+from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
+from kvspec.testing.blockmanager.progress import drain
 
 TAG = "behaviour-change"  # what the file's failure message starts with: [behaviour-change]
 
@@ -56,8 +55,7 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
     trace: the teardown), or ``{"error": why}`` when it cannot be written."""
     from kvspec.adapters.legacy import LegacyAdapter
     from kvspec.adapters.v1 import VLLMV1Adapter
-
-    from .reproducer import LEGACY_MANAGERS
+    from kvspec.testing.artifacts.reproducer import LEGACY_MANAGERS
 
     engine = "v1" if impl == "v1" else "legacy"
     if impl != "v1" and impl not in LEGACY_MANAGERS:
@@ -167,15 +165,14 @@ PLANNED = re.compile(r"assert (\w+)\.num_scheduled_tokens == (.*)$")
 def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, index: int) -> dict[str, Any]:
     """The golden file of a scheduler lockstep's behaviour change at operation ``index`` (1-based),
     or ``{"error": why}``: the trace replayed on BASE's own V1 scheduler through the recorder
-    (testing/scheduler_reproducer.py ``record``), every ``schedule()`` before the differing
+    (testing/scheduler/reproducer.py ``record``), every ``schedule()`` before the differing
     operation asserting what it planned as the reproducer does; at the differing operation what
     BASE observed -- the tokens each step there scheduled per request, the pool's free blocks,
     every live request's block table per KV-cache group up to a renaming of block ids -- each
     failing the file with the ``behaviour-change`` tag where HEAD differs."""
     from kvspec.adapters.harness import v1_scheduler as sched_harness
-
-    from .scheduler_reproducer import record, setup
-    from .straight_line import NotStraightLine
+    from kvspec.testing.artifacts.straight_line import NotStraightLine
+    from kvspec.testing.scheduler.reproducer import record, setup
 
     if index > len(trace):
         return {"error": "the difference is in the teardown's drain, which the file does not replay"}

@@ -3,7 +3,7 @@
 Pure helpers (no vLLM, no display).  The format is documented in docs/report-format.md; the
 ``format`` field names its version and ``load_report`` refuses any other.  A report carries
 the trace exactly as the driver recorded it (``TraceStep.to_json``), so
-``kvspec replay`` / ``testing.driver.replay`` re-runs it against any implementation.
+``kvspec replay`` / ``kvspec.testing.blockmanager.driver.replay`` re-runs it against any implementation.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.invariants import INVARIANTS, Violation
-
-from .driver import TraceStep
-from .guard import Crash
+from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.guard import Crash
 
 FORMAT = "kvspec-report/1"
 
