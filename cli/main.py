@@ -250,10 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "diff",
-        help="what the block manager does differently between two releases (lockstep, judged by the spec)",
+        help="what the block manager (and, on V1, vLLM's own scheduler) does differently between two releases "
+        "(lockstep, judged by the spec)",
     )
     p.add_argument("a", metavar="A", help="the older release (BASE)")
     p.add_argument("b", metavar="B", help="the newer release (HEAD)")
+    p.add_argument("--no-shapes", action="store_true", help="V1: leave vLLM's own scheduler out (block manager only)")
     p.add_argument("--impl", metavar="NAME", help="the manager to compare (default: the engine both run by default)")
     p.add_argument("--profile", choices=PROFILES, default="ci", help="hypothesis profile (default ci)")
     p.add_argument("--examples", type=int, metavar="N", help="examples to compare")

@@ -514,7 +514,9 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    """``kvspec diff A B``: what the block manager does differently between two releases."""
+    """``kvspec diff A B``: what the block manager does differently between two releases and, on
+    V1 (unless ``--no-shapes``), what vLLM's own scheduler does differently (its lockstep half,
+    written under ``scheduler/``)."""
     for version in (args.a, args.b):
         try:
             parse(version)
@@ -526,8 +528,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if head_side.impl != base_side.impl:
         raise UsageError(f"{args.a} runs {base_side.impl}, {args.b} {head_side.impl}", "name one: --impl v1")
     root = Path(args.out).expanduser().resolve() if args.out else Path(tempfile.mkdtemp(prefix="kvspec-diff-"))
-    run = run_compare(args, head_side, base_side, root)
-    return EXIT_FOUND if run.verdicts else EXIT_OK
+    runs = [run_compare(args, head_side, base_side, root)]
+    if head_side.impl == "v1" and not args.no_shapes:
+        out.rule("vLLM's own V1 scheduler in lockstep")
+        runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
+        add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
+    return EXIT_FOUND if any(r.verdicts for r in runs) else EXIT_OK
 
 
 # ---------------------------------------------------------------- bisect
