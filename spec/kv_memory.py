@@ -333,13 +333,25 @@ def registered_through(
 
 
 def copy_cells(
-    memory: Memory, src: tuple[Device, int], dst: tuple[Device, int], block_size: int
+    memory: Memory, src: tuple[Device, int], dst: tuple[Device, int], block_size: int, below: int | None = None
 ) -> list[Write]:
-    """Writes a block copy (copy-on-write, swap) performs."""
+    """Writes a block copy (copy-on-write, swap) performs.
+
+    ``below``: the copy is the copy-on-write of a partial prefix hit, into the private block
+    of a request that hit ``below`` tokens; the source slots holding positions from ``below``
+    on are left out.  vLLM 0.33.0's worker copies the whole block (worker/utils.py:909-955,
+    ``blocks[dst] = blocks[src]``, run before the forward, gpu_model_runner.py:1207-1212), so
+    those slots of the destination hold the source holder's later tokens; but they are no
+    content of the destination's life: the hit request takes the copy as computed only up to
+    its hit (single_type_kv_cache_manager.py:320-324 caps its cached blocks below the tail,
+    388-398 and 455-475 give it the copy), no key covers them when the copy runs, and the
+    request writes them itself before it reads them.  Garbage, like a rejected draft's KV: left
+    unwritten, so the request's own write there is a first write, while a copy that misses
+    the hit's positions still fails ``kv-readback``."""
     out = []
     for off in range(block_size):
         kv = memory.get((src[0], src[1], off))
-        if kv is not None:
+        if kv is not None and (below is None or kv[0] < below):
             out.append(Write((dst[0], dst[1], off), kv))
     return out
 

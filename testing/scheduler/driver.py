@@ -238,24 +238,40 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------ the worker
 
-    def _copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+    def _copy_blocks(self, plan: Any) -> None:
         """The block copies a step's plan hands the worker, run before its forward: each
         destination block becomes a copy of its source (every cell the source holds, nothing
         the destination held before), as vLLM's worker copies a shared partial tail into the
         private block a prefix hit or a producer's next step takes (0.33.0
-        single_type_kv_cache_manager.py:455-475, 1883-1918)."""
+        single_type_kv_cache_manager.py:455-475, 1883-1918).  Into an attention block of a
+        request the step admits, the copy carries the positions before its hit only
+        (``copy_cells``' ``below``)."""
         B = max(g.spec.block_size for g in self.state.groups)
-        for src, dst in copies:
-            writes = copy_cells(self.memory, (Device.GPU, src), (Device.GPU, dst), B)
+        for src, dst in getattr(plan, "copies", ()):
+            below = self._admitted_hit_holding(plan, dst)
+            writes = copy_cells(self.memory, (Device.GPU, src), (Device.GPU, dst), B, below)
             for off in range(B):
                 self.memory.pop((Device.GPU, dst, off), None)
             for w in writes:
                 self.memory[w.cell] = w.kv
             self.counts["block_copies"] += 1
 
+    def _admitted_hit_holding(self, plan: Any, block: int) -> int | None:
+        """The prefix hit (its length) of a request the plan admits whose attention table holds
+        ``block``; None: no such request (a state group's block, a running request's)."""
+        for s in plan.scheduled:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.status is Status.RUNNING:
+                continue
+            for g in self.state.groups:
+                table = g.tables.get(s.seq_id)
+                if not g.spec.state and table is not None and block in table.slots:
+                    return s.start
+        return None
+
     def _execute(self, plan: Any, accept: bytes, tokens: bytes) -> tuple[dict, dict]:
         before = self.state
-        self._copy_blocks(getattr(plan, "copies", ()))
+        self._copy_blocks(plan)
         sampled: dict[int, list[int]] = {}
         drafts_out: dict[int, list[int]] = {}
         for i, s in enumerate(plan.scheduled):

@@ -95,20 +95,24 @@ def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
     assert counts.operations[tag] >= 200, counts
 
 
+def _mamba_hashing_every_token(block_size: int, max_model_len: int) -> Shape:
+    """A Mamba "align" shape with prefix caching whose hashes cover every token (unit 1)."""
+    return Shape(
+        block_size=block_size, swa_block_size=block_size, sliding_window=None, extra_blocks=0,
+        prefix_caching=True, num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=max_model_len,
+        max_model_len=max_model_len, full_sequence_must_fit=False, max_tokens=2, mamba=True, prefix_match_unit=1,
+    )
+
+
 def _partial_tail_trace(adapter, copies: bool) -> tuple[SchedulerDriver, list]:
     """A two-token prompt in a Mamba "align" shape hashing every token (unit 1, blocks of 2):
     its first chunk stops at the prompt's last hash boundary and caches the state there as a
     partial tail; its next step moves that cache entry to a fresh block the worker fills by
     copy (0.33.0 single_type_kv_cache_manager.py:1883-1912).  ``copies`` False: a worker that
     skips the plan's copies."""
-    shape = Shape(
-        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=0, prefix_caching=True,
-        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
-        full_sequence_must_fit=False, max_tokens=2, mamba=True, prefix_match_unit=1,
-    )
-    driver = SchedulerDriver(adapter(shape))
+    driver = SchedulerDriver(adapter(_mamba_hashing_every_token(2, 16)))
     if not copies:
-        driver._copy_blocks = lambda _copies: None
+        driver._copy_blocks = lambda _plan: None
     driver.arrive(1, [0, 0], 1)
     found = []
     for _ in range(2):
@@ -130,6 +134,44 @@ def test_a_worker_that_skips_the_copy_leaves_a_cached_state_block_empty(adapter)
     partial tail is cached in: skipped, ``prefix-cache-consistency`` sees an empty cached state."""
     _, found = _partial_tail_trace(adapter, copies=False)
     assert {(v.invariant, v.kind) for v in found} >= {("prefix-cache-consistency", "uncomputed-hit")}, found
+
+
+def _partial_hit_trace(adapter, below_hit: bool) -> tuple[SchedulerDriver, list]:
+    """Blocks of 4 hashed at every token (unit 1): ``[0, 1]`` caches its first token as a
+    partial tail in full-attention block 1 (whose slot 1 then holds position 1, token 1) and
+    finishes; ``[0, 0, 0]`` hits that one token, takes a private copy of block 1 (0.33.0
+    single_type_kv_cache_manager.py:320-324, 388-398) and writes its own position 1 there;
+    ``[0, 1, 1]`` then hits the same tail, not the copy.  ``below_hit`` False: a copy that
+    carries none of the cells (the hit's positions missing too)."""
+    driver = SchedulerDriver(adapter(_mamba_hashing_every_token(4, 64)))
+    if not below_hit:
+        copy = driver._admitted_hit_holding
+        driver._admitted_hit_holding = lambda plan, block: None if copy(plan, block) is None else 0
+    found = []
+    for seq, tokens in enumerate(([0, 1], [0, 0, 0], [0, 1, 1])):
+        driver.arrive(seq, tokens, 1)
+        for _ in range(2 if seq == 0 else 1):
+            driver.step(bytes(4), bytes(4))
+            found += driver.check()
+    return driver, found + driver.finish()
+
+
+@on_033
+def test_a_partial_hit_writes_past_its_hit_into_its_private_copy(adapter):
+    """The worker copies the whole tail block, but the slots past the hit are no content of the
+    copy's life: the hit request's write there is its first (spec/kv_memory.py ``copy_cells``);
+    the tail keeps its content, so the third request's hit of it reads back its own tokens."""
+    driver, found = _partial_hit_trace(adapter, below_hit=True)
+    assert found == [] and driver.counts["block_copies"] >= 4, (found, driver.counts)
+    assert driver.counts["hits"] == 2, driver.counts
+
+
+@on_033
+def test_a_partial_hit_copy_without_the_hit_positions_fails_readback(adapter):
+    """Leaving out the slots past the hit is narrow: a copy that leaves out the hit's own
+    positions fails ``kv-readback``."""
+    _, found = _partial_hit_trace(adapter, below_hit=False)
+    assert "kv-readback" in {v.invariant for v in found}, found
 
 
 # The shapes 0.9.1 has: no AsyncScheduler, no scheduler_reserve_full_isl, no chunked-local
