@@ -102,6 +102,11 @@ class SchedulerPolicy:
     # ... and that reach may pass the request's tokens less one (up to its last full block);
     # False: it stops there.
     eagle_looks_past_hit_limit: Choice
+    # With prefix caching, under async scheduling or with drafts: a running request's step
+    # output, once its tokens are appended (the token after a block its key covers among them),
+    # caches the full blocks of its processed tokens, the steps in flight excluded (False: only
+    # a step's allocation caches, up to the tokens known when it is scheduled).
+    caches_at_output: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -126,6 +131,7 @@ class SchedulerPolicy:
             "hybrid_caches_aligned": self.hybrid_caches_aligned,
             "eagle_looks_further": self.eagle_looks_further,
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
+            "caches_at_output": self.caches_at_output,
         }
 
     def span(self) -> str:
@@ -160,6 +166,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # The full group looks up to max_cache_hit_length, the other group up to its hit.
         eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:470-500"),
+        # allocate_slots caches min(computed + new, num_tokens); update_from_output (scheduler.py
+        # :1028-) caches nothing.
+        caches_at_output=Choice(False, f"{_KVM}:316-319"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -178,6 +187,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # min(curr_hit_length + spec.block_size, max_cache_hit_length).
         eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
+        caches_at_output=Choice(False, f"{_KVM}:428-432"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -199,6 +209,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
+        caches_at_output=Choice(False, f"{_KVM}:595-599"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -215,6 +226,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
         eagle_looks_further=Choice(True, f"{_COORD}:869-887"),
         eagle_looks_past_hit_limit=Choice(True, f"{_COORD}:869-887"),
+        # cache_blocks(request, num_computed_tokens - num_in_flight_tokens) after the output's
+        # tokens are appended, for a request RUNNING before the output, its output not stale,
+        # with output placeholders (async) or num_spec_tokens > 0.
+        caches_at_output=Choice(True, f"{_SCHED}:2401-2415"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

@@ -125,6 +125,11 @@ class ReferenceScheduler:
         eagle = shape.eagle and shape.num_spec_tokens > 0
         self.drop_eagle_block = eagle and not shape.lookahead_hashes if drop_eagle_block is None else drop_eagle_block
         self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
+        # A step's output caches blocks when the release does so, for a request with output
+        # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
+        self._caches_at_output = policy.caches_at_output.value and (
+            shape.async_scheduling or shape.num_spec_tokens > 0
+        )
         # Mamba groups cache states at chunk ends the reference does not cut: no cache there.
         self.cache = PrefixCache() if shape.prefix_caching and not shape.mamba else None
         # Hits are whole multiples of every group's block size (vLLM: the scheduler block size).
@@ -587,15 +592,22 @@ class ReferenceScheduler:
             self._roll_back(req, rejected)
             if self.shape.async_scheduling:
                 req.placeholders -= 1 + s.drafts
-            self._deliver(req, new)
+            self._deliver(req, new, cache=req.running and self._caches_at_output)
         if drafts and not self.shape.async_scheduling:
             for seq_id, ids in drafts.items():
                 if seq_id in self.reqs:
                     self.reqs[seq_id].drafts = list(ids)
 
-    def _deliver(self, req: _Req, new: list[int]) -> None:
-        req.tokens.extend(new)
-        req.outputs += len(new)
+    def _deliver(self, req: _Req, new: list[int], cache: bool = False) -> None:
+        """Append a step's sampled tokens, up to the request's ``max_tokens`` (the rest are cut,
+        and so are the positions computed for them); with ``cache``, cache the blocks of the
+        processed tokens they complete (their keys may cover a token just sampled), before a
+        request they finish releases its blocks (vLLM 0.33.0 scheduler.py:2401-2415, 2752-2764)."""
+        kept = new[: req.max_tokens - req.outputs]
+        req.tokens.extend(kept)
+        req.outputs += len(kept)
+        if cache:
+            self._cache_blocks(req, req.computed - req.in_flight - (len(new) - len(kept)))
         if new and req.outputs >= req.max_tokens:
             self._finish(req.seq_id)
 
