@@ -430,6 +430,9 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (ISOLATION, ("lora", "mm"), "0.19.1", None),
         (ISOLATION, ("cache_salt", "lora", "mm"), "0.12.0", "F-KV10"),  # e.g. lora a + image b, image a + salt b
         (ISOLATION, ("lora",), "0.12.0", None),
+        # One identifier at two offsets in the block (0.12.0 keys no offset; 0.19.1 does).
+        (ISOLATION, ("mm",), "0.12.0", "F-KV10"),
+        (ISOLATION, ("mm",), "0.19.1", None),
         # vLLM's own Scheduler: one hash for the same tokens in two domains.
         (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
         (COLLISION, LORA_SALT, "0.30.0", "F-KV9/scheduler"),
