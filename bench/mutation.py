@@ -80,6 +80,7 @@ class MutateOptions:
     keys: list[str] | None  # exactly these mutants instead of a sample
     no_replay: bool  # do not replay a survivor on the baseline's traces
     no_vllm_tests: bool  # skip vLLM's own unit tests on the mutants
+    vllm_tests_from: str | None = None  # an earlier mutation.json whose tests' verdicts to reuse
     examples: int  # hypothesis examples per mutant
     timeout: float  # seconds per mutant
     jobs: int  # mutants run at a time
@@ -261,7 +262,10 @@ def run_target(target: str, opts: MutateOptions, workdir: Path) -> dict[str, Any
     outdir = workdir / "mutants"
     outdir.mkdir(exist_ok=True)
     tests = None
-    if not opts.no_vllm_tests:
+    recorded = _recorded_tests(opts.vllm_tests_from, target, chosen) if opts.vllm_tests_from else None
+    if recorded is not None:
+        result["vllm_tests"] = recorded["summary"]
+    elif not opts.no_vllm_tests:
         tests = _vllm_tests_baseline(target, params, workdir, outdir)
         result["vllm_tests"] = tests
         if tests.get("error"):
@@ -279,7 +283,9 @@ def run_target(target: str, opts: MutateOptions, workdir: Path) -> dict[str, Any
                "variant": m.variant}
         if m.key in covered:
             jobs.append(job)
-        if tests is not None:
+        if recorded is not None:
+            not_run[m.key] = recorded["verdicts"][m.key]
+        elif tests is not None:
             selected, limit = _tests_for(m, tests, workdir)
             if not selected:
                 not_run[m.key] = {"status": "survived", "kind": "not covered by vLLM's tests"}
@@ -309,7 +315,8 @@ def run_target(target: str, opts: MutateOptions, workdir: Path) -> dict[str, Any
         mutants=[{**_mutant_json(m), "covered": m.key in covered,
                   **(kv.get(m.key, {"status": "missing"}) if m.key in covered
                      else {"status": "not covered"}),
-                  **({"vllm_tests": vt.get(m.key, {"status": "missing"})} if tests else {})}
+                  **({"vllm_tests": vt.get(m.key, {"status": "missing"})}
+                     if tests or recorded is not None else {})}
                  for m in chosen],
     )
     if ident.get("status") not in ("survived", "equivalent"):
@@ -329,6 +336,26 @@ def _tests_for(m: Mutant, tests: dict[str, Any], workdir: Path) -> tuple[list[st
     selected = [t for t, per in cov.items() if t in tests["passing"]
                 and span & set(per.get(m.module, ()))]
     return selected, 3 * sum(durations.get(t, 0.0) for t in selected) + 60
+
+
+def _recorded_tests(path: str, target: str, chosen: list[Mutant]) -> dict[str, Any]:
+    """vLLM's tests' verdicts of ``chosen`` from an earlier run of ``target`` (its results file):
+    the tests never see the oracle, so with the same release and mutants they stand.  Every
+    chosen mutant must have one; each verdict says where it came from."""
+    runs = [r for r in json.loads(Path(path).read_text())["results"]
+            if r.get("target") == target and r.get("vllm_tests")]
+    verdicts: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for m in run.get("mutants", []):
+            if "vllm_tests" in m and m["vllm_tests"].get("status") != "missing":
+                verdicts.setdefault(m["key"], {**m["vllm_tests"], "recorded": path})
+    lacking = [m.key for m in chosen if m.key not in verdicts]
+    if not runs or lacking:
+        raise SystemExit(f"--vllm-tests-from {path}: no recorded verdict of vLLM's tests for "
+                         f"{len(lacking) if runs else 'any'} sampled mutant(s) of {target} "
+                         f"(first: {(lacking or ['-'])[0]})")
+    summary = {k: v for k, v in runs[0]["vllm_tests"].items() if not k.startswith("_")}
+    return {"summary": {**summary, "recorded": path}, "verdicts": verdicts}
 
 
 def _tests_cache(root: Path, files: list[str], paths: dict[str, str]) -> Path:

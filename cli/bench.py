@@ -102,6 +102,11 @@ def bench_parser() -> argparse.ArgumentParser:
                    "'suspected equivalent'; it doubles a survivor's cost)")
     m.add_argument("--no-vllm-tests", action="store_true",
                    help="skip vLLM's own unit tests (from the release's sdist) on the mutants")
+    m.add_argument("--vllm-tests-from", metavar="MUTATION_JSON",
+                   help="take vLLM's own tests' verdict of each sampled mutant from an earlier "
+                   "run's results (its mutation.json): the tests never see the oracle, so a "
+                   "mutant's verdict stands while the release and the mutant are the same; a "
+                   "sampled mutant the file has no verdict for is an error")
     m.add_argument("--examples", type=int, default=80, help="hypothesis examples per mutant")
     m.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
     m.add_argument("--jobs", type=int, default=2)
