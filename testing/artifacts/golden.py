@@ -168,28 +168,45 @@ def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, ind
     (testing/scheduler/reproducer.py ``record``), every ``schedule()`` before the differing
     operation asserting what it planned as the reproducer does; at the differing operation what
     BASE observed -- the tokens each step there scheduled per request, the pool's free blocks,
-    every live request's block table per KV-cache group up to a renaming of block ids -- each
-    failing the file with the ``behaviour-change`` tag where HEAD differs."""
+    the prefix-cache entries per KV-cache group, every live request's block table per KV-cache
+    group up to a renaming of block ids -- each failing the file with the ``behaviour-change``
+    tag where HEAD differs.  They are read right after that operation (the re-run then frees
+    every request)."""
     from kvspec.adapters.harness import v1_scheduler as sched_harness
     from kvspec.testing.artifacts.straight_line import NotStraightLine
     from kvspec.testing.scheduler.reproducer import record, setup
 
     if index > len(trace):
         return {"error": "the difference is in the teardown's drain, which the file does not replay"}
+    expected: dict[str, Any] = {}
+    live: list[int] = []
+    groups: list[str] = []
+
+    def at_index(driver: Any) -> None:
+        # BASE's state right after operation ``index``: the re-run goes on to free every request.
+        scheduler = driver.target.inner._sched
+        live.extend(sorted(driver.seqs))
+        groups.extend(g.spec.name for g in driver.state.groups)
+        expected["free"] = repr(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+        expected["cached"] = repr(sched_harness.cached_entries(scheduler, len(groups)))
+        for gi, group in enumerate(groups):
+            tables = {s: sched_harness.block_table(scheduler, gi, f"seq{s}") for s in live}
+            expected[f"tables ({group})"] = repr(v1_harness.renamed(tables))
+
     try:
-        recording = record(shape, trace[:index], None)
+        recording = record(shape, trace[:index], None, before_end=at_index)
     except (NotStraightLine, Unrecordable) as why:
         return {"error": f"not recordable as a straight line: {why}"}
     except Exception as error:  # BASE itself crashed on the way: nothing golden to assert
         return {"error": f"BASE raised {type(error).__name__} while replaying: {error}"}
     if recording.crash is not None or recording.violations:
         return {"error": "BASE's replay did not end as the lockstep's did (a crash or a violation)"}
+    if not expected:
+        return {"error": "BASE's replay stopped before the differing operation"}
     recorder = recording.recorder
-    scheduler = recording.driver.target.inner._sched
-    name = recorder.names.get(id(scheduler), "scheduler")
+    name = recorder.names.get(id(recording.driver.target.inner._sched), "scheduler")
     body: list[str] = list(setup().lines)
     observed: dict[str, str] = {}
-    expected: dict[str, Any] = {}
     commented: set[int] = set()
     for line in (ln for ln in recorder.lines if ln.op_index <= index):
         if line.op_index and line.op_index not in commented:
@@ -209,13 +226,10 @@ def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, ind
             continue
         body.append(_asserted(line) if line.answer is not None else line.code)
     observed["free"] = f"{name}.kv_cache_manager.block_pool.get_num_free_blocks()"
-    expected["free"] = repr(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-    live = sorted(recording.driver.seqs)
-    for gi, group in enumerate(recording.driver.state.groups):
+    observed["cached"] = f"cached_entries({name}, {len(groups)})"
+    for gi, group in enumerate(groups):
         ids = ", ".join(f"{s}: block_table({name}, {gi}, 'seq{s}')" for s in live)
-        observed[f"tables ({group.spec.name})"] = f"renamed({{{ids}}})"
-        tables = {s: sched_harness.block_table(scheduler, gi, f"seq{s}") for s in live}
-        expected[f"tables ({group.spec.name})"] = repr(v1_harness.renamed(tables))
+        observed[f"tables ({group})"] = f"renamed({{{ids}}})"
     body += [
         f"# BASE's observations at operation {_op_comment(index, trace)}",
         "observed = {",
@@ -235,7 +249,7 @@ def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, ind
     )
     imports = ["from __future__ import annotations", "", "import json", "import pytest", *_import_lines(recorder)]
     source = [f'"""{doc}"""', "", *imports, ""]
-    for fn in (sched_harness.block_table, v1_harness.renamed):
+    for fn in (sched_harness.block_table, sched_harness.cached_entries, v1_harness.renamed):
         source += ["", inspect.getsource(fn).rstrip(), ""]
     source += ["", f"def {test}(tmp_path):"]
     source += ["    " + ln if ln else "" for ln in body]

@@ -78,9 +78,10 @@ class Numbered:
     """A re-run's session (testing/artifacts/rerun.py) numbering the recorder's lines by trace operation:
     the end of the run (freeing every sequence, draining) is operation ``len(trace) + 1``."""
 
-    def __init__(self, inner: Session, recorder: Recorder) -> None:
+    def __init__(self, inner: Session, recorder: Recorder, before_end: Callable[[Any], None] | None = None) -> None:
         self.inner = inner
         self.recorder = recorder
+        self.before_end = before_end  # called with the driver after the trace, before the end
 
     @property
     def trace(self) -> list[TraceStep]:
@@ -106,6 +107,8 @@ class Numbered:
         return self.inner.check()
 
     def finish(self) -> list[Violation]:
+        if self.before_end is not None:
+            self.before_end(self.inner.driver)
         self.recorder.op_index += 1
         return self.inner.finish()
 
@@ -119,14 +122,17 @@ def record(
     *,
     session: SessionFactory = DriverSession,
     context: Callable[[Callable[[], Rerun]], Rerun] = lambda run: run(),
+    before_end: Callable[[Any], None] | None = None,
 ) -> Recording:
     """Re-run ``trace`` (testing/artifacts/rerun.py ``rerun``, in ``session``'s machine, inside
-    ``context``) on the adapter ``build(config, recorder)`` makes, recording every call."""
+    ``context``) on the adapter ``build(config, recorder)`` makes, recording every call;
+    ``before_end(driver)`` runs after the trace's last operation, before the run's end frees
+    every sequence (the state a caller reads at the trace's last operation)."""
     recorder = Recorder()
     sessions: list[Numbered] = []
 
     def numbered(impl: Any, watched: Iterable[str] | None) -> Numbered:
-        sessions.append(Numbered(session(impl, watched), recorder))
+        sessions.append(Numbered(session(impl, watched), recorder, before_end))
         return sessions[0]
 
     result = context(lambda: rerun(lambda c: build(c, recorder), config, trace, focus=focus, session=numbered))

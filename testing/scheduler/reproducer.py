@@ -53,8 +53,14 @@ ENGINE = "v1-scheduler"
 REQUEST_ID = "seq{}"
 
 
-def record(shape: Shape, trace: Sequence[TraceStep], focus: Iterable[str] | None) -> straight_line.Recording:
-    """Re-run ``trace`` on vLLM's scheduler in ``shape``, recording every call the adapter makes."""
+def record(
+    shape: Shape,
+    trace: Sequence[TraceStep],
+    focus: Iterable[str] | None,
+    before_end: Callable[[Any], None] | None = None,
+) -> straight_line.Recording:
+    """Re-run ``trace`` on vLLM's scheduler in ``shape``, recording every call the adapter makes
+    (``before_end``: straight_line.record's)."""
     watched = set(focus or ()) & SLOT_CHECKS
 
     def build(s: Shape, recorder: Recorder) -> VLLMV1SchedulerAdapter:
@@ -65,7 +71,9 @@ def record(shape: Shape, trace: Sequence[TraceStep], focus: Iterable[str] | None
 
     # The invariants alone: no reference scheduler.
     session = scheduler_session(shape, None)
-    return straight_line.record(build, shape, trace, focus, ENGINE, session=session, context=in_context)
+    return straight_line.record(
+        build, shape, trace, focus, ENGINE, session=session, context=in_context, before_end=before_end
+    )
 
 
 # Invariants whose fact is checked right after the ``schedule()`` that broke it (a request that

@@ -7,7 +7,10 @@ the release as BASE.  Three HEADs:
   in what a step schedules, shrunk to a few operations;
 * a finished request's blocks never returned (``_free_request_blocks`` skips
   ``kv_cache_manager.free``, scheduler.py:3088-3090): a regression;
-* the unmodified copy: nothing, and the run says how many examples it compared.
+* the unmodified copy: nothing, and the run says how many examples it compared;
+* a block pool that caches nothing (``BlockPool.cache_full_blocks`` returns at once,
+  block_pool.py:265-266): the first difference is the prefix-cache entries a step leaves, a
+  behaviour change whose golden file must assert them (it fails on the copy only through them).
 
 Through ``kvspec check --baseline`` the behaviour change comes with a golden file that fails on
 the copy and passes on 0.33.0.
@@ -51,27 +54,39 @@ FREE = """        if self._request_blocks_can_be_freed(request):
 LEAK = """        if self._request_blocks_can_be_freed(request):
             return  # planted: the blocks are never returned
 """
+POOL = Path("v1/core/block_pool.py")
+CACHE = """        if num_cached_blocks >= num_full_blocks:
+            return
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+"""
+NO_CACHE = """        return  # planted: nothing is ever cached
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+"""
 BUDGET = dict(profile="ci", examples=25, max_verdicts=1, machine=SchedulerLockstepMachine, golden=False)
 
 
-def _copy(tmp_path: Path, name: str, old: str | None = None, new: str | None = None) -> Path:
+def _copy(tmp_path: Path, name: str, old: str | None = None, new: str | None = None, where: Path = SCHEDULER) -> Path:
     import vllm
 
     package = Path(vllm.__file__).parent
     replaced = {Path("__init__.py"): (package / "__init__.py").read_text()}
     if old is not None and new is not None:
-        text = (package / SCHEDULER).read_text()
+        text = (package / where).read_text()
         assert text.count(old) == 1, "the planted line moved: update the test for this release"
-        replaced[SCHEDULER] = text.replace(old, new)
+        replaced[where] = text.replace(old, new)
     root = tmp_path / name
     overlay(package, root / "vllm", replaced)
     return root
 
 
-def _run(head: Path):
-    sides = (Side("HEAD", f"the copy {head}", sys.executable, "v1", pythonpath=str(head)),
-             Side("BASE", "vLLM 0.33.0", sys.executable, "v1"))
-    run = run_lockstep(*sides, shape_strategy(), **BUDGET)
+def _sides(head: Path) -> tuple[Side, Side]:
+    return (Side("HEAD", f"the copy {head}", sys.executable, "v1", pythonpath=str(head)),
+            Side("BASE", "vLLM 0.33.0", sys.executable, "v1"))
+
+
+def _run(head: Path, **budget):
+    sides = _sides(head)
+    run = run_lockstep(*sides, shape_strategy(), **{**BUDGET, **budget})
     assert run.status == "compared", run.status
     assert str(head) in run.imported["HEAD"] and str(head) not in run.imported["BASE"], run.imported
     return run
@@ -100,6 +115,30 @@ def test_blocks_never_returned_are_a_regression(tmp_path):
     assert verdict.kind is Kind.REGRESSION, "\n".join(verdict.describe())
     assert verdict.head_violations and not verdict.base_violations
     assert {v.invariant for v in verdict.head_violations} & {"no-leak", "refcount-exact", "conservation"}
+
+
+def test_a_change_in_what_is_cached_alone_gets_a_golden_file_that_asserts_it(tmp_path):
+    import attrs
+    from kvspec.cli.pr import keep_golden
+    from kvspec.testing.artifacts.golden import write_scheduler_golden
+
+    head = _copy(tmp_path, "nocache", CACHE, NO_CACHE, where=POOL)
+    run = _run(head, golden=True)
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.CHANGE, "\n".join(verdict.describe())
+    assert verdict.op == "step" and verdict.field in ("free", "cached", "cached_keys"), "\n".join(verdict.describe())
+    kept = keep_golden(run.goldens[0], tmp_path, *_sides(head), verify=True)
+    assert kept["status"] == "verified", kept
+    # The shrunk trace finishes its request, so the pool's free blocks differ too; with the
+    # request still running at the differing step only the prefix-cache entries do, and the
+    # golden file BASE writes there must fail on the copy through them.
+    trace = [attrs.evolve(s, args={**s.args, "max_tokens": 8}) if s.op == "arrive" else s for s in verdict.trace]
+    running = write_scheduler_golden(verdict.config, trace, "cached entries only", verdict.index)
+    assert "error" not in running, running
+    (tmp_path / "running").mkdir()
+    kept = keep_golden(running, tmp_path / "running", *_sides(head), verify=True)
+    assert kept["status"] == "verified", kept
+    assert kept["head_failure"].startswith("[behaviour-change] cached:"), kept
 
 
 def test_the_pr_verdict_reports_the_scheduler_change(tmp_path):
