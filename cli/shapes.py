@@ -40,7 +40,13 @@ from kvspec.testing.blockmanager.machine import StepPast
 from kvspec.testing.guard import GuardTripped, crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.scheduler.driver import ShapeCounts
-from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler.machine import (
+    DiffCounts,
+    PolicyDifference,
+    SchedulerMachine,
+    retention_offer_of,
+    shapes,
+)
 from kvspec.testing.scheduler.reproducer import generate as generate_reproducer
 from rich.markup import escape
 
@@ -151,7 +157,7 @@ def run_shapes(
                 part.start_example()
             super().__init__(
                 build,
-                shape_strategy,
+                shape_strategy if shape_strategy is not None else shapes(retention_offer_of(factory)),
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
