@@ -522,10 +522,13 @@ def run_v1_shapes(
     except ImportError as error:
         out.print(f"[yellow]scheduler shapes not run[/]: {escape(str(error))}")
         return None
+    # Read off the adapter before the guard wraps it: the retentions its release offers.
+    strategy = shapes(retention_offer_of(factory))
     if guard is not None:
         factory = guard.wrap(factory)
     run = run_scheduler_search(
         factory,
+        shape_strategy=strategy,
         profile=args.profile,
         examples=budget_examples(None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE), part),
         steps=args.steps,
