@@ -57,21 +57,19 @@ def test_the_engine_default_is_sparse(adapter):
     assert adapter.retention_offer().configurable and adapter.retention_offer().engine_default == 0
 
 
-@on_030
-@pytest.mark.parametrize("shape", [SWA], ids=["sliding-window"])
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(SWA, marks=on_030, id="sliding-window"), pytest.param(MAMBA, marks=on_033, id="mamba")],
+)
 def test_sparse_retention_caches_fewer_local_blocks(adapter, shape):
+    """Eight full blocks: dense retention caches all eight in either group, the engine's
+    default only the replay boundary's (one), an interval of four blocks one per interval and
+    the boundary's (three); the full-attention group caches every block whatever the retention."""
     dense = _cached_after_prompt(adapter, attrs.evolve(shape, retention_interval=None))
     sparse = _cached_after_prompt(adapter, attrs.evolve(shape, retention_interval=0))
     periodic = _cached_after_prompt(adapter, attrs.evolve(shape, retention_interval=4 * B))
     assert dense[0] == sparse[0] == periodic[0] == len(PROMPT) // B, (dense, sparse, periodic)  # full attention
     assert sparse[1] < periodic[1] < dense[1], (dense, sparse, periodic)
-
-
-@on_033
-def test_sparse_retention_caches_fewer_mamba_states(adapter):
-    dense = _cached_after_prompt(adapter, attrs.evolve(MAMBA, retention_interval=None))
-    sparse = _cached_after_prompt(adapter, attrs.evolve(MAMBA, retention_interval=0))
-    assert dense[0] == sparse[0] and sparse[1] < dense[1], (dense, sparse)
 
 
 @on_030
