@@ -135,7 +135,9 @@ def _config_default(cls: Any, name: str, fallback: Any) -> Any:
         for field in dataclasses.fields(cls):
             if field.name == name:
                 if field.default is not dataclasses.MISSING:
-                    return field.default
+                    # A pydantic dataclass's ``Field(default=...)`` (0.30+ ``CacheConfig``) is
+                    # the field's default, wrapped.
+                    return getattr(field.default, "default", field.default)
                 return fallback
         return fallback
     except TypeError:

@@ -53,6 +53,12 @@ Mamba           a full-attention group and a ``MambaSpec`` group (Jamba, Granite
                 Scheduler's ``hash_block_size``): hits inside a Mamba block, the prompt's partial
                 tail cached, and the copy-on-write of a shared tail that the scheduler output
                 hands the worker (``kv_cache_block_copies``, ``Plan.copies``).
+retention       ``Shape.retention_interval`` into the ``KVCacheConfig`` the scheduler reads, and
+                into ``CacheConfig`` beside it, as the engine copies one into the other
+                (kv_cache_planning.py:665-667, 738-740); vLLM's own validation
+                (``_validate_prefix_cache_retention_interval``, kv_cache_coordinator.py:33-62)
+                decides which values a shape takes.  Releases whose ``CacheConfig`` lacks the
+                field (before 0.30.0) run dense retention only (``retention_offer``).
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
@@ -87,13 +93,15 @@ from typing import Any
 
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.groups import GroupState, HybridState, Plan, Scheduled, Shape
+from kvspec.spec.groups import DENSE_ONLY, GroupState, HybridState, Plan, RetentionOffer, Scheduled, Shape
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey
 from kvspec.spec.state import Device, PoolView, TableView
 
 from .recording import Recorder, real
 from .v1 import _build, _config_default, _load_vllm, _params
 from .v1_scheduler_cache import SchedulerCacheView
+
+RETENTION_FIELD = "prefix_cache_retention_interval"  # CacheConfig's and KVCacheConfig's field
 
 # The tiny model whose config.json the scheduler's ModelConfig reads (no weights; a tiny
 # tokenizer beside it for the releases that load one): two layers, one per KV-cache group.
@@ -255,7 +263,9 @@ class VLLMV1SchedulerAdapter:
             num_blocks=pool_blocks + 1,  # + vLLM's null block
             kv_cache_tensors=[],
             kv_cache_groups=kcg,
+            **self._retention_fields(shape),
         )
+        self._retention_valid(shape, kv_cache_config)
         vllm_config.cache_config.num_gpu_blocks = pool_blocks + 1
         cls = sched_mod.Scheduler
         if shape.async_scheduling and shape.num_spec_tokens and _engine_refuses_async_drafts():
@@ -387,6 +397,7 @@ class VLLMV1SchedulerAdapter:
                 else {}
             ),
             **({"prefix_match_unit": shape.prefix_match_unit} if shape.prefix_match_unit is not None else {}),
+            **self._retention_fields(shape),
         )
         speculative_config = None
         if shape.num_spec_tokens and shape.eagle:
@@ -484,6 +495,42 @@ class VLLMV1SchedulerAdapter:
             )
             out.append((LAYER_SWA, mamba))
         return out
+
+    @staticmethod
+    def retention_offer() -> RetentionOffer:
+        """The retentions the installed release lets a deployment choose, and the one its engine
+        runs by default: ``CacheConfig``'s field and its default (0.33.0 config/cache.py:275)
+        where the release has it, dense only where it does not."""
+        cache_config = _load_vllm().config.CacheConfig
+        if RETENTION_FIELD not in {f.name for f in dataclasses.fields(cache_config)}:
+            return DENSE_ONLY
+        return RetentionOffer(configurable=True, engine_default=_config_default(cache_config, RETENTION_FIELD, None))
+
+    def _retention_fields(self, shape: Shape) -> dict[str, int | None]:
+        """The retention keyword of ``CacheConfig`` and ``KVCacheConfig``: the shape's, where the
+        release has the field; none where it has not and the shape is dense (the release's only
+        retention).  A sparse shape on such a release is refused."""
+        if RETENTION_FIELD in {f.name for f in dataclasses.fields(self._v.config.CacheConfig)}:
+            return {RETENTION_FIELD: shape.retention_interval}
+        if shape.retention_interval is not None:
+            raise ConfigError(f"vLLM {self._v.version}: no CacheConfig.{RETENTION_FIELD} (dense retention only)")
+        return {}
+
+    def _retention_valid(self, shape: Shape, kv_cache_config: Any) -> None:
+        """vLLM's own check of the retention against the groups (kv_cache_coordinator.py:33-62),
+        run before the scheduler is built so that a value the release refuses is a refused
+        shape (``ConfigError``), not a failure of the run."""
+        validate = getattr(
+            importlib.import_module("vllm.v1.core.kv_cache_coordinator"),
+            "_validate_prefix_cache_retention_interval",
+            None,
+        )
+        if validate is None or shape.retention_interval is None:
+            return
+        try:
+            validate(shape.retention_interval, shape.scheduler_block_size, real(kv_cache_config))
+        except ValueError as err:
+            raise ConfigError(f"vLLM {self._v.version} refuses the retention: {err}") from err
 
     @staticmethod
     def _mamba_supported(v: Any) -> None:

@@ -40,7 +40,13 @@ from kvspec.testing.blockmanager.machine import StepPast
 from kvspec.testing.guard import GuardTripped, crash_traceback, raised_in_kvspec
 from kvspec.testing.known import CRASH, Fingerprint, KnownFinding
 from kvspec.testing.scheduler.driver import ShapeCounts
-from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine
+from kvspec.testing.scheduler.machine import (
+    DiffCounts,
+    PolicyDifference,
+    SchedulerMachine,
+    retention_offer_of,
+    shapes,
+)
 from kvspec.testing.scheduler.reproducer import generate as generate_reproducer
 from rich.markup import escape
 
@@ -151,7 +157,7 @@ def run_shapes(
                 part.start_example()
             super().__init__(
                 build,
-                shape_strategy,
+                shape_strategy if shape_strategy is not None else shapes(retention_offer_of(factory)),
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
@@ -516,10 +522,13 @@ def run_v1_shapes(
     except ImportError as error:
         out.print(f"[yellow]scheduler shapes not run[/]: {escape(str(error))}")
         return None
+    # Read off the adapter before the guard wraps it: the retentions its release offers.
+    strategy = shapes(retention_offer_of(factory))
     if guard is not None:
         factory = guard.wrap(factory)
     run = run_scheduler_search(
         factory,
+        shape_strategy=strategy,
         profile=args.profile,
         examples=budget_examples(None if args.examples is None else max(1, args.examples // EXAMPLES_SHARE), part),
         steps=args.steps,

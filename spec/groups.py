@@ -120,6 +120,28 @@ SHAPE_TAGS = (
 
 
 @attrs.frozen
+class RetentionOffer:
+    """What a vLLM release lets a deployment choose of the prefix-cache retention of its
+    sliding-window and Mamba groups (``CacheConfig.prefix_cache_retention_interval``, 0.33.0
+    config/cache.py:275, 0.31.0 :160, 0.30.0 :148), which the engine copies into the
+    ``KVCacheConfig`` the scheduler reads (0.33.0 kv_cache_planning.py:665-667, 738-740).
+
+    configurable    the release's ``CacheConfig`` has the field (0.30.0 and later; 0.25.1 and
+                    0.23.0 read ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` from the environment
+                    instead, unset by default: dense, kv_cache_coordinator.py:125 of 0.25.1).
+    engine_default  the retention the engine runs when nobody sets it: the field's default (0,
+                    sparse) where it exists, dense (None) where it does not.
+    """
+
+    configurable: bool
+    engine_default: int | None
+
+
+DENSE_ONLY = RetentionOffer(configurable=False, engine_default=None)
+"""A release (or a reference scheduler) whose only retention is dense."""
+
+
+@attrs.frozen
 class Shape:
     """A production configuration of vLLM's V1 scheduler (adapters/v1_scheduler.py builds it).
 
@@ -159,6 +181,17 @@ class Shape:
                       tail a prompt caches and the copy-on-write of a shared tail
                       (single_type_kv_cache_manager.py:1497-1518, 1746-1753, 1872-1918,
                       2028-2137).  None: hashes at the groups' block sizes' divisor.
+    retention_interval  ``KVCacheConfig.prefix_cache_retention_interval``, which thins the prefix
+                      cache of sliding-window and Mamba groups (``_validate_prefix_cache_retention_
+                      interval``, 0.33.0 kv_cache_coordinator.py:33-62; full-attention and
+                      chunked-local groups cache densely whatever it is).  None: dense, every
+                      full block cached (the dataclass default, kv_cache_interface.py:1541, and
+                      the only retention of releases without the field, ``RetentionOffer``); 0:
+                      sparse, only the semantic checkpoints (the latest replay boundary and
+                      shared-prefix junctions; ``CacheConfig``'s default, config/cache.py:275);
+                      positive: those and one per interval, a multiple of the scheduler's block
+                      size (single_type_kv_cache_manager.py:1074-1140 for sliding windows,
+                      ``reachable_block_mask`` :1556-1610 for Mamba).
     """
 
     block_size: int
@@ -177,6 +210,7 @@ class Shape:
     lookahead_hashes: bool = False
     mamba: bool = False
     prefix_match_unit: int | None = None
+    retention_interval: int | None = None
 
     def __attrs_post_init__(self) -> None:
         second = (self.sliding_window is not None, self.attention_chunk_size is not None, self.mamba)
@@ -187,6 +221,16 @@ class Shape:
                                      and self.block_size % unit == 0):
             raise ValueError("a prefix match unit is a proper divisor of the block size of a Mamba shape "
                              "with prefix caching")
+
+    @property
+    def sparse_retention(self) -> bool:
+        """Whether the prefix cache of a sliding-window or Mamba group keeps fewer blocks than
+        dense retention would: a retention interval is set, with prefix caching, on such a group."""
+        return (
+            self.retention_interval is not None
+            and self.prefix_caching
+            and (self.sliding_window is not None or self.mamba)
+        )
 
     @property
     def mamba_partial_hits(self) -> bool:
@@ -286,6 +330,10 @@ class Shape:
             parts.append("async")
         parts.append(f"budget={self.max_num_batched_tokens}/len={self.max_model_len}")
         parts.append(f"full_isl={'on' if self.full_sequence_must_fit else 'off'}")
+        if self.prefix_caching and (self.sliding_window is not None or self.mamba):
+            interval = self.retention_interval
+            retained = "dense" if interval is None else f"every {interval}" if interval else "sparse"
+            parts.append(f"retention={retained}")
         return " ".join(parts)
 
 

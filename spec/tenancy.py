@@ -14,13 +14,20 @@ Prefix-cache reset and retention (what the spec allows and forbids):
   which the event stream replays to the empty map (``event-consistency``).
 * Retention: an unreferenced cached block may be kept (evictable) or evicted at any time
   eviction needs a block; the spec fixes no eviction order (LRU in vLLM's
-  ``FreeKVCacheBlockQueue``, a policy).  0.33.0's ``retention_interval``
-  (``SingleTypeKVCacheManager.cache_blocks``, single_type_kv_cache_manager.py) only thins
-  which blocks of a sparse-retention group get published, a freedom of *which* blocks are
-  cached; it never allows a key to name other content (``prefix-cache-consistency``), a
-  hit across domains (``prefix-cache-isolation``) or an unannounced change of the map
-  (``event-consistency``).  Retention is no freedom to serve a reset's or an eviction's
-  stale entries.
+  ``FreeKVCacheBlockQueue``, a policy).  The retention interval
+  (``KVCacheConfig.prefix_cache_retention_interval``, ``Shape.retention_interval``; 0, sparse,
+  is the engine's default from 0.30.0) only thins which full blocks of a sliding-window or
+  Mamba group get published (``SingleTypeKVCacheManager.cache_blocks`` passing
+  ``reachable_block_mask`` to ``cache_full_blocks``, 0.33.0 single_type_kv_cache_manager.py:
+  477-543, :1067-1140, :1549-1610; 0.30.0 :470, :1065, :1566; full-attention and chunked-local
+  groups publish every full block, kv_cache_coordinator.py:40-55), a freedom of *which* blocks
+  are cached and so of how long a later hit is: the scheduler differential, whose reference
+  publishes densely, does not compare such shapes (testing/scheduler/machine.py
+  ``SchedulerMachine.start``), and no invariant asks such a group for a block it did not
+  publish.  It never allows a key to name other content (``prefix-cache-consistency``), a hit
+  across domains (``prefix-cache-isolation``) or an unannounced change of the map
+  (``event-consistency``).
+  Retention is no freedom to serve a reset's or an eviction's stale entries.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvspec.reference.policies import REFERENCE_OWN, Comparison, SchedulerPolicy, declared_for
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.groups import HybridState, Plan, Shape
+from kvspec.spec.groups import DENSE_ONLY, HybridState, Plan, RetentionOffer, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
@@ -63,16 +63,34 @@ from kvspec.testing.generator_rules import token as rule_token
 from kvspec.testing.scheduler.driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from kvspec.testing.scheduler.progress import drain
 
+# Multiples of the scheduler's block size a periodic retention interval is drawn from (vLLM
+# refuses any other interval, kv_cache_coordinator.py:57-62 of 0.33.0).
+RETENTION_PERIODS = (1, 2, 4)
+
+
+def retention_offer_of(factory: Callable[..., Any]) -> RetentionOffer:
+    """The retentions the scheduler ``factory`` builds offers (vLLM's adapter reads its
+    release, ``VLLMV1SchedulerAdapter.retention_offer``); dense only for any other (the
+    reference scheduler models dense retention alone)."""
+    offer = getattr(factory, "retention_offer", None)
+    return offer() if offer is not None else DENSE_ONLY
+
 
 @st.composite
-def shapes(draw) -> Shape:
+def shapes(draw, retention: RetentionOffer = DENSE_ONLY) -> Shape:
     """Production shapes, most of them hybrid, following the generator rules
     (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
     the second group's block size (``block_relative``), the pool's spare blocks by
     ``spare_blocks``.  A third of the
     hybrid shapes pair full attention with chunked-local layers (Llama-4); vLLM's chunked-local
     groups take the scheduler's block size (0.33.0 single_type_kv_cache_manager.py:1338-1341,
-    ``ChunkedLocalAttentionManager.find_longest_cache_hit``), so those draw no other."""
+    ``ChunkedLocalAttentionManager.find_longest_cache_hit``), so those draw no other.
+
+    ``retention``: what the target's release offers of the prefix-cache retention.  Every
+    shape runs the release's engine default; where the release lets a deployment choose and
+    the choice matters (prefix caching with a sliding-window or Mamba group), half the shapes
+    choose instead, dense or a periodic interval (``RETENTION_PERIODS``).  A release without
+    the choice draws nothing, so its shapes draw as they did before it existed."""
     B = draw(st.sampled_from([2, 4, 8]))
     swa_B = draw(st.sampled_from([d for d in (1, 2, 4, 8) if B % d == 0]))
     hybrid = draw(st.integers(0, 3)) != 0
@@ -125,6 +143,12 @@ def shapes(draw) -> Shape:
         units = [u for u in (1, 2, 4) if u < B and B % u == 0]
         if shape.prefix_caching and units and draw(st.integers(0, 2)) != 0:
             shape = attrs.evolve(shape, prefix_match_unit=draw(st.sampled_from(units)))
+    # The retention, drawn last (the other shapes' draws stay as they were).
+    shape = attrs.evolve(shape, retention_interval=retention.engine_default)
+    if retention.configurable and shape.prefix_caching and (shape.sliding_window is not None or shape.mamba):
+        periodic = shape.scheduler_block_size * draw(st.sampled_from(RETENTION_PERIODS))
+        choices = [retention.engine_default, retention.engine_default, None, periodic]
+        shape = attrs.evolve(shape, retention_interval=draw(st.sampled_from(choices)))
     return shape
 
 
@@ -454,7 +478,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.known = known
         self.lockstep: SchedulerLockstep | None = None
         self.factory = factory
-        self.shape_strategy = shape_strategy if shape_strategy is not None else shapes()
+        self.shape_strategy = shape_strategy if shape_strategy is not None else shapes(retention_offer_of(factory))
         self.counts = counts if counts is not None else ShapeCounts()
         self.focus = focus
         self.driver: SchedulerDriver | None = None
@@ -491,6 +515,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.diff_counts.undeclared = release_of(target)
         elif vllm_mamba:
             self.diff_counts.not_run["Mamba shape (no block-aligned prefill split in the reference)"] += 1
+        elif shape.sparse_retention:  # the reference caches every full block (dense retention)
+            self.diff_counts.not_run["sparse prefix-cache retention (the reference retains densely)"] += 1
         elif policy is not None:
             reference = reference_beside(target, shape, policy)
             self.lockstep = SchedulerLockstep(
