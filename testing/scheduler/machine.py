@@ -136,6 +136,7 @@ def _note(message: str) -> None:
     if currently_in_test_context():
         note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
+MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -241,6 +242,8 @@ class SchedulerLockstep:
         self.difference: PolicyDifference | None = None
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
+        self._firsts: list[tuple[int, ...]] = []  # each prompt's first hash block (Mamba "align")
+        self._preempted: set[int] = set()  # requests preempted (Mamba "align" beside vLLM)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
@@ -259,6 +262,28 @@ class SchedulerLockstep:
 
     # ------------------------------------------------ the SchedulerTarget surface
 
+    @property
+    def _mamba_cache_unmodelled(self) -> bool:
+        """A Mamba "align" shape beside vLLM: its prefix cache keeps Mamba states, the
+        reference's none."""
+        return self.reference.shape.mamba_cache_mode == "align" and not isinstance(self.target, ReferenceScheduler)
+
+    def _mamba_lookup_may_find(self, tokens: Sequence[int]) -> bool:
+        """In a Mamba "align" shape beside vLLM, whether a request with prompt ``tokens`` may
+        find something in vLLM's prefix cache, which caches Mamba states the reference does not
+        keep (and a full-attention hit the Mamba group lacks stops a chunk at the junction,
+        0.33.0 scheduler.py:632-650): its first hash block (the prefix match unit, else the
+        block) may equal an earlier request's, whose tokens so far begin the same.  Told
+        without the domain (cache salt, adapter), so it may say yes where the keys differ."""
+        if not self._mamba_cache_unmodelled:
+            return False
+        shape = self.reference.shape
+        unit = shape.prefix_match_unit or shape.block_size
+        first = tuple(tokens[:unit])
+        found = len(first) == unit and any(first[: len(p)] == p for p in self._firsts)
+        self._firsts.append(first)
+        return found
+
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
         # against max_loras only under a LoRA config, which the scheduler adapter builds none
@@ -268,6 +293,8 @@ class SchedulerLockstep:
         self.target.add(seq_id, tokens, max_tokens, *extra)
         if self.comparing and any(getattr(e, "mm", ()) for e in extra):
             self._end("multimodal request")
+        if self.comparing and self._mamba_lookup_may_find(tokens):
+            self._end(MAMBA_PREFIX_CACHE)
         if self.comparing:
             self.reference.add(seq_id, tokens, max_tokens, *extra)
 
@@ -278,6 +305,9 @@ class SchedulerLockstep:
 
     def schedule(self) -> Plan:
         plan = self.target.schedule()
+        if self.comparing and any(s.seq_id in self._preempted for s in plan.scheduled):
+            # Readmitted, a preempted request looks its own cached blocks up.
+            self._end(MAMBA_PREFIX_CACHE)
         if self.comparing:
             ref = self.reference.schedule()
             self._pairs[id(plan)] = ref
@@ -348,6 +378,8 @@ class SchedulerLockstep:
             if mine != other:
                 self._differ(Mode.COUNTS, Comparison.STEP_COUNTS, s.seq_id, mine, other)
                 return
+        if self._mamba_cache_unmodelled:
+            self._preempted.update(plan.preempted)
 
     def compare_states(self) -> PolicyDifference | None:
         """Compare the two observed states (after a rule); the difference found so far."""
@@ -482,15 +514,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         target = self.factory(shape)
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
-        # Against vLLM, Mamba shapes run no differential: the reference scheduler does not cut
-        # prefill chunks at Mamba blocks' ends as "align" mode does (vllm/v1/core/sched/
-        # scheduler.py ``_mamba_block_aligned_split``), so it is no oracle there.
-        vllm_mamba = shape.mamba and not isinstance(target, ReferenceScheduler)
+        # Against vLLM, a Mamba "align" shape needs the reference to cut prefill chunks at Mamba
+        # blocks' ends as the release does (reference/policies.py ``mamba_aligned_split``).
+        vllm_align = shape.mamba_cache_mode == "align" and not isinstance(target, ReferenceScheduler)
         policy = policy_beside(target) if self.differential is not None else None
         if self.differential is not None and policy is None:
             self.diff_counts.undeclared = release_of(target)
-        elif vllm_mamba:
-            self.diff_counts.not_run["Mamba shape (no block-aligned prefill split in the reference)"] += 1
+        elif vllm_align and policy is not None and not policy.mamba_aligned_split.value:
+            self.diff_counts.not_run[f"Mamba align shape (no block-aligned split declared for {policy.id})"] += 1
         elif policy is not None:
             reference = reference_beside(target, shape, policy)
             self.lockstep = SchedulerLockstep(
