@@ -172,6 +172,11 @@ class ReferenceScheduler:
     def live(self, seq_id: int) -> bool:
         return seq_id in self.reqs
 
+    def lookup_requests(self) -> list[tuple[tuple[int, ...], ExtraKeys, bool]]:
+        """The tokens and domain of every live request, and whether it waits (to be admitted
+        at a prefix hit)."""
+        return [(tuple(r.tokens), r.extra, r.seq_id in self.waiting) for r in self.reqs.values()]
+
     def tokens(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self.reqs[seq_id].tokens)
 
@@ -536,7 +541,10 @@ class ReferenceScheduler:
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
         if group.state_blocks is not None:
-            return min(blocks, group.state_blocks)
+            # The state its first chunk leaves: "align" mode asks one physical block of a
+            # request holding none (0.33.0 single_type_kv_cache_manager.py:1785-1790), and
+            # "none" mode's one block spans max_model_len.
+            return min(blocks, 1)
         if group.sliding_window is not None:
             span = min(group.sliding_window - 1 + in_flight, length)
             return min(blocks, blocks_for_tokens(span, group.block_size) + 1)

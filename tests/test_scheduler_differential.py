@@ -48,7 +48,7 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
 
 
 def _caching(shape: Shape) -> bool:
-    # Mamba shapes cache nothing in the reference (it does not cut chunks at Mamba blocks).
+    # Mamba shapes cache nothing in the reference (it keeps no Mamba states).
     return shape.prefix_caching and not shape.mamba
 
 

@@ -242,8 +242,6 @@ class SchedulerLockstep:
         self.difference: PolicyDifference | None = None
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
-        self._firsts: list[tuple[int, ...]] = []  # each prompt's first hash block (Mamba "align")
-        self._preempted: set[int] = set()  # requests preempted (Mamba "align" beside vLLM)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
@@ -268,21 +266,30 @@ class SchedulerLockstep:
         reference's none."""
         return self.reference.shape.mamba_cache_mode == "align" and not isinstance(self.target, ReferenceScheduler)
 
-    def _mamba_lookup_may_find(self, tokens: Sequence[int]) -> bool:
-        """In a Mamba "align" shape beside vLLM, whether a request with prompt ``tokens`` may
-        find something in vLLM's prefix cache, which caches Mamba states the reference does not
-        keep (and a full-attention hit the Mamba group lacks stops a chunk at the junction,
-        0.33.0 scheduler.py:632-650): its first hash block (the prefix match unit, else the
-        block) may equal an earlier request's, whose tokens so far begin the same.  Told
-        without the domain (cache salt, adapter), so it may say yes where the keys differ."""
+    def _mamba_cache_may_hit(self, before: frozenset | None = None) -> bool:
+        """In a Mamba "align" shape beside vLLM, whether a lookup may find something in vLLM's
+        prefix cache, which keeps Mamba states the reference does not (a hit; a full-attention
+        hit the Mamba group lacks, which stops a chunk at the junction, 0.33.0
+        scheduler.py:632-650; a Mamba hit on a block cached in the same step, which stops the
+        admissions, single_type_kv_cache_manager.py:1704-1713).  Before a step (``before``
+        None): the target caches a key (any group) whose chain begins a waiting request's
+        tokens, in its domain (a preempted request waits with its own blocks perhaps cached).
+        After it: a key cached in the step (not in ``before``) begins the tokens of a request
+        that was waiting and of another request, whose step may have cached it first."""
         if not self._mamba_cache_unmodelled:
             return False
-        shape = self.reference.shape
-        unit = shape.prefix_match_unit or shape.block_size
-        first = tuple(tokens[:unit])
-        found = len(first) == unit and any(first[: len(p)] == p for p in self._firsts)
-        self._firsts.append(first)
-        return found
+        keys = self.target.cached_keys()
+        live = self.reference.lookup_requests()
+        for key in keys if before is None else keys - before:
+            n = len(key.chain)
+            found = [
+                waiting
+                for tokens, extra, waiting in live
+                if n <= len(tokens) and tuple(tokens[:n]) == key.chain and key.extra == extra.for_chain(n)
+            ]
+            if any(found) and (before is None or len(found) > 1):
+                return True
+        return False
 
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
@@ -293,8 +300,6 @@ class SchedulerLockstep:
         self.target.add(seq_id, tokens, max_tokens, *extra)
         if self.comparing and any(getattr(e, "mm", ()) for e in extra):
             self._end("multimodal request")
-        if self.comparing and self._mamba_lookup_may_find(tokens):
-            self._end(MAMBA_PREFIX_CACHE)
         if self.comparing:
             self.reference.add(seq_id, tokens, max_tokens, *extra)
 
@@ -304,9 +309,11 @@ class SchedulerLockstep:
             self.reference.abort(seq_id)
 
     def schedule(self) -> Plan:
+        before = self.target.cached_keys() if self.comparing and self._mamba_cache_unmodelled else None
+        if before is not None and self._mamba_cache_may_hit():
+            self._end(MAMBA_PREFIX_CACHE)
         plan = self.target.schedule()
-        if self.comparing and any(s.seq_id in self._preempted for s in plan.scheduled):
-            # Readmitted, a preempted request looks its own cached blocks up.
+        if self.comparing and before is not None and self._mamba_cache_may_hit(before):
             self._end(MAMBA_PREFIX_CACHE)
         if self.comparing:
             ref = self.reference.schedule()
@@ -378,8 +385,6 @@ class SchedulerLockstep:
             if mine != other:
                 self._differ(Mode.COUNTS, Comparison.STEP_COUNTS, s.seq_id, mine, other)
                 return
-        if self._mamba_cache_unmodelled:
-            self._preempted.update(plan.preempted)
 
     def compare_states(self) -> PolicyDifference | None:
         """Compare the two observed states (after a rule); the difference found so far."""
