@@ -299,3 +299,45 @@ def test_a_waiting_request_whose_split_fits_no_block_end_is_not_admitted():
     # Request 0 takes 4 tokens; 3 are left, and request 1's chunk would end inside a block.
     assert [(s.seq_id, s.num_tokens) for s in plan.scheduled] == [(0, 4)], plan
     assert ref.waiting == [1] and ref.running == [0]
+
+
+def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
+    """Beside a target that caches Mamba states (vLLM), a Mamba "align" comparison ends before a
+    step in which a waiting request's tokens begin with a key the target caches (its domain
+    included), and after a step that cached a key beginning the tokens of a waiting request and
+    of another (the same-step Mamba hit vLLM defers), or a partial tail (hits inside a block)."""
+    from types import SimpleNamespace
+
+    from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
+    from kvspec.testing.scheduler.machine import SchedulerLockstep
+
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=2, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True,
+    )
+    target = SimpleNamespace(name="cache-holder", config=SimpleNamespace(prefix_caching=True), keys=frozenset())
+    target.cached_keys = lambda: target.keys
+    ref = ReferenceScheduler(shape)
+    lockstep = SchedulerLockstep(target, ref)
+    ref.add(0, [1, 2, 3, 4], 1)
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 3))})
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 2), ExtraKeys(lora="a").for_chain(2))})
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 2))})
+    assert lockstep._mamba_cache_may_hit()
+    # Cached in the step: only its own producer begins with it, then a second request too.
+    assert not lockstep._mamba_cache_may_hit(before=frozenset())
+    ref.add(1, [1, 2, 5], 1)
+    assert lockstep._mamba_cache_may_hit(before=frozenset())
+    assert not lockstep._mamba_cache_may_hit(before=target.keys)
+    # A key cached in the step ending inside a block (of 2): a partial tail, whose producer
+    # takes a copy-on-write block next.
+    assert not lockstep._partial_tail_cached(before=frozenset())
+    target.keys = frozenset({PrefixKey((1, 2, 3))})
+    assert lockstep._partial_tail_cached(before=frozenset())
+    assert not lockstep._partial_tail_cached(before=target.keys)
+    # Beside the reference itself (no Mamba states kept on either side) nothing ends.
+    assert not SchedulerLockstep(ReferenceScheduler(shape), ref)._mamba_cache_may_hit()

@@ -137,6 +137,7 @@ def _note(message: str) -> None:
         note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
 MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
+MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -291,6 +292,14 @@ class SchedulerLockstep:
                 return True
         return False
 
+    def _partial_tail_cached(self, before: frozenset) -> bool:
+        """Whether the target cached, in the step, a key ending inside a Mamba block (hits
+        inside a block): the prompt's partial tail, whose producer takes a copy-on-write block
+        at its next allocation (0.33.0 single_type_kv_cache_manager.py:2123-2126, 1748-1755, 1873-1874),
+        which the reference does not hold."""
+        size = self.reference.shape.block_size
+        return any(len(key.chain) % size for key in self.target.cached_keys() - before)
+
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
         # against max_loras only under a LoRA config, which the scheduler adapter builds none
@@ -315,6 +324,8 @@ class SchedulerLockstep:
         plan = self.target.schedule()
         if self.comparing and before is not None and self._mamba_cache_may_hit(before):
             self._end(MAMBA_PREFIX_CACHE)
+        if self.comparing and before is not None and self._partial_tail_cached(before):
+            self._end(MAMBA_PARTIAL_TAIL)
         if self.comparing:
             ref = self.reference.schedule()
             self._pairs[id(plan)] = ref
