@@ -689,9 +689,10 @@ class VLLMV1SchedulerAdapter:
             out.append((group, key, entry.values() if isinstance(entry, dict) else (entry,)))
         return out
 
-    def cached_keys(self) -> frozenset[PrefixKey]:
-        """The keys the prefix cache holds now, in any group (read without draining events)."""
-        return frozenset(key for _, key, _ in self._cache_entries())
+    def cached_keys(self, group: int) -> frozenset[PrefixKey]:
+        """The keys KV-cache group ``group``'s prefix cache holds now (read without draining
+        events)."""
+        return frozenset(key for g, key, _ in self._cache_entries() if g == group)
 
     def observe(self) -> HybridState:
         self.cache_view.drain(self.manager)

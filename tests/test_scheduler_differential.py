@@ -317,7 +317,7 @@ def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
         full_sequence_must_fit=False, max_tokens=1, mamba=True,
     )
     target = SimpleNamespace(name="cache-holder", config=SimpleNamespace(prefix_caching=True), keys=frozenset())
-    target.cached_keys = lambda: target.keys
+    target.cached_keys = lambda group: target.keys
     ref = ReferenceScheduler(shape)
     lockstep = SchedulerLockstep(target, ref)
     ref.add(0, [1, 2, 3, 4], 1)
@@ -325,6 +325,9 @@ def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
     target.keys = frozenset({PrefixKey((1, 3))})
     assert not lockstep._mamba_cache_may_hit()
     target.keys = frozenset({PrefixKey((1, 2), ExtraKeys(lora="a").for_chain(2))})
+    assert not lockstep._mamba_cache_may_hit()
+    # A lookup stops before the request's last token.
+    target.keys = frozenset({PrefixKey((1, 2, 3, 4))})
     assert not lockstep._mamba_cache_may_hit()
     target.keys = frozenset({PrefixKey((1, 2))})
     assert lockstep._mamba_cache_may_hit()

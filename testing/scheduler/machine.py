@@ -269,24 +269,28 @@ class SchedulerLockstep:
 
     def _mamba_cache_may_hit(self, before: frozenset | None = None) -> bool:
         """In a Mamba "align" shape beside vLLM, whether a lookup may find something in vLLM's
-        prefix cache, which keeps Mamba states the reference does not (a hit; a full-attention
-        hit the Mamba group lacks, which stops a chunk at the junction, 0.33.0
-        scheduler.py:632-650; a Mamba hit on a block cached in the same step, which stops the
-        admissions, single_type_kv_cache_manager.py:1704-1713).  Before a step (``before``
-        None): the target caches a key (any group) whose chain begins a waiting request's
-        tokens, in its domain (a preempted request waits with its own blocks perhaps cached).
-        After it: a key cached in the step (not in ``before``) begins the tokens of a request
-        that was waiting and of another request, whose step may have cached it first."""
+        prefix cache, which keeps Mamba states the reference does not: a hit, a full-attention
+        hit the Mamba group lacks (which stops a chunk at the junction, 0.33.0
+        scheduler.py:632-650), a Mamba hit on a block cached in the same step (which stops the
+        admissions, single_type_kv_cache_manager.py:1704-1713).  Every lookup starts with the
+        full-attention group, up to the request's tokens less one (kv_cache_coordinator.py
+        :846-941, kv_cache_manager.py:301-306), so only its keys matter.  Before a step
+        (``before`` None): it holds a key whose chain begins a waiting request's tokens (less
+        one), in its domain (a preempted request waits with its own blocks perhaps cached).
+        After it: a key it cached in the step (not in ``before``) begins the tokens of a request
+        that was waiting and of another, whose step may have cached it first."""
         if not self._mamba_cache_unmodelled:
             return False
-        keys = self.target.cached_keys()
+        keys = self.target.cached_keys(0)
         live = self.reference.lookup_requests()
         for key in keys if before is None else keys - before:
             n = len(key.chain)
             found = [
                 waiting
                 for tokens, extra, waiting in live
-                if n <= len(tokens) and tuple(tokens[:n]) == key.chain and key.extra == extra.for_chain(n)
+                if n <= len(tokens) - waiting
+                and tuple(tokens[:n]) == key.chain
+                and key.extra == extra.for_chain(n)
             ]
             if any(found) and (before is None or len(found) > 1):
                 return True
@@ -298,7 +302,7 @@ class SchedulerLockstep:
         at its next allocation (0.33.0 single_type_kv_cache_manager.py:2123-2126, 1748-1755, 1873-1874),
         which the reference does not hold."""
         size = self.reference.shape.block_size
-        return any(len(key.chain) % size for key in self.target.cached_keys() - before)
+        return any(len(key.chain) % size for key in self.target.cached_keys(1) - before)
 
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
@@ -318,13 +322,14 @@ class SchedulerLockstep:
             self.reference.abort(seq_id)
 
     def schedule(self) -> Plan:
-        before = self.target.cached_keys() if self.comparing and self._mamba_cache_unmodelled else None
+        watch = self.comparing and self._mamba_cache_unmodelled
+        before = (self.target.cached_keys(0), self.target.cached_keys(1)) if watch else None
         if before is not None and self._mamba_cache_may_hit():
             self._end(MAMBA_PREFIX_CACHE)
         plan = self.target.schedule()
-        if self.comparing and before is not None and self._mamba_cache_may_hit(before):
+        if self.comparing and before is not None and self._mamba_cache_may_hit(before[0]):
             self._end(MAMBA_PREFIX_CACHE)
-        if self.comparing and before is not None and self._partial_tail_cached(before):
+        if self.comparing and before is not None and self._partial_tail_cached(before[1]):
             self._end(MAMBA_PARTIAL_TAIL)
         if self.comparing:
             ref = self.reference.schedule()
