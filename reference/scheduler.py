@@ -130,9 +130,9 @@ class ReferenceScheduler:
         eagle = shape.eagle and shape.num_spec_tokens > 0
         self.drop_eagle_block = eagle and not shape.lookahead_hashes if drop_eagle_block is None else drop_eagle_block
         self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
+        self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         # A step's output caches blocks when the release does so, for a request with output
         # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
-        self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         self._caches_at_output = policy.caches_at_output.value and (
             shape.async_scheduling or shape.num_spec_tokens > 0
         )
