@@ -719,8 +719,29 @@ class VLLMV1SchedulerAdapter:
         usage = getattr(self.manager, "usage", None)
         return None if usage is None else float(usage)
 
-    def observe(self) -> HybridState:
+    def _cache_entries(self) -> list[tuple[int, PrefixKey, Any]]:
+        """(group, key, blocks) for every entry of the pool's prefix-cache map."""
         kcu = self._v.kcu
+        raw = self.manager.block_pool.cached_block_hash_to_block
+        raw = getattr(raw, "_cache", raw)
+        out = []
+        for vkey, entry in raw.items():
+            if hasattr(kcu, "get_group_id"):  # 0.11+: hash bytes + a 4-byte group id
+                group, h = kcu.get_group_id(vkey), kcu.get_block_hash(vkey)
+            else:  # 0.9-0.10: BlockHashWithGroupId(block_hash, group_id)
+                group, h = vkey.group_id, vkey.block_hash
+            key = self._keys.get(h)
+            if key is None:
+                raise RuntimeError(f"a block is cached under a hash no request produced ({h!r})")
+            out.append((group, key, entry.values() if isinstance(entry, dict) else (entry,)))
+        return out
+
+    def cached_keys(self, group: int) -> frozenset[PrefixKey]:
+        """The keys KV-cache group ``group``'s prefix cache holds now (read without draining
+        events)."""
+        return frozenset(key for g, key, _ in self._cache_entries() if g == group)
+
+    def observe(self) -> HybridState:
         self.cache_view.drain(self.manager)
         pool = self.manager.block_pool
         null = pool.null_block
@@ -730,17 +751,7 @@ class VLLMV1SchedulerAdapter:
         free = tuple(b.block_id for b in queue if b.block_hash is None)
         evictable = tuple(b.block_id for b in queue if b.block_hash is not None)
         per_group: list[list[tuple[PrefixKey, int]]] = [[] for _ in self.group_specs]
-        raw = pool.cached_block_hash_to_block
-        raw = getattr(raw, "_cache", raw)
-        for vkey, entry in raw.items():
-            if hasattr(kcu, "get_group_id"):  # 0.11+: hash bytes + a 4-byte group id
-                group, h = kcu.get_group_id(vkey), kcu.get_block_hash(vkey)
-            else:  # 0.9-0.10: BlockHashWithGroupId(block_hash, group_id)
-                group, h = vkey.group_id, vkey.block_hash
-            key = self._keys.get(h)
-            if key is None:
-                raise RuntimeError(f"a block is cached under a hash no request produced ({h!r})")
-            entries = entry.values() if isinstance(entry, dict) else (entry,)
+        for group, key, entries in self._cache_entries():
             per_group[group].extend((key, b.block_id) for b in entries)
         # A block may be cached under several keys of one group (0.33 registers a block
         # under each hash-block boundary it holds, for fine-grained hits): listed by block and

@@ -274,6 +274,18 @@ class EvictsNewestFirst(ReferenceScheduler):
         self.free = freed + [b for b in self.free if b in queued]
 
 
+class UnalignedMambaSplit(ReferenceScheduler):
+    """Mamba with prefix caching ("align" mode): cuts prefill chunks by the budget alone, not at
+    Mamba block ends.  Every state it leaves is still read back by the step after (the block
+    layout follows the chunk), so every invariant holds; only the differential, beside a
+    scheduler that aligns (the reference, vLLM 0.33.0), sees the chunk that runs on."""
+
+    name = "unaligned-mamba-split"
+
+    def _aligned(self, req: _Req, n: int) -> int:
+        return n
+
+
 PREFIX_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {EvictsNewestFirst.name: EvictsNewestFirst}
 """Broken prefix caches no invariant catches and the differential does, once it compares past
 prefix hits: what differs first (a hit's start, the requests a step fits, the blocks held) is
@@ -282,6 +294,7 @@ the first step their caches part on."""
 DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
     SerialAdmission.name: (SerialAdmission, Comparison.SCHEDULED),
     OverReserve.name: (OverReserve, Comparison.HELD_BLOCKS),
+    UnalignedMambaSplit.name: (UnalignedMambaSplit, Comparison.STEP_COUNTS),
 }
 """Broken schedulers no invariant catches and the differential does (as a difference from the
 reference's own policy), with what it compares when it finds them."""

@@ -107,6 +107,14 @@ class SchedulerPolicy:
     # caches the full blocks of its processed tokens, the steps in flight excluded (False: only
     # a step's allocation caches, up to the tokens known when it is scheduled).
     caches_at_output: Choice
+    # In a Mamba "align" shape (prefix caching): a prefill chunk that does not finish the
+    # prefill ends at a Mamba block's end (the state is written at chunk ends, and only a
+    # block-end state can be cached); a chunk starting inside a block stops at that block's
+    # end; no chunk runs past the last block end before the request's last token; with hits
+    # inside a block, none runs past the prompt's last hash-unit boundary before its last
+    # token.  False: a chunk is the budget's cut, or the release's split differs from this rule
+    # (its own source line says where).
+    mamba_aligned_split: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -132,6 +140,7 @@ class SchedulerPolicy:
             "eagle_looks_further": self.eagle_looks_further,
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
             "caches_at_output": self.caches_at_output,
+            "mamba_aligned_split": self.mamba_aligned_split,
         }
 
     def span(self) -> str:
@@ -169,6 +178,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # allocate_slots caches min(computed + new, num_tokens); update_from_output (scheduler.py
         # :1028-) caches nothing.
         caches_at_output=Choice(False, f"{_KVM}:316-319"),
+        # A chunk is min(uncomputed tokens, budget); no Mamba split in this release.
+        mamba_aligned_split=Choice(False, f"{_SCHED}:515-529"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -188,6 +199,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
         caches_at_output=Choice(False, f"{_KVM}:428-432"),
+        # Its split caches the last chunk at num_tokens rounded down to the block (the request's
+        # last token included) and has no stop at a block's end for a chunk starting inside one:
+        # not this rule (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
+        mamba_aligned_split=Choice(False, f"{_SCHED}:302-350"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -210,6 +225,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
         caches_at_output=Choice(False, f"{_KVM}:595-599"),
+        # Its last cacheable position is num_tokens rounded down to the block (the request's last
+        # token included), and its partial-tail stop the prompt rounded down: not this rule
+        # (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
+        mamba_aligned_split=Choice(False, f"{_SCHED}:438-444"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -230,6 +249,11 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # tokens are appended, for a request RUNNING before the output, its output not stale,
         # with output placeholders (async) or num_spec_tokens > 0.
         caches_at_output=Choice(True, f"{_SCHED}:2401-2415"),
+        # _mamba_block_aligned_split (applied to running requests, :860-862, and to waiting
+        # ones, :1350-1356, which a 0-token split stops admitting); the last cacheable position
+        # is get_mamba_prefill_checkpoint_position (kv_cache_interface.py:1169-1186: before the
+        # last token).  No prefill-checkpoint blocks or shared-prefix junction in kvspec's shapes.
+        mamba_aligned_split=Choice(True, f"{_SCHED}:546-650"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

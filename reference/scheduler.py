@@ -10,6 +10,11 @@ group), sliding-window groups dropping the blocks before the window of the worke
 processed position, and recurrent-state (Mamba) groups holding the block of the processed
 state and the block each step leaves its state in.
 
+In a Mamba "align" shape (Mamba with prefix caching) under ``mamba_aligned_split``, prefill
+chunks end at Mamba block ends, where the states a prefix cache would keep are written
+(``_aligned``); the reference caches no Mamba states, so the differential stops where vLLM's
+Mamba prefix cache could change a step (testing/scheduler/machine.py ``SchedulerLockstep``).
+
 With ``Shape.prefix_caching`` (attention groups only; a Mamba shape caches nothing here), full
 blocks are cached under their keys per group as they are computed (reference/prefix_cache.py),
 a request admitted with nothing computed starts at its longest hit (every group agreeing on
@@ -125,6 +130,7 @@ class ReferenceScheduler:
         eagle = shape.eagle and shape.num_spec_tokens > 0
         self.drop_eagle_block = eagle and not shape.lookahead_hashes if drop_eagle_block is None else drop_eagle_block
         self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
+        self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         # A step's output caches blocks when the release does so, for a request with output
         # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
         self._caches_at_output = policy.caches_at_output.value and (
@@ -165,6 +171,11 @@ class ReferenceScheduler:
 
     def live(self, seq_id: int) -> bool:
         return seq_id in self.reqs
+
+    def lookup_requests(self) -> list[tuple[tuple[int, ...], ExtraKeys, bool]]:
+        """The tokens and domain of every live request, and whether it waits (to be admitted
+        at a prefix hit)."""
+        return [(tuple(r.tokens), r.extra, r.seq_id in self.waiting) for r in self.reqs.values()]
 
     def tokens(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self.reqs[seq_id].tokens)
@@ -407,7 +418,7 @@ class ReferenceScheduler:
             return 0, ()
         remaining = req.known() - req.computed
         if remaining > 1 or (req.outputs == 0 and req.placeholders == 0):
-            return min(remaining, budget), ()
+            return self._aligned(req, min(remaining, budget)), ()
         k = self.shape.num_spec_tokens
         if self.shape.async_scheduling:
             drafts: tuple[int, ...] = (-1,) * k
@@ -417,6 +428,35 @@ class ReferenceScheduler:
         # 0.12.0 scheduler.py:264-268; 0.33.0 scheduler.py:851-857, one sampled token a step).
         n = min(1 + len(drafts), budget, self.shape.max_model_len - 1 - req.computed)
         return n, drafts[: n - 1]
+
+    def _aligned(self, req: _Req, n: int) -> int:
+        """Under ``mamba_split``, the first ``n`` prefill tokens cut where a Mamba state must be
+        written: a chunk that does not finish the prefill (the prompt, or a resumed request's
+        tokens but the last) ends at a block end; none runs past the block end it starts inside,
+        nor past the last block end before the request's last token, nor (hits inside a block)
+        past the prompt's last hash-unit boundary before its last token.  0: not even one
+        block's end fits."""
+        start = req.computed
+        prompt = len(req.tokens) - req.outputs
+        prefill_end = max(prompt, len(req.tokens) - 1)
+        if not self.mamba_split or start >= prefill_end:
+            return n
+        size = self.shape.block_size
+        end = start + n
+        # A block wider than the whole budget advances inside itself instead.
+        if end < prefill_end and (end - end % size > start or size <= self.shape.max_num_batched_tokens):
+            end -= end % size
+        last_cached = (len(req.tokens) - 1) // size * size
+        stops = [last_cached]
+        if start % size:
+            stops.append(start + size - start % size)
+        unit = self.shape.prefix_match_unit
+        if unit is not None:
+            tail = (prompt - 1) // unit * unit
+            if last_cached < tail < prompt:
+                stops.append(tail)
+        end = min([s for s in stops if start < s < end], default=end)
+        return max(end - start, 0)
 
     def _done_in_flight(self, req: _Req) -> bool:
         """Async: the steps in flight already sample the request's last token, even if every
@@ -501,7 +541,10 @@ class ReferenceScheduler:
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
         if group.state_blocks is not None:
-            return min(blocks, group.state_blocks)
+            # The state its first chunk leaves: "align" mode asks one physical block of a
+            # request holding none (0.33.0 single_type_kv_cache_manager.py:1785-1790), and
+            # "none" mode's one block spans max_model_len.
+            return min(blocks, 1)
         if group.sliding_window is not None:
             span = min(group.sliding_window - 1 + in_flight, length)
             return min(blocks, blocks_for_tokens(span, group.block_size) + 1)
@@ -558,12 +601,13 @@ class ReferenceScheduler:
                 s = self._schedule_one(req, budget, padded, hit)
             except NoRoom:
                 break
+            if s is None:
+                break  # nothing fits the budget (a Mamba split to no whole block)
             self.waiting.pop(0)
             req.running = True
             self.running.append(req.seq_id)
-            if s is not None:
-                scheduled.append(s)
-                budget -= s.num_tokens
+            scheduled.append(s)
+            budget -= s.num_tokens
         self._step += 1
         lives = {s.seq_id: self.reqs[s.seq_id].preemptions for s in scheduled}
         return Plan(tuple(scheduled), tuple(preempted), (), handle=(self._step, lives))

@@ -48,7 +48,7 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
 
 
 def _caching(shape: Shape) -> bool:
-    # Mamba shapes cache nothing in the reference (it does not cut chunks at Mamba blocks).
+    # Mamba shapes cache nothing in the reference (it keeps no Mamba states).
     return shape.prefix_caching and not shape.mamba
 
 
@@ -248,3 +248,99 @@ def test_drafts_are_cut_at_max_model_len():
         plans.append([(s.start, s.num_tokens, s.drafts) for s in plan.scheduled])
         ref.update(plan, {0: sampled}, {0: [0, 0, 0]})
     assert plans == [[(0, 8, 0)], [(8, 4, 3)], [(12, 3, 2)]], plans
+
+
+def _mamba_chunks(prompt: int, unit: int | None = None, policy: str = "0.33.0", budget: int = 10) -> list[int]:
+    """The prefill chunks the reference cuts for one ``prompt``-token request in a Mamba
+    "align" shape of blocks of 4 (hits inside a block at ``unit``)."""
+    shape = Shape(
+        block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=2, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=budget, max_model_len=32,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True, prefix_match_unit=unit,
+    )
+    policy_of = declared_for(policy)
+    assert policy_of is not None
+    ref = ReferenceScheduler(shape, policy=policy_of)
+    ref.add(0, list(range(prompt)), 1)
+    chunks = []
+    while ref.live(0):
+        plan = ref.schedule()
+        chunks += [s.num_tokens for s in plan.scheduled]
+        done = ref.reqs[0].computed >= prompt
+        ref.update(plan, {0: [0]} if done else {})
+    return chunks
+
+
+def test_mamba_align_chunks_end_at_block_ends():
+    """0.33.0's split (``mamba_aligned_split``): a chunk cut by the budget of 10 ends at the
+    block end 8; the last chunk stops at the last block end before the prompt's last token (12
+    of 14), and the rest is its own chunk.  Hits inside a block (unit 2): a 15-token prompt also
+    stops at its last unit boundary before its last token (14).  0.30.0 declares no such rule
+    (its split differs), and a shape without prefix caching is cut by the budget alone."""
+    assert _mamba_chunks(14) == [8, 4, 2]
+    assert _mamba_chunks(15, unit=2) == [8, 4, 2, 1]
+    assert _mamba_chunks(14, policy="0.30.0") == [10, 4]
+    # A budget smaller than a block's remainder: the chunk stops at the next block end.
+    assert _mamba_chunks(14, budget=6) == [4, 4, 4, 2]
+
+
+def test_a_waiting_request_whose_split_fits_no_block_end_is_not_admitted():
+    """A Mamba "align" split to 0 tokens (the budget's remainder holds no block end) stops the
+    admissions of the step, as vLLM 0.33.0 breaks there (scheduler.py:1350-1358)."""
+    shape = Shape(
+        block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=4, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=7, max_model_len=32,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True,
+    )
+    ref = ReferenceScheduler(shape)
+    ref.add(0, list(range(4)), 1)
+    ref.add(1, list(range(100, 110)), 1)
+    plan = ref.schedule()
+    # Request 0 takes 4 tokens; 3 are left, and request 1's chunk would end inside a block.
+    assert [(s.seq_id, s.num_tokens) for s in plan.scheduled] == [(0, 4)], plan
+    assert ref.waiting == [1] and ref.running == [0]
+
+
+def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
+    """Beside a target that caches Mamba states (vLLM), a Mamba "align" comparison ends before a
+    step in which a waiting request's tokens begin with a key the target caches (its domain
+    included), and after a step that cached a key beginning the tokens of a waiting request and
+    of another (the same-step Mamba hit vLLM defers), or a partial tail (hits inside a block)."""
+    from types import SimpleNamespace
+
+    from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
+    from kvspec.testing.scheduler.machine import SchedulerLockstep
+
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=2, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True,
+    )
+    target = SimpleNamespace(name="cache-holder", config=SimpleNamespace(prefix_caching=True), keys=frozenset())
+    target.cached_keys = lambda group: target.keys
+    ref = ReferenceScheduler(shape)
+    lockstep = SchedulerLockstep(target, ref)
+    ref.add(0, [1, 2, 3, 4], 1)
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 3))})
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 2), ExtraKeys(lora="a").for_chain(2))})
+    assert not lockstep._mamba_cache_may_hit()
+    # A lookup stops before the request's last token.
+    target.keys = frozenset({PrefixKey((1, 2, 3, 4))})
+    assert not lockstep._mamba_cache_may_hit()
+    target.keys = frozenset({PrefixKey((1, 2))})
+    assert lockstep._mamba_cache_may_hit()
+    # Cached in the step: only its own producer begins with it, then a second request too.
+    assert not lockstep._mamba_cache_may_hit(before=frozenset())
+    ref.add(1, [1, 2, 5], 1)
+    assert lockstep._mamba_cache_may_hit(before=frozenset())
+    assert not lockstep._mamba_cache_may_hit(before=target.keys)
+    # A key cached in the step ending inside a block (of 2): a partial tail, whose producer
+    # takes a copy-on-write block next.
+    assert not lockstep._partial_tail_cached(before=frozenset())
+    target.keys = frozenset({PrefixKey((1, 2, 3))})
+    assert lockstep._partial_tail_cached(before=frozenset())
+    assert not lockstep._partial_tail_cached(before=target.keys)
+    # Beside the reference itself (no Mamba states kept on either side) nothing ends.
+    assert not SchedulerLockstep(ReferenceScheduler(shape), ref)._mamba_cache_may_hit()

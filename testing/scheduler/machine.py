@@ -160,6 +160,8 @@ def _note(message: str) -> None:
     if currently_in_test_context():
         note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
+MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
+MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -283,6 +285,49 @@ class SchedulerLockstep:
 
     # ------------------------------------------------ the SchedulerTarget surface
 
+    @property
+    def _mamba_cache_unmodelled(self) -> bool:
+        """A Mamba "align" shape beside vLLM: its prefix cache keeps Mamba states, the
+        reference's none."""
+        return self.reference.shape.mamba_cache_mode == "align" and not isinstance(self.target, ReferenceScheduler)
+
+    def _mamba_cache_may_hit(self, before: frozenset | None = None) -> bool:
+        """In a Mamba "align" shape beside vLLM, whether a lookup may find something in vLLM's
+        prefix cache, which keeps Mamba states the reference does not: a hit, a full-attention
+        hit the Mamba group lacks (which stops a chunk at the junction, 0.33.0
+        scheduler.py:632-650), a Mamba hit on a block cached in the same step (which stops the
+        admissions, single_type_kv_cache_manager.py:1704-1713).  Every lookup starts with the
+        full-attention group, up to the request's tokens less one (kv_cache_coordinator.py
+        :846-941, kv_cache_manager.py:301-306), so only its keys matter.  Before a step
+        (``before`` None): it holds a key whose chain begins a waiting request's tokens (less
+        one), in its domain (a preempted request waits with its own blocks perhaps cached).
+        After it: a key it cached in the step (not in ``before``) begins the tokens of a request
+        that was waiting and of another, whose step may have cached it first."""
+        if not self._mamba_cache_unmodelled:
+            return False
+        keys = self.target.cached_keys(0)
+        live = self.reference.lookup_requests()
+        for key in keys if before is None else keys - before:
+            n = len(key.chain)
+            found = [
+                waiting
+                for tokens, extra, waiting in live
+                if n <= len(tokens) - waiting
+                and tuple(tokens[:n]) == key.chain
+                and key.extra == extra.for_chain(n)
+            ]
+            if any(found) and (before is None or len(found) > 1):
+                return True
+        return False
+
+    def _partial_tail_cached(self, before: frozenset) -> bool:
+        """Whether the target cached, in the step, a key ending inside a Mamba block (hits
+        inside a block): the prompt's partial tail, whose producer takes a copy-on-write block
+        at its next allocation (0.33.0 single_type_kv_cache_manager.py:2123-2126, 1748-1755, 1873-1874),
+        which the reference does not hold."""
+        size = self.reference.shape.block_size
+        return any(len(key.chain) % size for key in self.target.cached_keys(1) - before)
+
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
         # against max_loras only under a LoRA config, which the scheduler adapter builds none
@@ -301,7 +346,15 @@ class SchedulerLockstep:
             self.reference.abort(seq_id)
 
     def schedule(self) -> Plan:
+        watch = self.comparing and self._mamba_cache_unmodelled
+        before = (self.target.cached_keys(0), self.target.cached_keys(1)) if watch else None
+        if before is not None and self._mamba_cache_may_hit():
+            self._end(MAMBA_PREFIX_CACHE)
         plan = self.target.schedule()
+        if self.comparing and before is not None and self._mamba_cache_may_hit(before[0]):
+            self._end(MAMBA_PREFIX_CACHE)
+        if self.comparing and before is not None and self._partial_tail_cached(before[1]):
+            self._end(MAMBA_PARTIAL_TAIL)
         if self.comparing:
             ref = self.reference.schedule()
             self._pairs[id(plan)] = ref
@@ -506,15 +559,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         target = self.factory(shape)
         self.shape = shape
         depth = 1 if shape.async_scheduling else 0
-        # Against vLLM, Mamba shapes run no differential: the reference scheduler does not cut
-        # prefill chunks at Mamba blocks' ends as "align" mode does (vllm/v1/core/sched/
-        # scheduler.py ``_mamba_block_aligned_split``), so it is no oracle there.
-        vllm_mamba = shape.mamba and not isinstance(target, ReferenceScheduler)
+        # Against vLLM, a Mamba "align" shape needs the reference to cut prefill chunks at Mamba
+        # blocks' ends as the release does (reference/policies.py ``mamba_aligned_split``).
+        vllm_align = shape.mamba_cache_mode == "align" and not isinstance(target, ReferenceScheduler)
         policy = policy_beside(target) if self.differential is not None else None
         if self.differential is not None and policy is None:
             self.diff_counts.undeclared = release_of(target)
-        elif vllm_mamba:
-            self.diff_counts.not_run["Mamba shape (no block-aligned prefill split in the reference)"] += 1
+        elif vllm_align and policy is not None and not policy.mamba_aligned_split.value:
+            self.diff_counts.not_run[f"Mamba align shape (no block-aligned split declared for {policy.id})"] += 1
         elif shape.sparse_retention:  # the reference caches every full block (dense retention)
             self.diff_counts.not_run["sparse prefix-cache retention (the reference retains densely)"] += 1
         elif policy is not None:

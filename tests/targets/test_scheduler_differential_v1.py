@@ -62,7 +62,8 @@ def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, mo
 
 
 def _caching(shape) -> bool:
-    # vLLM's Mamba shapes run no differential (the reference does not cut chunks at Mamba blocks).
+    # Beside vLLM, a Mamba "align" shape's comparison ends where vLLM's Mamba prefix cache may
+    # hit (the reference caches no Mamba states).
     return shape.prefix_caching and not shape.mamba
 
 
@@ -95,3 +96,41 @@ def test_a_prefix_cache_evicting_otherwise_differs_from_vllm(adapter, monkeypatc
     found = caught.value
     assert found.release == "0.33.0", found
     assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+
+
+def _mamba(shape) -> bool:
+    return shape.mamba
+
+
+def test_mamba_shapes_are_compared_beside_vllm(adapter):
+    """vLLM's Mamba shapes run the differential: "none" mode (no prefix caching) to the end,
+    "align" mode with the block-aligned prefill split (``mamba_aligned_split``) until vLLM's
+    prefix cache holds a key a waiting request's tokens begin with, or a partial tail (hits
+    inside a block), where the comparison ends and says why."""
+    from kvspec.testing.scheduler.machine import MAMBA_PARTIAL_TAIL, MAMBA_PREFIX_CACHE
+
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, shapes().filter(_mamba), differential=Mode.RENAMING, diff_counts=counts),
+        settings=_settings(),
+    )
+    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+    assert set(counts.ended) <= {MAMBA_PREFIX_CACHE, MAMBA_PARTIAL_TAIL}, counts
+    assert counts.to_end > 0 and counts.steps >= 5 * EXAMPLES, counts
+
+
+def test_a_split_not_at_mamba_blocks_differs_from_vllm(adapter, monkeypatch):
+    """The reference replaced by ``unaligned-mamba-split`` (chunks cut by the budget alone): in
+    Mamba "align" shapes vLLM's chunks end at Mamba block ends, and the differential reports
+    the step counts."""
+    import kvspec.testing.scheduler.machine as machine
+
+    variant, comparison = DIFFERENTIAL_ONLY["unaligned-mamba-split"]
+    monkeypatch.setattr(machine, "ReferenceScheduler", variant)
+    align = shapes().filter(lambda s: s.mamba_cache_mode == "align")
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, align, differential=Mode.RENAMING), settings=_settings()
+        )
+    found = caught.value
+    assert found.comparison == comparison and found.release == "0.33.0", found
