@@ -86,10 +86,10 @@ class SchedulerPolicy:
     # With prefix caching and a second group of sliding-window layers: such a group caches only
     # the blocks a hit at a multiple of the scheduler's block size can use, the window's blocks
     # before each multiple (False: every full block).  That is the dense retention
-    # (``KVCacheConfig.prefix_cache_retention_interval`` None) the scheduler adapter configures
-    # (adapters/v1_scheduler.py builds the KVCacheConfig with its default); the engine passes
-    # ``CacheConfig``'s 0 instead (0.33.0 kv_cache_planning.py:665-667), which keeps only the
-    # replay boundary's blocks, and the reference does not model that.
+    # (``KVCacheConfig.prefix_cache_retention_interval`` None, a shape's ``retention_interval``
+    # None); the engine's default on 0.30.0+ is ``CacheConfig``'s 0 (0.33.0
+    # kv_cache_planning.py:665-667), which keeps only the replay boundary's blocks.  The reference
+    # does not model sparse retention: such shapes are not compared (testing/scheduler/machine.py).
     sparse_window_cache: Choice
     # With prefix caching, an EAGLE head that drops a hit's last block, and two groups: each
     # group's lookup reaches one block past the candidate hit before dropping the block (False:
