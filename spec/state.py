@@ -78,6 +78,11 @@ class PoolView:
     usage        the share of the pool the implementation reports in use (V1's
                  ``KVCacheManager.usage``, which the engine exports as ``kv_cache_usage``,
                  0.33.0 sched/scheduler.py:3294); None when it reports none.
+    hit_rate     the prefix-cache hit rate the implementation reports for the pool (legacy
+                 ``get_prefix_cache_hit_rate(device)``, 0.6.3 block_manager_v2.py:450-451,
+                 which the engine exports as ``gpu_prefix_cache_hit_rate``, llm_engine.py:
+                 1594-1598); None when it reports none.  No invariant bounds it: a difference
+                 between two releases is a behaviour change.
     """
 
     ids: tuple[int, ...]
@@ -89,6 +94,7 @@ class PoolView:
     epochs: Mapping[int, int] | None = None
     events: tuple[CacheEvent, ...] | None = None
     usage: float | None = None
+    hit_rate: float | None = None
 
     def cached_key_of(self) -> dict[int, PrefixKey]:
         return {block: key for key, block in self.cached}

@@ -5,11 +5,11 @@ The shrunk trace of a lockstep verdict is replayed on BASE through the adapter w
 ``Recorder`` (``kvspec.adapters.recording``), exactly as a reproducer is
 (``testing/artifacts/straight_line.py``): one recorded vLLM call per line.  At the differing operation the
 file asserts what BASE observed there -- the prefix-cache hit, whether the allocation succeeded,
-the free and cached block counts, every request's held blocks and the block tables up to a
-renaming of block ids -- read off the manager by the harness functions the file copies in.  On
-HEAD at least one of them differs, so the file fails there and passes on BASE; ``kvspec`` runs
-it on both before keeping it.  Runs in BASE's target process (it imports vLLM through the
-adapters).
+the free and cached block counts, the legacy managers' prefix-cache hit rate, every request's
+held blocks and the block tables up to a renaming of block ids -- read off the manager by the
+harness functions the file copies in.  On HEAD at least one of them differs, so the file fails
+there and passes on BASE; ``kvspec`` runs it on both before keeping it.  Runs in BASE's target
+process (it imports vLLM through the adapters).
 """
 
 from __future__ import annotations
@@ -107,6 +107,10 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
     else:
         observed["free"], expected["free"] = "mgr.get_num_free_gpu_blocks()", mgr.get_num_free_gpu_blocks()
         helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids, v1_harness.renamed]
+        hit_rate = legacy_harness.prefix_cache_hit_rate(mgr)
+        if hit_rate is not None:
+            observed["hit_rate"], expected["hit_rate"] = "prefix_cache_hit_rate(mgr)", hit_rate
+            helpers.append(legacy_harness.prefix_cache_hit_rate)
         block_ids = legacy_harness.gpu_block_ids
     observed["tables"] = _renamed_expr(live)
     expected["tables"] = v1_harness.renamed({s: block_ids(mgr, s) for s in live})
