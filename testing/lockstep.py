@@ -56,7 +56,7 @@ from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
 from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation
-from kvspec.spec.state import SeqModel, Status
+from kvspec.spec.state import HIT_RATE_DIGITS, SeqModel, Status
 from kvspec.testing import profiles as _profiles  # noqa: F401  (registers the ci/dev/deep profiles)
 from kvspec.testing.blockmanager.driver import Driver, TraceStep
 from kvspec.testing.blockmanager.machine import Features, KVCacheMachine
@@ -99,7 +99,8 @@ class Observation:
     free           free blocks holding no cached content, per pool
     evictable      unreferenced blocks kept for their cached content, per pool
     cached         prefix-cache map entries, per pool
-    hit_rate       the prefix-cache hit rate each pool reports (None: it reports none)
+    hit_rate       the prefix-cache hit rate each pool reports, to ``HIT_RATE_DIGITS`` places
+                   (None: it reports none)
     tables         (seq, device, slots) with block ids renamed by first appearance
     cached_keys    the prefix cache's keys (token chain and extra keys), sorted
     eviction_order the keys of the evictable blocks, in the order the free queue holds them
@@ -190,7 +191,7 @@ def observe(driver: Driver, events_before: int, crash: tuple[str, ...] = ()) -> 
         free=tuple(len(p.free) for p in pools),
         evictable=tuple(len(p.evictable) for p in pools),
         cached=tuple(len(p.cached) for p in pools),
-        hit_rate=tuple(p.hit_rate for p in pools),
+        hit_rate=tuple(None if p.hit_rate is None else round(p.hit_rate, HIT_RATE_DIGITS) for p in pools),
         tables=tables,
         cached_keys=tuple(sorted(_key(k) for k, _ in gpu.cached)),
         eviction_order=tuple(_key(key_of[b]) for b in gpu.evictable if b in key_of),

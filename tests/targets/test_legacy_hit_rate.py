@@ -69,3 +69,25 @@ def test_a_miscounted_hit_rate_differs_in_that_field_alone():
     assert head.state.gpu.hit_rate == pytest.approx(0.25) and base.state.gpu.hit_rate == 0.5
     assert differing(observe(head, 0), observe(base, 0), Mode.RENAMING) == ["hit_rate"]
     assert differing(observe(head, 0), observe(base, 0), Mode.OUTCOMES) == []
+
+
+def test_the_same_rate_rounded_differently_is_the_same_observation():
+    """With a block of one lookup (what the mutant ``!= self.block_size`` of common.py:311
+    amounts to) the metric averages per-lookup rates: 8 misses then a hit give 1/9 rounded
+    otherwise than the release's ratio over its unfinished block, the same rate."""
+    from vllm.utils import Device
+
+    config = Config(block_size=B, num_blocks=12, prefix_caching=True)
+    rates = []
+    for block in (None, 1):
+        adapter = factory(V2)(config)
+        driver = Driver(adapter)
+        if block is not None:
+            adapter._raw.block_allocator._allocators[Device.GPU].metric_data.block_size = block
+        for seq in range(4):  # four distinct two-block prompts: 8 misses
+            assert driver.admit(seq, [seq * 100 + t for t in range(2 * B)], 2 * B)
+        assert driver.admit(4, list(range(B)), B)  # seq 0's first block: a hit
+        rates.append((driver.state.gpu.hit_rate, observe(driver, 0)))
+    (base_rate, base), (head_rate, head) = rates
+    assert base_rate != head_rate and base_rate == pytest.approx(1 / 9) == head_rate
+    assert differing(head, base, Mode.RENAMING) == []
