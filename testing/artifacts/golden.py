@@ -24,7 +24,7 @@ from kvspec.adapters.harness import v1 as v1_harness
 from kvspec.adapters.recording import Line, Recorder, Unrecordable, real
 from kvspec.spec.config import Config
 from kvspec.spec.groups import Shape
-from kvspec.spec.state import Status
+from kvspec.spec.state import HIT_RATE_DIGITS, Status
 from kvspec.testing.artifacts.straight_line import _asserted, _condition, _import_lines, _op_comment
 from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
 from kvspec.testing.blockmanager.progress import drain
@@ -108,8 +108,9 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
         observed["free"], expected["free"] = "mgr.get_num_free_gpu_blocks()", mgr.get_num_free_gpu_blocks()
         helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids, v1_harness.renamed]
         hit_rate = legacy_harness.prefix_cache_hit_rate(mgr)
-        if hit_rate is not None:
-            observed["hit_rate"], expected["hit_rate"] = "prefix_cache_hit_rate(mgr)", hit_rate
+        if hit_rate is not None:  # to the places the lockstep compares (spec/state.py)
+            observed["hit_rate"] = f"round(prefix_cache_hit_rate(mgr), {HIT_RATE_DIGITS})"
+            expected["hit_rate"] = round(hit_rate, HIT_RATE_DIGITS)
             helpers.append(legacy_harness.prefix_cache_hit_rate)
         block_ids = legacy_harness.gpu_block_ids
     observed["tables"] = _renamed_expr(live)

@@ -46,8 +46,11 @@ open(sys.argv[1], "w").write(golden["text"])
 """
 
 
-def _run(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(python: Path, *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python *args`` with this checkout's kvspec (and ``pythonpath`` first on the path: a vLLM tree)."""
     env = {**os.environ, "KVSPEC_CHECKOUT": str(REPO)}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.run([str(python), *args], capture_output=True, text=True, env=env, timeout=600,
                           check=False)
 
