@@ -18,7 +18,7 @@ import pytest
 from kvspec.targets.provision import REPO
 from kvspec.targets.registry import target
 
-from .test_golden_legacy_answer import _run
+from .test_golden_legacy_answer import golden_on_both
 
 RELEASE = target("0.6.3")
 MUTANT = "vllm.core.block.common:836:CRP:0"  # common.py:306 CRP `1` -> `2` (bench/results/mutation.json)
@@ -49,15 +49,8 @@ def test_a_differing_hit_rate_fails_tagged_on_head_and_passes_on_base(tmp_path):
 
     (site,) = glob.glob(str(RELEASE.python.parent.parent / "lib" / "python*" / "site-packages"))
     tree = mutant_tree(Path(site), MUTANT, tmp_path / "head")
-    path = tmp_path / "test_golden_hit_rate.py"
-    wrote = _run(RELEASE.python, "-c", WRITE, str(path))
-    assert wrote.returncode == 0, wrote.stderr[-3000:]
-    pytest_args = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(path))
-    on_base = _run(RELEASE.python, *pytest_args)
-    assert on_base.returncode == 0, on_base.stdout[-3000:]
-    on_head = _run(RELEASE.python, *pytest_args, pythonpath=str(tree))
-    assert on_head.returncode == 1, on_head.stdout[-3000:]
-    assert "Failed: [behaviour-change] hit_rate: expected 0.5 (BASE), observed 0.25" in on_head.stdout
+    out = golden_on_both(WRITE, tmp_path, RELEASE.python, RELEASE.python, head_path=str(tree))
+    assert "Failed: [behaviour-change] hit_rate: expected 0.5 (BASE), observed 0.25" in out, out[-3000:]
 
 
 if __name__ == "__main__":
