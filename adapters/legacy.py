@@ -68,7 +68,8 @@ Observation reads private attributes, read-only: V2 ``CpuGpuBlockAllocator._allo
 ``_null_block``, ``RefCounter._refcounts``, ``NaiveBlockAllocator._free_block_indices``,
 ``PrefixCachingBlockAllocator._cached_blocks/_hashless_allocator/evictor.free_table`` and
 ``block_is_computed``; V1 ``PhysicalTokenBlock`` objects, ``UncachedBlockAllocator.free_blocks``,
-``CachedBlockAllocator.cached_blocks/evictor.free_table/current_num_blocks``.
+``CachedBlockAllocator.cached_blocks/evictor.free_table/current_num_blocks``; and it calls the
+manager's public ``get_prefix_cache_hit_rate`` per device, as the engine's stats do every step.
 
 Mapping choices:
 

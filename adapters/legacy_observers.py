@@ -61,6 +61,11 @@ class LegacyObserver:
     def observe(self) -> KVState:
         raise NotImplementedError
 
+    def _hit_rate(self, device: Device) -> float | None:
+        """The prefix-cache hit rate the manager reports for ``device``'s pool (read as the
+        engine's stats read it every step: a crash in it is the engine's crash)."""
+        return harness.prefix_cache_hit_rate(self._raw, device.name)
+
     def _tables(self, slots_of: Iterable[tuple[int, Device, tuple[Slot, ...]]]) -> dict[int, TableView]:
         tables = {sid: table_view(self._last_tables, sid, dev, slots) for sid, dev, slots in slots_of}
         self._last_tables = tables
@@ -107,9 +112,9 @@ class BlockSpaceV2Observer(LegacyObserver):
         null_id = null.block_id if null is not None else None
         if self.config.prefix_caching:
             self._learn_from_live_blocks(null)
-        gpu_view = self._pool(gpu, exclude=null_id, offset=0)
+        gpu_view = attrs.evolve(self._pool(gpu, exclude=null_id, offset=0), hit_rate=self._hit_rate(Device.GPU))
         cpu_offset = min(cpu.all_block_ids) if cpu.all_block_ids else 0
-        cpu_view = self._pool(cpu, exclude=None, offset=cpu_offset)
+        cpu_view = attrs.evolve(self._pool(cpu, exclude=None, offset=cpu_offset), hit_rate=self._hit_rate(Device.CPU))
         gpu_ids = gpu.all_block_ids
 
         def slots_of() -> Iterable[tuple[int, Device, tuple[Slot, ...]]]:
@@ -269,7 +274,8 @@ class BlockSpaceV1Observer(LegacyObserver):
     def _pool(self, name: str, num_blocks: int) -> PoolView:
         view = self._pool_view(name, num_blocks)
         epochs = self._epochs[name]
-        return attrs.evolve(view, epochs={b: epochs[b] for b in view.ids})
+        device = Device.GPU if name == "gpu_allocator" else Device.CPU
+        return attrs.evolve(view, epochs={b: epochs[b] for b in view.ids}, hit_rate=self._hit_rate(device))
 
     def _pool_view(self, name: str, num_blocks: int) -> PoolView:
         allocator = getattr(self._raw, name)

@@ -58,6 +58,15 @@ def table_view(previous: Mapping[int, TableView], seq_id: int, device: Device, s
     return TableView(seq_id, device, slots)
 
 
+# A reported prefix-cache hit rate is compared to this many decimal places.  Legacy vLLM keeps
+# it as a running float average over blocks of lookups (0.6.3 block/common.py:313-316) and
+# divides the unfinished block's hits (:330-335): two managers that count the same hits and
+# lookups may round the same rate differently by the order of their float operations, while
+# a miscount of one lookup or hit among fewer than ten thousand moves the rate by more than
+# 1e-8.
+HIT_RATE_DIGITS = 9
+
+
 @attrs.frozen
 class PoolView:
     """One block pool as the implementation holds it.
@@ -78,6 +87,11 @@ class PoolView:
     usage        the share of the pool the implementation reports in use (V1's
                  ``KVCacheManager.usage``, which the engine exports as ``kv_cache_usage``,
                  0.33.0 sched/scheduler.py:3294); None when it reports none.
+    hit_rate     the prefix-cache hit rate the implementation reports for the pool (legacy
+                 ``get_prefix_cache_hit_rate(device)``, 0.6.3 block_manager_v2.py:450-451,
+                 which the engine exports as ``gpu_prefix_cache_hit_rate``, llm_engine.py:
+                 1594-1598); None when it reports none.  No invariant bounds it: a difference
+                 between two releases (to ``HIT_RATE_DIGITS`` places) is a behaviour change.
     """
 
     ids: tuple[int, ...]
@@ -89,6 +103,7 @@ class PoolView:
     epochs: Mapping[int, int] | None = None
     events: tuple[CacheEvent, ...] | None = None
     usage: float | None = None
+    hit_rate: float | None = None
 
     def cached_key_of(self) -> dict[int, PrefixKey]:
         return {block: key for key, block in self.cached}

@@ -2,7 +2,9 @@
 line, the benchmarks, the reproducer and the target tests read.
 
 * ``reference``: kvspec's reference block manager;
-* ``broken:<variant>``: a deliberately broken reference (``kvspec.reference.broken.BROKEN``);
+* ``broken:<variant>``: a deliberately broken reference (``kvspec.reference.broken.BROKEN``; the
+  run-breaking ``misbehaving.MISBEHAVING``; the spec-abiding but differently reporting
+  ``changed.CHANGED``);
 * ``legacy-v1``, ``legacy-v2``, ``legacy-self-attn``: vLLM's legacy (V0) block managers through
   ``kvspec.adapters.legacy`` (``manager`` is the adapter's name for each);
 * ``v1``: vLLM's V1-engine ``KVCacheManager`` through ``kvspec.adapters.v1``.
@@ -33,6 +35,7 @@ from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter
 from kvspec.reference import ReferenceManager
 from kvspec.reference.broken import BROKEN
 from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+from kvspec.reference.changed import CHANGED
 from kvspec.reference.misbehaving import MISBEHAVING
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.config import Config
@@ -89,6 +92,10 @@ def _table() -> dict[str, Impl]:
     # run's own outcomes (testing.guard, the driver's crash records) must report.
     for variant, m in sorted(MISBEHAVING.items()):
         out[BROKEN_PREFIX + variant] = Impl(BROKEN_PREFIX + variant, "kvspec", m.cls)
+    # Variants that break no invariant but report a figure differently: what a lockstep run
+    # must call a behaviour change.
+    for variant, cls in sorted(CHANGED.items()):
+        out[BROKEN_PREFIX + variant] = Impl(BROKEN_PREFIX + variant, "kvspec", cls)
     return out
 
 

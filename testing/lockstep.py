@@ -9,7 +9,8 @@ imported into one interpreter -- and after every operation compares what each si
 
 outcomes  every operation is accepted or refused alike, with the same prefix-cache hit, and
           the same crash (exception type, vLLM file and function);
-counts    also the free, evictable and cached block counts and every sequence's held blocks;
+counts    also the free, evictable and cached block counts, the prefix-cache hit rate each
+          pool reports, and every sequence's held blocks;
 renaming  also the block tables up to a renaming of block ids, the prefix cache's keys, the
           order in which its unreferenced blocks would be evicted (by key), and the KV events
           each operation emitted.  The default.
@@ -55,7 +56,7 @@ from kvspec.spec.errors import ConfigError, KVSpecError, Unsupported
 from kvspec.spec.groups import Shape
 from kvspec.spec.interface import Capability
 from kvspec.spec.invariants import Violation
-from kvspec.spec.state import SeqModel, Status
+from kvspec.spec.state import HIT_RATE_DIGITS, SeqModel, Status
 from kvspec.testing import profiles as _profiles  # noqa: F401  (registers the ci/dev/deep profiles)
 from kvspec.testing.blockmanager.driver import Driver, TraceStep
 from kvspec.testing.blockmanager.machine import Features, KVCacheMachine
@@ -98,6 +99,8 @@ class Observation:
     free           free blocks holding no cached content, per pool
     evictable      unreferenced blocks kept for their cached content, per pool
     cached         prefix-cache map entries, per pool
+    hit_rate       the prefix-cache hit rate each pool reports, to ``HIT_RATE_DIGITS`` places
+                   (None: it reports none)
     tables         (seq, device, slots) with block ids renamed by first appearance
     cached_keys    the prefix cache's keys (token chain and extra keys), sorted
     eviction_order the keys of the evictable blocks, in the order the free queue holds them
@@ -110,6 +113,7 @@ class Observation:
     free: tuple[int, ...] = ()
     evictable: tuple[int, ...] = ()
     cached: tuple[int, ...] = ()
+    hit_rate: tuple[float | None, ...] = ()
     tables: tuple[tuple[Any, ...], ...] = ()
     cached_keys: tuple[str, ...] = ()
     eviction_order: tuple[str, ...] = ()
@@ -123,6 +127,7 @@ FIELD_MODE: dict[str, Mode] = {
     "free": Mode.COUNTS,
     "evictable": Mode.COUNTS,
     "cached": Mode.COUNTS,
+    "hit_rate": Mode.COUNTS,
     "tables": Mode.RENAMING,
     "cached_keys": Mode.RENAMING,
     "eviction_order": Mode.RENAMING,
@@ -186,6 +191,7 @@ def observe(driver: Driver, events_before: int, crash: tuple[str, ...] = ()) -> 
         free=tuple(len(p.free) for p in pools),
         evictable=tuple(len(p.evictable) for p in pools),
         cached=tuple(len(p.cached) for p in pools),
+        hit_rate=tuple(None if p.hit_rate is None else round(p.hit_rate, HIT_RATE_DIGITS) for p in pools),
         tables=tables,
         cached_keys=tuple(sorted(_key(k) for k, _ in gpu.cached)),
         eviction_order=tuple(_key(key_of[b]) for b in gpu.evictable if b in key_of),

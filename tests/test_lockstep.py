@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import sys
 
+from hypothesis import strategies as st
+from kvspec.reference.changed import MiscountedHitRate, ReportsHitRate
 from kvspec.spec.invariants import Violation
 from kvspec.testing.blockmanager.strategies import configs
+from kvspec.testing.implementations import BROKEN_PREFIX
 from kvspec.testing.lockstep import Kind, Mode, Observation, Side, differing, judge, run_lockstep
 
 BUDGET = dict(profile="ci", examples=15, max_verdicts=1)
@@ -63,3 +66,24 @@ def test_each_mode_compares_its_fields_and_those_of_the_modes_below():
     assert differing(counts, base, Mode.OUTCOMES) == []
     assert differing(hit, base, Mode.OUTCOMES) == ["outcome"]
     assert differing(base, base, Mode.RENAMING) == []
+
+
+def test_a_hit_rate_reported_differently_is_compared_as_a_count():
+    base = Observation(outcome="admit: admitted, 4 cached tokens", free=(3,), hit_rate=(0.5,))
+    head = Observation(outcome=base.outcome, free=(3,), hit_rate=(0.25,))
+    assert differing(head, base, Mode.COUNTS) == ["hit_rate"]
+    assert differing(head, base, Mode.RENAMING) == ["hit_rate"]
+    assert differing(head, base, Mode.OUTCOMES) == []
+
+
+def test_a_miscounted_hit_rate_on_head_is_a_behaviour_change_once_a_lookup_hits():
+    """No invariant bounds the hit rate: a HEAD that counts every lookup twice (0.6.3's mutant
+    of block/common.py:306) differs from BASE only in the figure, once a lookup hits."""
+    head, base = (BROKEN_PREFIX + MiscountedHitRate.name, BROKEN_PREFIX + ReportsHitRate.name)
+    run = run_lockstep(*_sides(head, base), configs(prefix_caching=st.just(True)), **BUDGET)
+    (verdict,) = run.verdicts
+    assert verdict.kind is Kind.CHANGE and verdict.field == "hit_rate", verdict.describe()
+    assert not verdict.head_violations and not verdict.base_violations
+    (head_rate,), (base_rate,) = verdict.values()
+    assert head_rate == base_rate / 2 and base_rate > 0
+    assert len(verdict.trace) <= 4, verdict.describe()  # shrunk: a few admissions, then a hit

@@ -197,6 +197,19 @@ def gpu_block_ids(mgr: Any, seq_id: int) -> list[int]:
     return [b for b in table.physical_block_ids if b is not None and b != null_id]
 
 
+def prefix_cache_hit_rate(mgr: Any, device: str = "GPU") -> float | None:
+    """The prefix-cache hit rate the manager reports for ``device`` (``"GPU"`` or ``"CPU"``),
+    the figure the engine exports in its stats every step (0.6.3 llm_engine.py:1594-1598,
+    through ``Scheduler.get_prefix_cache_hit_rate``; -1 from an allocator without prefix
+    caching); None from a manager that reports none (0.5.x has no such method)."""
+    report = getattr(mgr, "get_prefix_cache_hit_rate", None)
+    if report is None:
+        return None
+    from vllm.utils import Device
+
+    return float(report(Device[device]))
+
+
 def slot_of(mgr: Any, seq_id: int, position: int, block_size: int) -> tuple[int | None, int]:
     """The (block, offset) the worker writes ``position`` of ``seq_id`` into, through the
     block table the manager hands the worker (BlockSpaceManagerV1's sliding-window tables

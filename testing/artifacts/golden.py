@@ -5,11 +5,11 @@ The shrunk trace of a lockstep verdict is replayed on BASE through the adapter w
 ``Recorder`` (``kvspec.adapters.recording``), exactly as a reproducer is
 (``testing/artifacts/straight_line.py``): one recorded vLLM call per line.  At the differing operation the
 file asserts what BASE observed there -- the prefix-cache hit, whether the allocation succeeded,
-the free and cached block counts, every request's held blocks and the block tables up to a
-renaming of block ids -- read off the manager by the harness functions the file copies in.  On
-HEAD at least one of them differs, so the file fails there and passes on BASE; ``kvspec`` runs
-it on both before keeping it.  Runs in BASE's target process (it imports vLLM through the
-adapters).
+the free and cached block counts, the legacy managers' prefix-cache hit rate, every request's
+held blocks and the block tables up to a renaming of block ids -- read off the manager by the
+harness functions the file copies in.  On HEAD at least one of them differs, so the file fails
+there and passes on BASE; ``kvspec`` runs it on both before keeping it.  Runs in BASE's target
+process (it imports vLLM through the adapters).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvspec.adapters.harness import v1 as v1_harness
 from kvspec.adapters.recording import Line, Recorder, Unrecordable, real
 from kvspec.spec.config import Config
 from kvspec.spec.groups import Shape
-from kvspec.spec.state import Status
+from kvspec.spec.state import HIT_RATE_DIGITS, Status
 from kvspec.testing.artifacts.straight_line import _asserted, _condition, _import_lines, _op_comment
 from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
 from kvspec.testing.blockmanager.progress import drain
@@ -107,6 +107,11 @@ def write_golden(impl: str, config: Config, trace: list[TraceStep], title: str, 
     else:
         observed["free"], expected["free"] = "mgr.get_num_free_gpu_blocks()", mgr.get_num_free_gpu_blocks()
         helpers += [legacy_harness.is_v1_manager, legacy_harness.gpu_block_ids, v1_harness.renamed]
+        hit_rate = legacy_harness.prefix_cache_hit_rate(mgr)
+        if hit_rate is not None:  # to the places the lockstep compares (spec/state.py)
+            observed["hit_rate"] = f"round(prefix_cache_hit_rate(mgr), {HIT_RATE_DIGITS})"
+            expected["hit_rate"] = round(hit_rate, HIT_RATE_DIGITS)
+            helpers.append(legacy_harness.prefix_cache_hit_rate)
         block_ids = legacy_harness.gpu_block_ids
     observed["tables"] = _renamed_expr(live)
     expected["tables"] = v1_harness.renamed({s: block_ids(mgr, s) for s in live})

@@ -46,22 +46,32 @@ open(sys.argv[1], "w").write(golden["text"])
 """
 
 
-def _run(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(python: Path, *args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python *args`` with this checkout's kvspec (and ``pythonpath`` first on the path: a vLLM tree)."""
     env = {**os.environ, "KVSPEC_CHECKOUT": str(REPO)}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.run([str(python), *args], capture_output=True, text=True, env=env, timeout=600,
                           check=False)
 
 
-def test_a_differing_admission_answer_fails_tagged_on_head_and_passes_on_base(tmp_path):
-    path = tmp_path / "test_golden_swap.py"
-    wrote = _run(BASE.python, "-c", WRITE, str(path))
+def golden_on_both(write: str, folder: Path, base: Path, head: Path, head_path: str | None = None) -> str:
+    """Write the golden file with ``write`` in ``base``'s python, run it there (it must pass)
+    and in ``head``'s (with ``head_path`` first on the path; it must fail): HEAD's output."""
+    path = folder / "test_golden.py"
+    wrote = _run(base, "-c", write, str(path))
     assert wrote.returncode == 0, wrote.stderr[-3000:]
-    pytest_args = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(path))
-    on_base = _run(BASE.python, *pytest_args)
+    pytest_args = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(folder), str(path))
+    on_base = _run(base, *pytest_args)
     assert on_base.returncode == 0, on_base.stdout[-3000:]
-    on_head = _run(HEAD.python, *pytest_args)
+    on_head = _run(head, *pytest_args, pythonpath=head_path)
     assert on_head.returncode == 1, on_head.stdout[-3000:]
-    assert "Failed: [behaviour-change] can_swap_out: expected True (BASE)" in on_head.stdout, on_head.stdout[-3000:]
+    return on_head.stdout
+
+
+def test_a_differing_admission_answer_fails_tagged_on_head_and_passes_on_base(tmp_path):
+    out = golden_on_both(WRITE, tmp_path, BASE.python, HEAD.python)
+    assert "Failed: [behaviour-change] can_swap_out: expected True (BASE)" in out, out[-3000:]
 
 
 if __name__ == "__main__":
