@@ -238,12 +238,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
         # cache_full_blocks: only the needed blocks before each aligned boundary.
         sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
-        # reachable_block_mask: segment tails (:1108-1122), reachable-boundary tails (:1137-1142);
+        # reachable_block_mask: segment tails (:1104-1133), reachable-boundary tails (:1135-1142);
         # the boundaries are get_replay_boundaries (kv_cache_coordinator.py:314-333) and the
-        # request's shared_prefix_boundary (kv_cache_manager.py:316-317, scheduler.py:918-924).
-        sparse_retention_tails=Choice(True, f"{_SINGLE}:1066-1144"),
+        # request's shared_prefix_boundary (kv_cache_manager.py:316-318, scheduler.py:918-924).
+        sparse_retention_tails=Choice(True, f"{_SINGLE}:1065-1144"),
         # cache_blocks adds the junction alone.
-        eagle_junction_tail=Choice(False, f"{_SINGLE}:498-503"),
+        eagle_junction_tail=Choice(False, f"{_SINGLE}:501-503"),
         hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
@@ -264,12 +264,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
         uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
         sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
-        # reachable_block_mask (:1066-1144); the boundaries are replay_boundaries
+        # reachable_block_mask (:1067-1146); the boundaries are replay_boundaries
         # (kv_cache_coordinator.py:65-86) and shared_prefix_boundary (kv_cache_manager.py:320-325,
         # kept on the request, scheduler.py:1120-1126).
-        sparse_retention_tails=Choice(True, f"{_SINGLE}:1066-1144"),
+        sparse_retention_tails=Choice(True, f"{_SINGLE}:1067-1146"),
         # With use_eagle, the junction less one block as well.
-        eagle_junction_tail=Choice(True, f"{_SINGLE}:512-520"),
+        eagle_junction_tail=Choice(True, f"{_SINGLE}:511-520"),
         hybrid_caches_aligned=Choice(True, f"{_COORD}:777-803"),
         # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
         eagle_looks_further=Choice(True, f"{_COORD}:869-887"),

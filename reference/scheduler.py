@@ -21,7 +21,9 @@ a request admitted with nothing computed starts at its longest hit (every group 
 one length, a multiple of the scheduler's block size, at most the prompt less one token), and
 the free queue is vLLM's: the allocator takes its head and forgets the key of a cached block it
 takes, a freed block goes to its tail (an uncached one to its head under ``uncached_freed_first``),
-a hit takes its blocks back out of it.
+a hit takes its blocks back out of it.  A second group's sliding-window blocks are cached as the
+shape's ``retention_interval`` says (``_cache_blocks``, reference/prefix_cache.py
+``sparse_window_mask``): densely, or sparsely, keeping the tails a later request can resume at.
 """
 
 from __future__ import annotations
