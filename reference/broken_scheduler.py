@@ -286,6 +286,21 @@ class UnalignedMambaSplit(ReferenceScheduler):
         return n
 
 
+class DenseUnderSparseRetention(ReferenceScheduler):
+    """Prefix caching with a sliding-window group under a sparse retention
+    (``Shape.retention_interval`` 0 or positive): caches the window's blocks before every
+    aligned boundary, as dense retention does, instead of only before the retention's
+    multiples and the reachable boundaries.  Every block it caches holds what its key says, so
+    every hit is sound and every invariant holds; it finds hits the sparse cache (vLLM 0.30.0+,
+    the reference) does not keep, or keeps blocks they let go.  Only the differential in a
+    sparse shape sees it."""
+
+    name = "dense-under-sparse-retention"
+
+    def _retention(self, req: _Req, group: GroupSpec) -> tuple[int | None, tuple[int, ...]]:
+        return None, ()
+
+
 PREFIX_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {EvictsNewestFirst.name: EvictsNewestFirst}
 """Broken prefix caches no invariant catches and the differential does, once it compares past
 prefix hits: what differs first (a hit's start, the requests a step fits, the blocks held) is
@@ -299,4 +314,8 @@ DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
 """Broken schedulers no invariant catches and the differential does (as a difference from the
 reference's own policy), with what it compares when it finds them."""
 
-__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "PREFIX_CACHE_ONLY", "BrokenScheduler"]
+SPARSE_RETENTION_ONLY: dict[str, type[ReferenceScheduler]] = {DenseUnderSparseRetention.name: DenseUnderSparseRetention}
+"""Broken sliding-window prefix caches only the differential in a sparse-retention shape
+catches (tests/test_scheduler_retention.py): in a dense shape they are the reference."""
+
+__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "PREFIX_CACHE_ONLY", "SPARSE_RETENTION_ONLY", "BrokenScheduler"]

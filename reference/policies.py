@@ -88,9 +88,19 @@ class SchedulerPolicy:
     # before each multiple (False: every full block).  That is the dense retention
     # (``KVCacheConfig.prefix_cache_retention_interval`` None, a shape's ``retention_interval``
     # None); the engine's default on 0.30.0+ is ``CacheConfig``'s 0 (0.33.0
-    # kv_cache_planning.py:665-667), which keeps only the replay boundary's blocks.  The reference
-    # does not model sparse retention: such shapes are not compared (testing/scheduler/machine.py).
+    # kv_cache_planning.py:665-667), which ``sparse_retention_tails`` describes.
     sparse_window_cache: Choice
+    # Under a sparse retention (a shape's ``retention_interval`` 0 or positive), such a group
+    # caches the window's blocks before each multiple of the interval (none for 0) and before
+    # each reachable boundary: the prompt's replay boundaries (its tokens less one; with an
+    # EAGLE drop, the aligned ends below that and below its last aligned end, one alignment
+    # unit lower) and the request's shared-prefix junction (where its full-attention hit ended
+    # when the window group's hit was shorter).  False: the release's sparse retention is not
+    # modelled, and such shapes are not compared (testing/scheduler/machine.py).
+    sparse_retention_tails: Choice
+    # ... and with an EAGLE drop, also before the junction less one block (False: the junction
+    # alone).
+    eagle_junction_tail: Choice
     # With prefix caching, an EAGLE head that drops a hit's last block, and two groups: each
     # group's lookup reaches one block past the candidate hit before dropping the block (False:
     # it looks up to the candidate, then drops).
@@ -136,6 +146,8 @@ class SchedulerPolicy:
             "admission_cap_all_batches": self.admission_cap_all_batches,
             "uncached_freed_first": self.uncached_freed_first,
             "sparse_window_cache": self.sparse_window_cache,
+            "sparse_retention_tails": self.sparse_retention_tails,
+            "eagle_junction_tail": self.eagle_junction_tail,
             "hybrid_caches_aligned": self.hybrid_caches_aligned,
             "eagle_looks_further": self.eagle_looks_further,
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
@@ -171,6 +183,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         uncached_freed_first=Choice(False, f"{_POOL}:384-398"),
         # cache_blocks caches every full block (num_tokens // block_size) of every group.
         sparse_window_cache=Choice(False, f"{_SINGLE}:147-171"),
+        # No prefix_cache_retention_interval: cache_blocks takes no retention (dense only).
+        sparse_retention_tails=Choice(False, f"{_SINGLE}:147-171"),
+        eagle_junction_tail=Choice(False, f"{_SINGLE}:147-171"),
         hybrid_caches_aligned=Choice(False, f"{_COORD}:147-158"),
         # The full group looks up to max_cache_hit_length, the other group up to its hit.
         eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
@@ -194,6 +209,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(False, "vllm/v1/kv_cache_interface.py:432-441"),
         uncached_freed_first=Choice(False, f"{_POOL}:408-422"),
         sparse_window_cache=Choice(False, f"{_SINGLE}:273-297"),
+        sparse_retention_tails=Choice(False, f"{_SINGLE}:273-297"),
+        eagle_junction_tail=Choice(False, f"{_SINGLE}:273-297"),
         hybrid_caches_aligned=Choice(False, f"{_COORD}:187-198"),
         # min(curr_hit_length + spec.block_size, max_cache_hit_length).
         eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
@@ -221,6 +238,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # cache_blocks passes reachable_block_mask (SlidingWindowManager's, :1065-...) to
         # cache_full_blocks: only the needed blocks before each aligned boundary.
         sparse_window_cache=Choice(True, f"{_SINGLE}:505-515"),
+        # reachable_block_mask: segment tails (:1104-1133), reachable-boundary tails (:1135-1142);
+        # the boundaries are get_replay_boundaries (kv_cache_coordinator.py:314-333) and the
+        # request's shared_prefix_boundary (kv_cache_manager.py:316-318, scheduler.py:918-924).
+        sparse_retention_tails=Choice(True, f"{_SINGLE}:1065-1144"),
+        # cache_blocks adds the junction alone.
+        eagle_junction_tail=Choice(False, f"{_SINGLE}:501-503"),
         hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
@@ -241,6 +264,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
         uncached_freed_first=Choice(True, f"{_POOL}:826-847"),
         sparse_window_cache=Choice(True, f"{_SINGLE}:522-531"),
+        # reachable_block_mask (:1067-1146); the boundaries are replay_boundaries
+        # (kv_cache_coordinator.py:65-86) and shared_prefix_boundary (kv_cache_manager.py:320-325,
+        # kept on the request, scheduler.py:1120-1126).
+        sparse_retention_tails=Choice(True, f"{_SINGLE}:1067-1146"),
+        # With use_eagle, the junction less one block as well.
+        eagle_junction_tail=Choice(True, f"{_SINGLE}:511-520"),
         hybrid_caches_aligned=Choice(True, f"{_COORD}:777-803"),
         # min(curr_hit_length + eagle_margin, len(block_hashes) * hash_block_size).
         eagle_looks_further=Choice(True, f"{_COORD}:869-887"),

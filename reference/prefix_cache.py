@@ -148,17 +148,55 @@ def chunk_hit(lookup: Lookup, max_blocks: int, first_block: int) -> list[int | N
     return hit
 
 
-def sparse_window_mask(start: int, end: int, block_size: int, window: int, alignment: int, eagle: bool) -> list[bool]:
-    """Which of a sliding-window group's full blocks ``start .. end - 1`` can ever serve a hit:
-    with hits only at multiples of ``alignment`` tokens, only the ``needed`` blocks before each
-    aligned boundary (one block later with an EAGLE drop).  All of them when every block is
-    such a tail."""
+def sparse_window_mask(
+    start: int,
+    end: int,
+    block_size: int,
+    window: int,
+    alignment: int,
+    eagle: bool,
+    retention: int | None = None,
+    boundaries: Sequence[int] = (),
+) -> list[bool]:
+    """Which of a sliding-window group's full blocks ``start .. end - 1`` are cached, with hits
+    only at multiples of ``alignment`` tokens.  A tail is the ``needed`` blocks before a
+    boundary (one block later with an EAGLE drop, which looks a block past the hit).
+
+    ``retention`` (``Shape.retention_interval``) None: a tail before every aligned boundary
+    (dense; every block when every block is such a tail).  0: no periodic tails.  Positive: a
+    tail before every multiple of ``retention`` tokens (every block when every block is one).
+    Under 0 or a positive retention, also the tail before each of ``boundaries`` (token
+    positions, aligned down), where a later request can resume: the prompt's replay
+    boundaries and a shared-prefix junction."""
     needed = ceil_div(window - 1, block_size) + eagle
-    per_segment = alignment // block_size
-    if alignment % block_size or needed >= per_segment:
+    if alignment % block_size:
         return [True] * (end - start)
     shift = int(eagle)
-    return [i >= shift and (i - shift) % per_segment >= per_segment - needed for i in range(start, end)]
+    mask = [False] * (end - start)
+    segment = alignment if retention is None else retention
+    if segment:
+        per_segment = segment // block_size
+        if needed >= per_segment:
+            return [True] * (end - start)
+        mask = [i >= shift and (i - shift) % per_segment >= per_segment - needed for i in range(start, end)]
+    if retention is not None:
+        for boundary in boundaries:
+            tail_end = boundary // alignment * alignment // block_size + shift
+            for i in range(max(start, tail_end - needed), min(end, tail_end)):
+                mask[i - start] = True
+    return mask
+
+
+def replay_boundaries(prompt: int, alignment: int, eagle: bool) -> tuple[int, ...]:
+    """Token positions a later request sending this ``prompt``-token prompt again (or a longer
+    one starting with it) can resume at: the prompt less its last token (recomputed for the
+    logits); with an EAGLE drop, the aligned ends below that and below the prompt's last aligned
+    end, each one ``alignment`` lower (the tail's shift adds the block back)."""
+    if not eagle:
+        return (prompt - 1,)
+    resend = (prompt - 1) // alignment * alignment
+    extension = prompt // alignment * alignment
+    return tuple(sorted({max(resend - alignment, 0), max(extension - alignment, 0)}))
 
 
 __all__ = [
@@ -168,6 +206,7 @@ __all__ = [
     "block_key",
     "chunk_hit",
     "full_hit",
+    "replay_boundaries",
     "sparse_window_mask",
     "window_hit",
 ]

@@ -21,7 +21,9 @@ a request admitted with nothing computed starts at its longest hit (every group 
 one length, a multiple of the scheduler's block size, at most the prompt less one token), and
 the free queue is vLLM's: the allocator takes its head and forgets the key of a cached block it
 takes, a freed block goes to its tail (an uncached one to its head under ``uncached_freed_first``),
-a hit takes its blocks back out of it.
+a hit takes its blocks back out of it.  A second group's sliding-window blocks are cached as the
+shape's ``retention_interval`` says (``_cache_blocks``, reference/prefix_cache.py
+``sparse_window_mask``): densely, or sparsely, keeping the tails a later request can resume at.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from kvspec.spec.state import Device, PoolView, TableView
 from kvspec.spec.window import blocks_for_tokens, ceil_div
 
 from .policies import REFERENCE_OWN, SchedulerPolicy
-from .prefix_cache import PrefixCache, block_key, chunk_hit, full_hit, sparse_window_mask, window_hit
+from .prefix_cache import (
+    PrefixCache,
+    block_key,
+    chunk_hit,
+    full_hit,
+    replay_boundaries,
+    sparse_window_mask,
+    window_hit,
+)
 
 
 @attrs.frozen
@@ -68,6 +78,8 @@ class _Req:
     extra: ExtraKeys = NO_EXTRA  # its domain (cache salt, LoRA adapter): part of every block key
     cached: list[int] = attrs.Factory(list)  # per group: table slots already cached (or skipped)
     hit: Hit | None = None  # the prefix hit its admission is adopting (``_grow`` takes it)
+    prompt: int = 0  # its prompt's tokens (the replay boundaries are the prompt's)
+    junction: int = 0  # its last lookup's full-attention hit, where longer than the hit (else 0)
 
     def known(self) -> int:
         return len(self.tokens) + self.placeholders
@@ -163,7 +175,7 @@ class ReferenceScheduler:
     # ------------------------------------------------------------ requests
 
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA) -> None:
-        self.reqs[seq_id] = _Req(seq_id, list(tokens), max_tokens, extra=extra)
+        self.reqs[seq_id] = _Req(seq_id, list(tokens), max_tokens, extra=extra, prompt=len(tokens))
         self.waiting.append(seq_id)
 
     def abort(self, seq_id: int) -> None:
@@ -315,6 +327,7 @@ class ReferenceScheduler:
         if drop and length:
             length = self._after_eagle_drop(length, full)
         length -= length % self.alignment
+        full_length = length
         tables: list[tuple[int | None, ...]] = [()] * len(groups)
         for gi, group in enumerate(groups[1:], start=1):
             limit = min(length + group.block_size, cap) if further else length
@@ -330,6 +343,9 @@ class ReferenceScheduler:
             length = len(found) * group.block_size
             tables[gi] = tuple(found)
         tables[0] = tuple(blocks[: ceil_div(length, full.block_size)])
+        # A shared prefix the window group has not cached (yet): its tail is kept under a
+        # sparse retention (``_cache_blocks``), so the next request can hit it.
+        req.junction = full_length if full_length > length else 0
         return Hit(length, tuple(tables)) if length else NO_HIT
 
     def _after_eagle_drop(self, length: int, full: GroupSpec) -> int:
@@ -401,7 +417,8 @@ class ReferenceScheduler:
             mask = [True] * (full - start)
             if group.sliding_window is not None and len(self.group_specs) > 1 and self.policy.sparse_window_cache.value:
                 mask = sparse_window_mask(
-                    start, full, group.block_size, group.sliding_window, self.alignment, self.drop_eagle_block
+                    start, full, group.block_size, group.sliding_window, self.alignment, self.drop_eagle_block,
+                    *self._retention(req, group),
                 )
             for i, keep in zip(range(start, full), mask, strict=True):
                 block = table[i]
@@ -409,6 +426,21 @@ class ReferenceScheduler:
                 if block is not None and keep and key is not None:
                     cache.insert(gi, key, block)
             req.cached[gi] = full
+
+    def _retention(self, req: _Req, group: GroupSpec) -> tuple[int | None, tuple[int, ...]]:
+        """The retention a sliding-window group caches by (``sparse_window_mask``) and the
+        positions it keeps a tail before: the prompt's replay boundaries and the request's
+        junction (with an EAGLE drop under ``eagle_junction_tail``, the junction less a block
+        too).  Dense where the policy models no sparse retention."""
+        retention = self.shape.retention_interval
+        if retention is None or not self.policy.sparse_retention_tails.value:
+            return None, ()
+        boundaries = replay_boundaries(req.prompt, self.alignment, self.drop_eagle_block)
+        if req.junction:
+            boundaries += (req.junction,)
+            if self.drop_eagle_block and self.policy.eagle_junction_tail.value:
+                boundaries += (req.junction - group.block_size,)
+        return retention, boundaries
 
     # ------------------------------------------------------------ a step
 

@@ -5,7 +5,7 @@ request admitted at its prefix hit shares the hit blocks, and eviction follows t
 from __future__ import annotations
 
 from kvspec.reference.policies import declared_for
-from kvspec.reference.prefix_cache import chunk_hit, full_hit, sparse_window_mask, window_hit
+from kvspec.reference.prefix_cache import chunk_hit, full_hit, replay_boundaries, sparse_window_mask, window_hit
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.groups import Shape
 
@@ -40,6 +40,25 @@ def test_a_window_group_caches_only_blocks_a_hit_can_use():
     assert sparse_window_mask(0, 8, 2, 3, 8, False) == [False, False, False, True] * 2
     # A window as long as the alignment needs every block.
     assert sparse_window_mask(0, 4, 2, 9, 8, False) == [True] * 4
+
+
+def test_a_sparse_retention_keeps_only_the_tails_it_names():
+    # Hits at multiples of 4 tokens, window 3 in blocks of 2 (a tail of one block).
+    # Retention 0: only the tails before the boundaries (token 13 aligns down to 12: block 5).
+    assert sparse_window_mask(0, 8, 2, 3, 4, False, 0, ()) == [False] * 8
+    assert sparse_window_mask(0, 8, 2, 3, 4, False, 0, (13,)) == [False] * 5 + [True, False, False]
+    # Every 8 tokens: blocks 3 and 7, and the boundary's (5 aligns down to 4: block 1).
+    assert sparse_window_mask(0, 8, 2, 3, 4, False, 8, (5,)) == [False, True, False, True, False, False, False, True]
+    # An EAGLE drop needs a block more and shifts the tail a block on: blocks 3-4 and 7-8.
+    assert sparse_window_mask(2, 8, 2, 3, 4, True, 8, ()) == [False, True, True, False, False, True]
+    # Dense (None) ignores the boundaries: a tail before every multiple of 4.
+    assert sparse_window_mask(0, 4, 2, 3, 4, False, None, (1,)) == [False, True, False, True]
+
+
+def test_replay_boundaries_are_the_prompt_less_one_or_the_aligned_ends_below():
+    assert replay_boundaries(9, 4, False) == (8,)
+    assert replay_boundaries(9, 4, True) == (4,)
+    assert replay_boundaries(8, 4, True) == (0, 4)
 
 
 SHAPE = Shape(

@@ -70,8 +70,8 @@ RETENTION_PERIODS = (1, 2, 4)
 
 def retention_offer_of(factory: Callable[..., Any]) -> RetentionOffer:
     """The retentions the scheduler ``factory`` builds offers (vLLM's adapter reads its
-    release, ``VLLMV1SchedulerAdapter.retention_offer``); dense only for any other (the
-    reference scheduler models dense retention alone)."""
+    release, ``VLLMV1SchedulerAdapter.retention_offer``); dense only for any other (a
+    reference scheduler alone runs the engine's configuration, which it has none of)."""
     offer = getattr(factory, "retention_offer", None)
     return offer() if offer is not None else DENSE_ONLY
 
@@ -567,12 +567,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.diff_counts.undeclared = release_of(target)
         elif vllm_align and policy is not None and not policy.mamba_aligned_split.value:
             self.diff_counts.not_run[f"Mamba align shape (no block-aligned split declared for {policy.id})"] += 1
-        elif shape.sparse_retention and not vllm_align:
-            # The reference caches every full block of a sliding-window group (dense retention),
-            # and a hit's length is the shortest over the groups.  A Mamba "align" comparison
-            # ends wherever vLLM's prefix cache may hit (``_mamba_cache_may_hit``), so what its
-            # retention keeps is never compared.
-            self.diff_counts.not_run["sparse prefix-cache retention (the reference retains densely)"] += 1
+        elif (
+            shape.sparse_retention and not vllm_align and policy is not None and not policy.sparse_retention_tails.value
+        ):
+            # The policy declares no sparse retention of sliding-window groups, so the reference
+            # would retain densely.  A Mamba "align" comparison ends wherever vLLM's prefix cache
+            # may hit (``_mamba_cache_may_hit``), so what its retention keeps is never compared.
+            self.diff_counts.not_run[f"sparse prefix-cache retention (not declared for {policy.id})"] += 1
         elif policy is not None:
             reference = reference_beside(target, shape, policy)
             self.lockstep = SchedulerLockstep(

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY
+from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY, SPARSE_RETENTION_ONLY
 from kvspec.reference.policies import declared_for
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
@@ -134,3 +134,38 @@ def test_a_split_not_at_mamba_blocks_differs_from_vllm(adapter, monkeypatch):
         )
     found = caught.value
     assert found.comparison == comparison and found.release == "0.33.0", found
+
+
+def _sparse_window(adapter):
+    return shapes(retention=adapter.retention_offer()).filter(
+        lambda s: s.sparse_retention and s.sliding_window is not None
+    )
+
+
+def test_sparse_retention_shapes_are_compared_beside_vllm(adapter):
+    """Sliding-window shapes under a sparse retention (the engine's default 0, or a periodic
+    interval) run the differential to the end, past prefix hits (``sparse_retention_tails``)."""
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, _sparse_window(adapter), differential=Mode.RENAMING, diff_counts=counts),
+        settings=settings(_settings(), suppress_health_check=list(HealthCheck)),
+    )
+    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+    assert counts.to_end == counts.examples and counts.hit_examples > 0, counts
+
+
+def test_a_dense_cache_under_sparse_retention_differs_from_vllm(adapter, monkeypatch):
+    """The reference replaced by ``dense-under-sparse-retention`` (every aligned tail cached
+    whatever the retention): vLLM keeps fewer sliding-window blocks, and the differential
+    reports it."""
+    import kvspec.testing.scheduler.machine as machine
+
+    monkeypatch.setattr(machine, "ReferenceScheduler", SPARSE_RETENTION_ONLY["dense-under-sparse-retention"])
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, _sparse_window(adapter), differential=Mode.RENAMING),
+            settings=settings(_settings(), max_examples=4 * EXAMPLES, suppress_health_check=list(HealthCheck)),
+        )
+    found = caught.value
+    assert found.release == "0.33.0", found
+    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
