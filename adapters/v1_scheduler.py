@@ -520,12 +520,14 @@ class VLLMV1SchedulerAdapter:
         """vLLM's own check of the retention against the groups (kv_cache_coordinator.py:33-62),
         run before the scheduler is built so that a value the release refuses is a refused
         shape (``ConfigError``), not a failure of the run."""
-        validate = getattr(
-            importlib.import_module("vllm.v1.core.kv_cache_coordinator"),
-            "_validate_prefix_cache_retention_interval",
-            None,
-        )
-        if validate is None or shape.retention_interval is None:
+        if shape.retention_interval is None:
+            return
+        try:  # a release with the retention field ships the coordinator; an older one needs no check
+            coordinator = importlib.import_module("vllm.v1.core.kv_cache_coordinator")
+        except ImportError:
+            return
+        validate = getattr(coordinator, "_validate_prefix_cache_retention_interval", None)
+        if validate is None:
             return
         try:
             validate(shape.retention_interval, shape.scheduler_block_size, real(kv_cache_config))

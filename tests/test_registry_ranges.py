@@ -57,7 +57,10 @@ WHEELS: dict[str, tuple[str | None, str]] = {
 }
 # Imported only under ``except ImportError`` (a release without them runs without the
 # feature): newer than every release read.
-GUARDED_ELSEWHERE = {"vllm.utils.hashing", "vllm.v1.core.sched.async_scheduler"}
+# Imported only under ``except ImportError``, on the releases that have them (the coordinator:
+# the retention check, adapters/v1_scheduler.py ``_retention_valid``; in the 0.10.1.1 wheel and
+# later, not in 0.6.3.post1's).
+GUARDED_ELSEWHERE = {"vllm.utils.hashing", "vllm.v1.core.sched.async_scheduler", "vllm.v1.core.kv_cache_coordinator"}
 
 
 def _catches_import_error(node: ast.Try) -> bool:
