@@ -237,7 +237,9 @@ def measure(target: str, version: str | None, site_packages: Path, results_dir: 
     impl = target.split("@", 1)[0]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvspec-lockstep-mut-{impl}"
     work.mkdir(parents=True, exist_ok=True)
-    results = results_dir / f"mutation-lockstep-{impl}.jsonl"
+    # First-verdict rows answer a narrower question than whole PR verdicts: a file of their own.
+    first = "-first" if "--first-verdict" in flags else ""
+    results = results_dir / f"mutation-lockstep-{impl}{first}.jsonl"
     rows = run_keys(site_packages, chosen, version, results, work, timeout, (*impl_flags(impl), *flags))
     print(render([json.loads(line) for line in results.read_text().splitlines() if line.strip()], mutants))
     return rows

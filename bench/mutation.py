@@ -81,6 +81,7 @@ class MutateOptions:
     no_replay: bool  # do not replay a survivor on the baseline's traces
     no_vllm_tests: bool  # skip vLLM's own unit tests on the mutants
     vllm_tests_from: str | None = None  # an earlier mutation.json whose tests' verdicts to reuse
+    first_verdict: bool = False  # --oracle lockstep: each PR verdict stops at its first verdict
     examples: int  # hypothesis examples per mutant
     timeout: float  # seconds per mutant
     jobs: int  # mutants run at a time
@@ -633,8 +634,9 @@ def cmd_mutate(opts: MutateOptions) -> dict[str, Any]:
         from .lockstep_mutation import measure
 
         (target,) = opts.targets
+        flags = ("--no-verify", *(("--first-verdict",) if opts.first_verdict else ()))
         rows = measure(target, split_target(target)[1], site_packages(target),
-                       Path(opts.results) if opts.results else RESULTS, opts.timeout, opts.keys)
+                       Path(opts.results) if opts.results else RESULTS, opts.timeout, opts.keys, flags)
         return {"target": target, "rows": rows}
     targets = opts.targets or list(TARGETS)
     results_dir = Path(opts.results) if opts.results else None

@@ -107,6 +107,9 @@ def bench_parser() -> argparse.ArgumentParser:
                    "run's results (its mutation.json): the tests never see the oracle, so a "
                    "mutant's verdict stands while the release and the mutant are the same; a "
                    "sampled mutant the file has no verdict for is an error")
+    m.add_argument("--first-verdict", action="store_true",
+                   help="--oracle lockstep: each PR verdict stops at its first verdict, unshrunk "
+                   "(`kvspec check --first-verdict`): a detection count at a fraction of the cost")
     m.add_argument("--examples", type=int, default=80, help="hypothesis examples per mutant")
     m.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
     m.add_argument("--jobs", type=int, default=2)

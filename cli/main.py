@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "reference scheduler's declared policy, seeded from --seed, each scheduler verdict replayed on "
         "BASE), which runs by default after the two lockstep halves",
     )
+    b.add_argument(
+        "--first-verdict",
+        action="store_true",
+        help="answer only whether HEAD differs: stop at the first verdict (regression, fix or behaviour "
+        "change), reported unshrunk, and skip the halves after it; a run with no verdict is the full run",
+    )
     o = p.add_argument_group("output")
     o.add_argument(
         "--coverage",

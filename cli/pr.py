@@ -207,6 +207,7 @@ def run_compare(
         "base": attrs.asdict(base),
         "status": run.status,
         "mode": args.compare,
+        "first_verdict": first_verdict(args),
         "examples": run.stats.examples,
         "operations": run.stats.operations,
         "by_op": run.stats.by_op,
@@ -243,6 +244,7 @@ def lockstep(
     args: argparse.Namespace, head: Side, base: Side, overrides: dict[str, Any], *, scheduler: bool = False
 ) -> LockstepRun:
     machine: dict[str, Any] = {"machine": SchedulerLockstepMachine} if scheduler else {}
+    first = first_verdict(args)
     return run_lockstep(
         head,
         base,
@@ -254,7 +256,8 @@ def lockstep(
         focus=check_invariant_ids(args.invariant),
         features=features_from(overrides),
         mode=Mode(args.compare),
-        max_verdicts=min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
+        max_verdicts=1 if first else min(args.max_violations or MAX_VERDICTS, MAX_VERDICTS),
+        shrink=not first,
         limits=limits_from(args),
         progress=lambda line: err.print(f"  found: {line}", markup=False),
         **machine,
@@ -263,6 +266,16 @@ def lockstep(
 
 MAX_VERDICTS = 3  # distinct verdicts one lockstep run shrinks and reports before it stops
 DEFAULT_SEED = 0  # a PR run without --seed: every search of it is repeatable
+
+
+def first_verdict(args: argparse.Namespace) -> bool:
+    """``--first-verdict``: the question is only whether HEAD differs at all."""
+    return bool(getattr(args, "first_verdict", False))
+
+
+def answered(args: argparse.Namespace, runs: list[LockstepRun]) -> bool:
+    """Whether a ``--first-verdict`` run has its answer, so that the halves after it are skipped."""
+    return first_verdict(args) and any(r.verdicts for r in runs)
 
 
 def pr_seed(args: argparse.Namespace) -> int:
@@ -413,7 +426,9 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
     common = without(
         argv, "--baseline", "--vllm", "--vllm-source", "--out", "--source-version", "--venv", "--compare", "--seed"
     )
-    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--no-head-check")]
+    common = [a for a in common if a not in ("--fail-on-change", "--coverage", "--no-head-check", "--first-verdict")]
+    if first_verdict(args):
+        common = [*without(common, "--max-violations"), "--max-violations", "1"]
     # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
     common += ["--seed", str(pr_seed(args))]
     extra = ["--source-version", args.source_version] if args.source_version else []
@@ -485,11 +500,14 @@ def cmd_pr(args: argparse.Namespace, argv: list[str]) -> int:
         coverage_of_changes(args, argv, base_flags, root)
     scheduler: list[dict] = []
     runs = [run]
-    if head_side.impl == "v1" and not args.no_shapes:
+    if head_side.impl == "v1" and not args.no_shapes and not answered(args, runs):
         out.rule("vLLM's own V1 scheduler in lockstep")
         runs.append(run_compare(args, head_side, base_side, root / "scheduler", scheduler=True))
         add_scheduler_lockstep(root / "pr.json", runs[-1], root / "scheduler" / "pr.json")
-    if head_side.impl == "v1" and not args.no_shapes and not getattr(args, "no_head_check", False):
+    head_check = not getattr(args, "no_head_check", False) and not answered(args, runs)
+    if answered(args, runs):
+        out.print("--first-verdict: HEAD differs; the halves after this verdict are skipped", markup=False)
+    if head_side.impl == "v1" and not args.no_shapes and head_check:
         scheduler = scheduler_verdicts(args, argv, base_flags, root)
         summary_path = root / "pr.json"
         summary = json.loads(summary_path.read_text())

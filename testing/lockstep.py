@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import attrs
-from hypothesis import note, reject
+from hypothesis import Phase, note, reject
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
@@ -880,13 +880,15 @@ def run_lockstep(
     progress: Callable[[str], None] | None = None,
     golden: bool = True,
     machine: type = LockstepMachine,
+    shrink: bool = True,
 ) -> LockstepRun:
     """Search for differences between HEAD and BASE: rounds of the same search, each stepping
     past the verdicts found before, until a round finds nothing new or ``max_verdicts``.
     ``machine``: the lockstep machine whose rules draw the operations (the block manager's, or
     the scheduler's: testing/scheduler/lockstep.py), built with the arguments
     ``LockstepMachine`` takes, whose ``child`` names the module the target processes serve
-    from; ``strategy`` draws what it builds its targets in."""
+    from; ``strategy`` draws what it builds its targets in.  ``shrink=False``: a verdict is
+    reported as first met (what a yes/no answer needs, at a fraction of the cost)."""
     limits = limits or Limits(DEFAULT_OP_TIMEOUT, DEFAULT_MEMORY_CAP_GIB)
     child = getattr(machine, "child", CHILD)
     remotes = (Remote(head, limits, child), Remote(base, limits, child))
@@ -896,6 +898,7 @@ def run_lockstep(
     chosen = Settings(
         base_settings, max_examples=requested, stateful_step_count=step_count, report_multiple_bugs=False,
         database=None, print_blob=False, deadline=None,
+        **({} if shrink else {"phases": [p for p in base_settings.phases if p is not Phase.shrink]}),
     )
     stats = LockstepStats()
     run = LockstepRun(head, base, [], stats, requested, step_count)

@@ -87,3 +87,12 @@ def test_a_miscounted_hit_rate_on_head_is_a_behaviour_change_once_a_lookup_hits(
     (head_rate,), (base_rate,) = verdict.values()
     assert head_rate == base_rate / 2 and base_rate > 0
     assert len(verdict.trace) <= 4, verdict.describe()  # shrunk: a few admissions, then a hit
+
+
+def test_without_shrinking_the_first_difference_met_is_the_verdict_unshrunk():
+    shrunk = run_lockstep(*_sides("broken:leak-on-free"), configs(), **BUDGET)
+    first = run_lockstep(*_sides("broken:leak-on-free"), configs(), **BUDGET, shrink=False)
+    (verdict,) = first.verdicts
+    assert verdict.kind is Kind.REGRESSION
+    # The same search, stopped where it first met the leak: never shorter than the shrunk one.
+    assert len(verdict.trace) >= len(shrunk.verdicts[0].trace)

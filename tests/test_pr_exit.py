@@ -56,3 +56,10 @@ def test_nothing_compared_and_nothing_found_is_no_verdict(monkeypatch, tmp_path,
     monkeypatch.setattr(pr, "lockstep", lambda *a, **k: empty)
     with pytest.raises(UsageError, match="compared 0 example"):
         pr.run_compare(_args(), empty.head, empty.base, tmp_path)
+
+
+def test_first_verdict_skips_the_halves_after_a_verdict_only_when_asked(regression_run):
+    asked, plain = argparse.Namespace(first_verdict=True), argparse.Namespace()
+    assert pr.answered(asked, [regression_run])
+    assert not pr.answered(plain, [regression_run])
+    assert not pr.answered(asked, [attrs.evolve(regression_run, verdicts=[])])
