@@ -38,6 +38,7 @@ import kvspec
 from .budget import BudgetSpent, Part
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, out
 from .failures import KVSPEC_ERROR, STOPPED_BY_TARGET, limits_from
+from .target import is_kvspec_scheduler
 
 SCHEDULER_SEARCH = "scheduler"  # ``Campaign.search`` of a scheduler campaign
 EXAMPLES_PER_SEARCH = 100  # one search (its rounds); the clock and the stop flag cut it sooner
@@ -58,13 +59,6 @@ class CampaignPart(Part):
             self.cut = True
             raise BudgetSpent(self.name)
         super().start_example()
-
-
-def is_kvspec_scheduler(name: str | None) -> bool:
-    """Whether ``--impl`` names one of kvspec's own schedulers (no vLLM needed)."""
-    from kvspec.testing.implementations import SCHEDULERS
-
-    return name is not None and name in SCHEDULERS and not SCHEDULERS[name].is_vllm
 
 
 def identity_text(found: Any) -> str:
@@ -97,7 +91,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
     logging.getLogger("vllm").setLevel(logging.ERROR)
     campaign = Campaign.from_json(campaign_json)
     base = Path(folder)
-    log = (base / f"worker-{index}.log").open("a")
+    log = (base / f"worker-{index}.log").open("a", buffering=1)  # line by line: readable while it runs
     common.out.file = log  # the verdicts as kvspec check prints them, per worker
     common.err.file = log
     part = CampaignPart(f"worker {index}", deadline - time.time(),
