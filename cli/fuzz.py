@@ -31,7 +31,7 @@ import json
 import multiprocessing as mp
 import queue as queue_mod
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +262,17 @@ def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, 
                  "operations": record["operations"], "seconds": round(part.seconds, 2)})
 
 
+def messages(results, procs, give_up: float) -> Iterator[dict[str, Any]]:
+    """The workers' messages as they come, until every worker has exited with nothing left to
+    read, or ``give_up`` (``time.time()``) has passed with none coming."""
+    while True:
+        try:
+            yield results.get(timeout=POLL_SECONDS)
+        except queue_mod.Empty:
+            if time.time() > give_up or not any(p.is_alive() for p in procs):
+                return
+
+
 # ------------------------------------------------------------------------------ the command
 
 
@@ -348,18 +359,15 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     progress: dict[int, dict[str, Any]] = {}
     failure: dict[str, Any] | None = None
     finished = 0
-    while finished < len(procs) and failure is None:
-        try:
-            msg = results.get(timeout=POLL_SECONDS)
-        except queue_mod.Empty:
-            if time.time() > deadline + JOIN_SECONDS * 3 or not any(p.is_alive() for p in procs):
-                break
-            continue
+    for msg in messages(results, procs, deadline + JOIN_SECONDS * 3):
         progress[msg["worker"]] = msg
         if msg["kind"] == "failure":
             failure = msg
-        elif msg["kind"] == "done":
+            break
+        if msg["kind"] == "done":
             finished += 1
+            if finished == len(procs):
+                break
     stop.set()
     for proc in procs:
         proc.join(JOIN_SECONDS)

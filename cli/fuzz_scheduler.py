@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import queue as queue_mod
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,7 +41,6 @@ from .target import is_kvspec_scheduler
 
 SCHEDULER_SEARCH = "scheduler"  # ``Campaign.search`` of a scheduler campaign
 EXAMPLES_PER_SEARCH = 100  # one search (its rounds); the clock and the stop flag cut it sooner
-POLL_SECONDS = 0.5
 JOIN_SECONDS = 30.0  # a worker may be shrinking, or drawing a report, when the campaign stops
 ENDS_CAMPAIGN = (*STOPPED_BY_TARGET, KVSPEC_ERROR)
 
@@ -134,6 +132,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
                     lambda: {"target": target, "command": command, "limits": limits_json}, replay_hint)[0]
                 o = found.outcome
                 results.put({**progress("verdict"), "identity": identity_text(found),
+                             "fingerprint": found.fingerprint.describe(),
                              "known": found.known.id if found.known is not None else None,
                              "status": o.status, "verdict_kind": entry["kind"], "report": entry["report"],
                              "at": time.time(), "shape": o.shape.describe() if o.shape is not None else None,
@@ -178,7 +177,7 @@ def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given:
     from kvspec.testing.known import SHIPPED, load_known
 
     from .check import check_invariant_ids, describe_target, replay_flags, resolve, target_json
-    from .fuzz import Campaign
+    from .fuzz import Campaign, messages
     from .shapes import SCHEDULER_IMPL
 
     if args.search != "default" or args.config:
@@ -241,18 +240,14 @@ def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given:
     failures: list[dict[str, Any]] = []
     finished = 0
     why = "the time limit"
-    while finished < len(procs):
-        try:
-            msg = results.get(timeout=POLL_SECONDS)
-        except queue_mod.Empty:
-            if time.time() > deadline + JOIN_SECONDS * 3 or not any(p.is_alive() for p in procs):
-                break
-            continue
+    for msg in messages(results, procs, deadline + JOIN_SECONDS * 3):
         latest[msg["worker"]] = msg
-        if msg["kind"] in ("done", "failure"):
-            finished += 1
         if msg["kind"] == "failure":
             failures.append(msg)
+        if msg["kind"] in ("done", "failure"):
+            finished += 1
+            if finished == len(procs):
+                break
         if msg["kind"] != "verdict":
             continue
         seconds = msg["at"] - start
@@ -261,13 +256,14 @@ def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given:
             first["also"].append({"worker": msg["worker"], "seconds": round(seconds, 1), "report": msg["report"]})
             continue
         verdicts[msg["identity"]] = {
-            "identity": msg["identity"], "known_finding": msg["known"], "status": msg["status"],
+            "identity": msg["identity"], "fingerprint": msg["fingerprint"], "known_finding": msg["known"],
+            "status": msg["status"],
             "kind": msg["verdict_kind"], "worker": msg["worker"], "seconds": round(seconds, 1),
             # Examples the workers had started by then (each worker's count at its last message).
             "campaign_examples_then": sum(m.get("started", 0) for m in latest.values()),
             "shape": msg["shape"], "message": msg["message"], "report": msg["report"], "also": []}
         label = f"known finding {msg['known']}" if msg["known"] else "[bold red]new[/]"
-        out.print(f"{seconds:7.1f} s  worker {msg['worker']}: {label}: {escape(msg['identity'])} "
+        out.print(f"{seconds:7.1f} s  worker {msg['worker']}: {label}: {escape(msg['fingerprint'])} "
                   f"({msg['verdict_kind']})", soft_wrap=True)
         if not stop.is_set():
             if msg["status"] in ENDS_CAMPAIGN:
@@ -328,9 +324,9 @@ def _summarise(args: argparse.Namespace, campaign: Any, folder: Path, latest: di
     if verdicts:
         out.rule(f"{len(verdicts)} distinct verdict(s)")
         for v in verdicts.values():
-            label = f"{v['known_finding']} (known)" if v["known_finding"] else "new"
+            label = f"known finding {v['known_finding']}" if v["known_finding"] else "new"
             also = f"; also met by worker(s) {', '.join(str(a['worker']) for a in v['also'])}" if v["also"] else ""
-            out.print(f"{escape(v['identity'])}: {label}, {v['kind']}, worker {v['worker']} at {v['seconds']:.1f} s "
+            out.print(f"{label}: {escape(v['fingerprint'])}, {v['kind']}, worker {v['worker']} at {v['seconds']:.1f} s "
                       f"(campaign examples by then: about {v['campaign_examples_then']}){also}", soft_wrap=True)
             if v["shape"]:
                 out.print(f"  shape: {escape(v['shape'])}", soft_wrap=True)
