@@ -40,7 +40,7 @@ from .failures import KVSPEC_ERROR, STOPPED_BY_TARGET, limits_from
 from .target import is_kvspec_scheduler
 
 SCHEDULER_SEARCH = "scheduler"  # ``Campaign.search`` of a scheduler campaign
-EXAMPLES_PER_SEARCH = 100  # one search (its rounds); the clock and the stop flag cut it sooner
+EXAMPLES_PER_SEARCH = 100  # per round of one search; the clock and the stop flag cut it sooner
 JOIN_SECONDS = 30.0  # a worker may be shrinking, or drawing a report, when the campaign stops
 ENDS_CAMPAIGN = (*STOPPED_BY_TARGET, KVSPEC_ERROR)
 
@@ -307,10 +307,17 @@ def _summarise(args: argparse.Namespace, campaign: Any, folder: Path, latest: di
         took = f"{got['seconds']:.1f} s" if got["seconds"] is not None else "still running at the end"
         out.print(f"  worker {i}: {got['searches']} searches, {got['examples']} examples, "
                   f"{got['operations']} operations, {took}", markup=False)
+    # The seconds each shape's examples took, from the workers' parts (an example of several
+    # shapes counts in each).
+    shape_seconds: Counter[str] = Counter()
+    for got in per_worker.values():
+        for tag, (_n, secs) in ((got["budget"] or {}).get("per_shape") or {}).items():
+            shape_seconds[tag] += secs
     for tag in SHAPE_TAGS:
         ex, ops = per_shape.get(tag, (0, 0))
         if ex:
-            out.print(f"  {tag:<20} {ex:>6} examples {ops:>8} operations", markup=False)
+            took = f" {shape_seconds[tag]:7.1f} s" if tag in shape_seconds else ""
+            out.print(f"  {tag:<20} {ex:>6} examples {ops:>8} operations{took}", markup=False)
         else:
             out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
     summary = {**campaign.to_json(), "key": campaign.key().decode(), "machine": "scheduler",
