@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvspec.cli.common import EXIT_FOUND, EXIT_OK, EXIT_USAGE
@@ -85,3 +86,32 @@ def test_scheduler_campaign_options_are_checked(tmp_path):
     assert until.returncode == EXIT_USAGE and "not a known finding" in until.stderr
     block = _kvspec("fuzz", "--impl", "reference", "--until", "C3", "--time-budget", "1", cwd=tmp_path)
     assert block.returncode == EXIT_USAGE and "--machine scheduler" in block.stderr
+
+
+def test_a_campaign_search_hunts_the_known_findings_and_steps_past_what_it_reported():
+    """``search_rounds(hunt=..., reported=...)``, as each worker's search calls it: a hunted
+    known finding is not stepped past while exploring (the round that meets it reports it, by
+    its id, and ``on_found`` hears of it at once); what earlier searches reported is a repeat,
+    never reported or searched for again."""
+    from types import SimpleNamespace
+
+    from kvspec.cli.search import search_rounds
+    from kvspec.testing.known import Fingerprint, KnownFinding
+
+    known = [KnownFinding(i, i, ("progress",), ("step",)) for i in ("A", "B")]
+    rounds: list[Any] = []
+
+    def run_round(sieve, _mask, _tag):
+        rounds.append(sieve)
+        if len(rounds) == 1:  # the first round meets A (what Sieve.__call__ records)
+            sieve.target, sieve.last = "A", Fingerprint("progress", "step")
+            return SimpleNamespace(status="violated")
+        sieve.fired["B"] += 1  # B, reported before, met again: stepped past
+        return SimpleNamespace(status="holds")
+
+    heard: list[Any] = []
+    search = search_rounds(run_round, known, reported=["B"], hunt=["A", "B"], on_found=heard.append)
+    assert rounds[0].stepped == frozenset() and "B" in rounds[0].reported
+    assert [f.known.id for f in search.found] == ["A"] and heard == search.found
+    assert {"A", "B"} <= rounds[1].reported
+    assert len(rounds) == 2 and not search.missed  # B is not searched for again
