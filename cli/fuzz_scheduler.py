@@ -281,13 +281,18 @@ def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given:
         if proc.is_alive():
             proc.terminate()
     seconds = time.time() - start
-    return _summarise(args, campaign, folder, latest, verdicts, failures, seconds, seconds_given, why, hint)
+    unmet = [u for u in until if u not in verdicts]
+    if unmet:
+        out.print(f"[yellow]--until {' '.join(unmet)}: not met[/] within the campaign")
+    return _summarise(args, campaign, folder, latest, verdicts, failures, seconds, seconds_given, why, hint,
+                      unmet)
 
 
 def _summarise(args: argparse.Namespace, campaign: Any, folder: Path, latest: dict[int, dict[str, Any]],
                verdicts: dict[str, dict[str, Any]], failures: list[dict[str, Any]], seconds: float,
-               seconds_given: float, why: str, hint: str) -> int:
-    """Print and write (summary.json) what the campaign ran and met; its exit code."""
+               seconds_given: float, why: str, hint: str, unmet: list[str] | None = None) -> int:
+    """Print and write (summary.json) what the campaign ran and met; its exit code.  ``unmet``:
+    the ``--until`` findings not reported (``until_unmet``)."""
     from kvspec.spec.groups import SHAPE_TAGS
 
     examples = sum(m.get("examples", 0) for m in latest.values())
@@ -324,6 +329,7 @@ def _summarise(args: argparse.Namespace, campaign: Any, folder: Path, latest: di
                "workers": args.workers, "seconds": round(seconds, 1), "time_budget": seconds_given,
                "stopped_at": why, "examples": examples, "operations": operations,
                "per_worker": per_worker, "per_shape": per_shape, "verdicts": list(verdicts.values()),
+               "until_unmet": unmet or [],
                "worker_errors": [{k: f.get(k) for k in ("worker", "error_type", "message")} for f in failures]}
     for f in failures:
         out.print(f"[red]worker {f['worker']} could not run[/]: {escape(f['error_type'])}: "
