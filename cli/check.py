@@ -33,6 +33,7 @@ from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import TraceStep
 from kvspec.testing.blockmanager.machine import RunStats
 from kvspec.testing.guard import Guard, GuardTripped
+from kvspec.testing.implementations import lookup_scheduler
 from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.reach import Measurement
 from kvspec.testing.scheduler.replay import in_context, scheduler_session
@@ -91,6 +92,7 @@ from .target import (
     here_for_source,
     here_local,
     installed_version,
+    is_kvspec_scheduler,
     locate_vllm,
     needs_vllm,
     probe,
@@ -680,10 +682,18 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         trace = trace_from_json(report["trace"])
     except (ConfigError, KeyError, TypeError) as error:
         raise UsageError(f"{args.report}: {error}", "the report is damaged") from None
+    # A verdict of one of kvspec's own schedulers (``kvspec fuzz --machine scheduler --impl
+    # reference-scheduler``, ``broken-scheduler:<name>``) replays on that scheduler, without vLLM.
+    own = report.get("implementation_name") if scheduler else None
+    own_scheduler = own if own is not None and is_kvspec_scheduler(own) else None
     impl = args.impl or ("v1" if scheduler else report["impl"])
+    if own_scheduler is not None and args.impl is None:
+        impl = "reference"  # what resolves the target: kvspec's own code, no vLLM
     check_impl_name(impl)
-    if scheduler and impl != "v1":
+    if scheduler and impl != "v1" and own_scheduler is None:
         raise UsageError(f"{args.report} is a scheduler verdict: it replays on vLLM's V1 scheduler", "drop --impl")
+    if own_scheduler is not None and args.impl is not None:
+        raise UsageError(f"{args.report} is a verdict of {own_scheduler}: it replays on it", "drop --impl")
     # By default, watch what the recorded run watched (its --invariant focus).
     focus = check_invariant_ids(args.invariant or (report.get("run") or {}).get("focus"))
     recorded = report.get("target") or {}
@@ -701,7 +711,12 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         return resolved
     here, impl = resolved
     guard = Guard(limits_from(args, report.get("limits")))
-    if scheduler:
+    if own_scheduler is not None:
+        impl = own_scheduler
+        guarded = guard.wrap(lookup_scheduler(own_scheduler).factory)
+        mode = report.get("differential_mode")
+        session = scheduler_session(config, Mode(mode) if mode else None)
+    elif scheduler:
         guarded = guard.wrap(scheduler_factory())
         mode = report.get("differential_mode")
         session = scheduler_session(config, Mode(mode) if mode else None)
@@ -712,7 +727,7 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         with captured_fds():  # vLLM's import-time logging
             return guarded(config)
 
-    what = "vLLM's V1 scheduler" if scheduler else describe_target(here, impl)
+    what = own_scheduler or ("vLLM's V1 scheduler" if scheduler else describe_target(here, impl))
     err.print(f"replaying {len(trace)} operation(s) on {what}", markup=False)
     try:
         with guard.armed():

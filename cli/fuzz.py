@@ -31,7 +31,7 @@ import json
 import multiprocessing as mp
 import queue as queue_mod
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ class Campaign:
     vllm_version: str | None
     overrides: Mapping[str, Any]
     focus: tuple[str, ...] | None
-    search: str  # "default" (KVCacheMachine) or "swarm" (SwarmMachine)
+    search: str  # "default" (KVCacheMachine), "swarm" (SwarmMachine), "scheduler" (cli/fuzz_scheduler.py)
     steps: int
     database: str
 
@@ -111,6 +111,9 @@ def open_database(url: str, local: Path | None = None):
 
 
 def machine_class(search: str):
+    if search == "scheduler":  # cli/fuzz_scheduler.py runs those campaigns
+        raise UsageError("a scheduler campaign's database replays through its reports",
+                         "kvspec replay <out>/worker-N/NN-<fingerprint>/report.json")
     if search == "swarm":
         from kvspec.testing.blockmanager.swarm import SwarmMachine
 
@@ -259,6 +262,17 @@ def worker(campaign_json: dict[str, Any], index: int, deadline: float, results, 
                  "operations": record["operations"], "seconds": round(part.seconds, 2)})
 
 
+def messages(results, procs, give_up: float) -> Iterator[dict[str, Any]]:
+    """The workers' messages as they come, until every worker has exited with nothing left to
+    read, or ``give_up`` (``time.time()``) has passed with none coming."""
+    while True:
+        try:
+            yield results.get(timeout=POLL_SECONDS)
+        except queue_mod.Empty:
+            if time.time() > give_up or not any(p.is_alive() for p in procs):
+                return
+
+
 # ------------------------------------------------------------------------------ the command
 
 
@@ -277,8 +291,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="time limit of the campaign in seconds (instead of --minutes); each worker "
                    "starts no example after it, and the summary says what each worker got")
     p.add_argument("--steps", type=int, default=40, help="operations per example, at most")
+    p.add_argument("--machine", choices=("block-manager", "scheduler"), default="block-manager",
+                   help="block-manager: the block-manager machine (--search); scheduler: the "
+                   "scheduler machine in the production shapes (testing/scheduler/machine.py), on "
+                   "vLLM's V1 scheduler or, with --impl reference-scheduler or "
+                   "broken-scheduler:<name>, on kvspec's (cli/fuzz_scheduler.py)")
     p.add_argument("--search", choices=("default", "swarm"), default="default",
-                   help="the machine: KVCacheMachine or SwarmMachine (testing/blockmanager/swarm.py)")
+                   help="the block-manager machine: KVCacheMachine or SwarmMachine "
+                   "(testing/blockmanager/swarm.py)")
+    p.add_argument("--until", action="append", metavar="ID",
+                   help="--machine scheduler: stop once this known finding (FINDINGS.md id) is "
+                   "reported (time to a finding); repeatable")
     p.add_argument("--invariant", action="append", metavar="ID", help="watch only these")
     p.add_argument("--config", action="append", metavar="KEY=VALUE",
                    help="pin a configuration field or feature (as kvspec check)")
@@ -297,6 +320,13 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     if args.workers < 1 or seconds_given <= 0:
         raise UsageError("--workers must be >= 1 and --minutes (--time-budget) > 0",
                          "a campaign that runs nothing proves nothing")
+    if args.machine == "scheduler":
+        from .fuzz_scheduler import cmd_fuzz_scheduler
+
+        return cmd_fuzz_scheduler(args, argv, seconds_given)
+    if args.until:
+        raise UsageError("--until names a known finding the scheduler campaign reports",
+                         "add --machine scheduler (the block-manager campaign steps past known findings)")
     overrides = parse_overrides(args.config or [])
     focus = check_invariant_ids(args.invariant)
     limits = limits_from(args)
@@ -329,18 +359,15 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     progress: dict[int, dict[str, Any]] = {}
     failure: dict[str, Any] | None = None
     finished = 0
-    while finished < len(procs) and failure is None:
-        try:
-            msg = results.get(timeout=POLL_SECONDS)
-        except queue_mod.Empty:
-            if time.time() > deadline + JOIN_SECONDS * 3 or not any(p.is_alive() for p in procs):
-                break
-            continue
+    for msg in messages(results, procs, deadline + JOIN_SECONDS * 3):
         progress[msg["worker"]] = msg
         if msg["kind"] == "failure":
             failure = msg
-        elif msg["kind"] == "done":
+            break
+        if msg["kind"] == "done":
             finished += 1
+            if finished == len(procs):
+                break
     stop.set()
     for proc in procs:
         proc.join(JOIN_SECONDS)

@@ -34,7 +34,7 @@ import itertools
 import json
 import random
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -314,15 +314,27 @@ def search_rounds(
     masks: Callable[[Counter[str]], list[Mask]] | None = None,
     max_masks: int = MAX_MASKS,
     spent: Callable[[], bool] | None = None,
+    reported: Collection[Identity] = (),
+    hunt: Collection[str] = (),
+    on_found: Callable[[Found], None] | None = None,
 ) -> Search:
     """Rounds of ``run_round`` until a round finds nothing new, then the same behind the known
     findings that fired, under the feature masks ``masks`` names for them (None: none), then
     each fired known finding once more (module docstring).  Any machine's search; ``spent``:
-    whether its time budget is spent (then no further round starts; the first always runs)."""
+    whether its time budget is spent (then no further round starts; the first always runs).
+
+    A campaign's searches (cli/fuzz.py) pass what earlier searches ``reported`` (identities:
+    stepped past as repeats, never reported again) and the known findings to ``hunt``: ids not
+    stepped past while exploring, so that a known finding ends the round that first meets it
+    and is shrunk there, labelled by its id, instead of being stepped past and searched for
+    again (which a rare finding would not survive); ``on_found`` is called with each verdict as
+    its round ends (a campaign reports it then, not when the whole search has ended)."""
     search = Search([], [], Counter(), known)
+    earlier = frozenset(reported)
+    exploring = [k for k in known if k.id not in hunt]
 
     def one_round(stepped_past: Sequence[KnownFinding], tag: str, mask: Mask) -> tuple[Any, Sieve]:
-        reported = frozenset(f.identity for f in search.found)
+        reported = earlier | frozenset(f.identity for f in search.found)
         sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
         outcome = run_round(sieve, mask, tag)
         search.rounds.append(outcome)
@@ -330,6 +342,8 @@ def search_rounds(
         if outcome.status in _FAILED and sieve.last is not None:
             hit = next((k for k in known if k.id == sieve.target), None)
             search.found.append(Found(sieve.last, outcome, hit))
+            if on_found is not None:
+                on_found(search.found[-1])
         return outcome, sieve
 
     def explore(mask: Mask) -> str | None:
@@ -339,7 +353,7 @@ def search_rounds(
                 return f"stopped at {max_violations} distinct violations"
             if spent is not None and search.rounds and spent():
                 return TIME_SPENT
-            outcome, sieve = one_round(known, f"round {len(search.rounds) + 1}", mask)
+            outcome, sieve = one_round(exploring, f"round {len(search.rounds) + 1}", mask)
             if outcome.status == KVSPEC_ERROR:
                 return KVSPEC_ERROR  # nothing kvspec finds after its own failure is trusted
             if outcome.status not in _FAILED or sieve.target is None:
@@ -366,7 +380,7 @@ def search_rounds(
         return search
     # Each known finding that fired, found again and shrunk with the others stepped past,
     # under the mask where it fired first.
-    for ident in [k.id for k in known if search.fired[k.id]]:
+    for ident in [k.id for k in known if search.fired[k.id] and k.id not in earlier]:
         others = [k for k in known if k.id != ident]
         for attempt in range(RETRIES_PER_KNOWN):
             if len(search.found) >= max_violations:

@@ -56,6 +56,7 @@ from .failures import HEADLINE, KVSPEC_ERROR, STOPPED_BY_TARGET, TRACEBACK_LINES
 from .search import (
     MAX_VIOLATIONS,
     Found,
+    Identity,
     Mask,
     Search,
     Sieve,
@@ -118,12 +119,15 @@ def run_shapes(
     differential: DiffCounts | None = None,
     shape_strategy: st.SearchStrategy[Shape] | None = None,
     part: Part | None = None,
+    database: Any = None,
+    database_key: bytes | None = None,
 ) -> ShapesOutcome:
     """One hypothesis search of the scheduler machine; ``step_past`` may discard failing
     examples (the rounds of ``run_scheduler_search``), ``counts`` and ``differential`` gather
     what every round ran; ``shape_strategy`` narrows the shapes (default: every production
     shape, testing/scheduler/machine.py ``shapes``); ``part``: the scheduler's share of a time
-    budget (cli/budget.py)."""
+    budget (cli/budget.py); ``database`` (a hypothesis example database) under ``database_key``:
+    a campaign's shared examples (cli/fuzz.py), replayed first and receiving the failures."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
     chosen = Settings(
@@ -131,7 +135,7 @@ def run_shapes(
         max_examples=requested,
         stateful_step_count=steps if steps is not None else base.stateful_step_count,
         report_multiple_bugs=False,
-        database=None,
+        database=database,
         print_blob=False,
         deadline=None,
     )
@@ -183,6 +187,8 @@ def run_shapes(
     test = get_state_machine_test(Machine, settings=chosen)
     if seed is not None:
         test = hypothesis_seed(seed)(test)
+    if database is not None and database_key is not None:
+        test._hypothesis_internal_database_key = database_key  # type: ignore[attr-defined]
     start = time.perf_counter()
     if part is not None:
         part.next_round()
@@ -447,12 +453,18 @@ def run_scheduler_search(
     report_known: bool = True,
     max_violations: int = MAX_VIOLATIONS,
     part: Part | None = None,
+    reported: Sequence[Identity] = (),
+    hunt: Sequence[str] = (),
+    on_found: Callable[[Found], None] | None = None,
     **budget: Any,
 ) -> SchedulerRun:
     """Rounds of ``run_shapes`` (``search_rounds``) with its ``budget`` (``profile``,
-    ``examples``, ``steps``, ``seed``, ``focus``): every distinct verdict, each shrunk on its
-    own, the known findings of the scheduler target stepped past and found again; ``part``: its
-    share of a time budget, shared by its rounds (none starts after its deadline)."""
+    ``examples``, ``steps``, ``seed``, ``focus``, ``database``, ``database_key``): every
+    distinct verdict, each shrunk on its own, the known findings of the scheduler target stepped
+    past and found again; ``part``: its share of a time budget, shared by its rounds (none
+    starts after its deadline); ``reported`` and ``hunt``: what a campaign's earlier searches
+    reported, and the known findings it reports on first meeting; ``on_found``: called with each
+    verdict as its round ends (``search_rounds``)."""
     seed = search_seed(budget["profile"], budget.pop("seed", None))
     counts, differential = ShapeCounts(), DiffCounts()
     rejected: list[str] = []
@@ -471,6 +483,9 @@ def run_scheduler_search(
         report_known=report_known,
         max_violations=max_violations,
         spent=part.past_deadline if part is not None else None,
+        reported=reported,
+        hunt=hunt,
+        on_found=on_found,
     )
     rounds: list[ShapesOutcome] = search.rounds
     last = rounds[-1]

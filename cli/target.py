@@ -63,6 +63,13 @@ def needs_vllm(impl: str | None) -> bool:
     return impl is None or implementations.lookup(impl).is_vllm
 
 
+def is_kvspec_scheduler(name: str | None) -> bool:
+    """Whether ``name`` is one of kvspec's own schedulers (the scheduler machine's targets
+    that run without vLLM: testing/implementations.py ``SCHEDULERS``)."""
+    scheduler = implementations.SCHEDULERS.get(name) if name is not None else None
+    return scheduler is not None and not scheduler.is_vllm
+
+
 def factory_for(impl: str) -> Factory:
     """The implementation factory the machine calls with each drawn configuration."""
     return implementations.factory(impl)
