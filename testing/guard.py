@@ -281,6 +281,15 @@ def _address_space() -> int | None:
         return None
 
 
+def address_space_limit(cap_gib: float) -> int | None:
+    """The ``RLIMIT_AS`` that lets this process grow by ``cap_gib`` plus slack (``ADDRESS_SLACK``
+    or the cap, the larger); None where the address space cannot be read."""
+    size = _address_space()
+    if size is None:
+        return None
+    return size + int(cap_gib * GIB) + max(ADDRESS_SLACK, int(cap_gib * GIB))
+
+
 class Guard:
     """Limits for one run.  ``wrap`` a factory, then call inside ``with guard.armed():``."""
 
@@ -334,11 +343,10 @@ class Guard:
 
     def _limit_address_space(self) -> tuple[int, int] | None:
         cap = self.limits.memory_cap_gib
-        size = _address_space()
-        if cap is None or size is None or not self.address_limit:
+        want = address_space_limit(cap) if cap is not None and self.address_limit else None
+        if want is None:
             return None
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        want = size + int(cap * GIB) + max(ADDRESS_SLACK, int(cap * GIB))
         if soft != resource.RLIM_INFINITY and soft <= want:
             return None  # already tighter
         if hard != resource.RLIM_INFINITY and want > hard:
@@ -500,6 +508,8 @@ __all__ = [
     "Limits",
     "TargetExceededMemory",
     "TargetHung",
+    "address_space_limit",
+    "children_since",
     "crash_site",
     "crash_traceback",
     "raised_in_kvspec",
