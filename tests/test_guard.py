@@ -339,7 +339,8 @@ def test_a_child_an_earlier_call_left_does_not_keep_a_later_hung_call_alive():
     """The children a call started are told by start time, not by a snapshot per call."""
     guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
     with guard.armed():
-        leftover = guard.call("construct", None, subprocess.Popen, [sys.executable, "-c", "import time; time.sleep(30)"])
+        sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+        leftover = guard.call("construct", None, subprocess.Popen, sleeper)
     try:
         time.sleep(0.1)
         with guard.armed(), pytest.raises(TargetHung):

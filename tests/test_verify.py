@@ -98,7 +98,8 @@ def _gone(pid_file: Path) -> bool:
 
 def test_a_forked_child_that_hangs_is_killed_and_reported(tmp_path):
     pids = tmp_path / "pid"
-    path = _file(tmp_path, "hang", HANGS.replace("time.sleep(120)", f"open({str(pids)!r}, 'w').write(str(__import__('os').getpid())); time.sleep(120)"))
+    note = f"open({str(pids)!r}, 'w').write(str(__import__('os').getpid()))"
+    path = _file(tmp_path, "hang", HANGS.replace("time.sleep(120)", f"{note}; time.sleep(120)"))
     start = time.monotonic()
     run = pytest_in_fork(path, rootdir=path.parent, limits=LIMITS, timeout=3.0)
     assert run.status == HUNG and time.monotonic() - start < 30
@@ -108,7 +109,8 @@ def test_a_forked_child_that_hangs_is_killed_and_reported(tmp_path):
 
 def test_a_forked_child_that_exceeds_the_memory_cap_is_killed_and_reported(tmp_path):
     pids = tmp_path / "pid"
-    text = RUNS_AWAY.replace("    held = []", f"    open({str(pids)!r}, 'w').write(str(__import__('os').getpid()))\n    held = []")
+    note = f"open({str(pids)!r}, 'w').write(str(__import__('os').getpid()))"
+    text = RUNS_AWAY.replace("    held = []", f"    {note}\n    held = []")
     path = _file(tmp_path, "runaway", text)
     run = pytest_in_fork(path, rootdir=path.parent, limits=Limits(op_timeout=60.0, memory_cap_gib=0.25), timeout=60.0)
     assert run.status == MEMORY, run.output[-2000:]
