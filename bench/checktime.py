@@ -110,6 +110,7 @@ def cmd_checktime(*, release: str, seed: int, repeats: int, planted: bool, timeo
     work = Path(tempfile.mkdtemp(prefix="kvspec-checktime-"))
     copy = _planted_copy(python, work / "planted") if planted else None
     rows: list[dict[str, Any]] = []
+    data: dict[str, Any] = {}
     try:
         for n in range(repeats):
             out = work / f"check-{n}"
@@ -130,12 +131,13 @@ def cmd_checktime(*, release: str, seed: int, repeats: int, planted: bool, timeo
                 shown = f"{row['wall']} s wall, {row['cpu']} s CPU, exit {row['exit']}"
                 print(f"[{n + 1}/{repeats}] {name}: {shown}", flush=True)
                 rows.append(row)
+                # Saved after every run: a long run cut short still leaves what it measured.
+                data = {"machine": info, "command": command_line(), "release": release, "seed": seed,
+                        "repeats": repeats, "tests": {"files": files, "deselected": len(deselect)},
+                        "rows": rows, "seconds": time.perf_counter() - began}
+                save_result("checktime", data, Path(results) if results else None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    data = {"machine": info, "command": command_line(), "release": release, "seed": seed, "repeats": repeats,
-            "tests": {"files": files, "deselected": len(deselect)}, "rows": rows,
-            "seconds": time.perf_counter() - began}
-    save_result("checktime", data, Path(results) if results else None)
     write_section("checktime", render_checktime(data, data["seconds"]), Path(md) if md else None)
     return data
 

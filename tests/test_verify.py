@@ -142,3 +142,21 @@ def test_verify_trusts_a_fork_only_when_it_reproduces(tmp_path):
     assert verdict == PASSES and [r.how for r in runs] == ["fork", "subprocess"]
     verdict, _detail, runs = verify(failing, CHECKS, rootdir=failing.parent, limits=LIMITS, fork=False)
     assert verdict == REPRODUCES and [r.how for r in runs] == ["subprocess"]
+
+
+def test_kvspec_check_keeps_a_file_only_when_plain_pytest_fails_it(tmp_path, monkeypatch):
+    """cli/check.py ``verify_reproducer``: forked by default, a fresh interpreter with
+    KVSPEC_VERIFY_NO_FORK; the same verdict either way, the file kept only when it reproduces."""
+    from kvspec.cli.check import NO_FORK_ENV, verify_reproducer
+    from kvspec.testing.artifacts.reproducer import Reproducer
+
+    for fork in (True, False):
+        if not fork:
+            monkeypatch.setenv(NO_FORK_ENV, "1")
+        out = tmp_path / f"fork-{fork}"
+        failing = Reproducer("test_kvspec_case.py", FAILS, CHECKS)
+        verdict, detail = verify_reproducer(failing, out / "failing", LIMITS)
+        assert verdict == REPRODUCES and detail.startswith("[no-leak]")
+        assert (out / "failing" / "test_kvspec_case.py").is_file()
+        verdict, _ = verify_reproducer(Reproducer("test_kvspec_case.py", PASSES_TEXT, CHECKS), out / "passing", LIMITS)
+        assert verdict == PASSES and not (out / "passing" / "test_kvspec_case.py").exists()
