@@ -597,7 +597,7 @@ def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible
         path = write_atomic(out_dir / made.filename, made.text)
         out.print(f"reproducer (not verified): {path}", markup=False, soft_wrap=True)
         return {"status": "unverified", "path": str(path), "checks": list(made.checks)}
-    verdict, detail = verify_reproducer(made, out_dir, limits_from(args))
+    verdict, detail, how = verify_reproducer(made, out_dir, limits_from(args))
     if verdict != "reproduces":
         out.print(
             f"[yellow]no standalone reproducer[/]: the generated file {detail}; "
@@ -612,20 +612,22 @@ def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible
         soft_wrap=True,
     )
     out.print(f"  run it:   python -m pytest -q {path}", markup=False, soft_wrap=True)
-    return {"status": "verified", "path": str(path), "checks": list(made.checks), "failure": detail}
+    return {"status": "verified", "path": str(path), "checks": list(made.checks), "failure": detail,
+            "verified_in": how}
 
 
-def verify_reproducer(made: Reproducer, out_dir: Path, limits: Limits | None = None) -> tuple[str, str]:
+def verify_reproducer(made: Reproducer, out_dir: Path, limits: Limits | None = None) -> tuple[str, str, str]:
     """Run the file with plain pytest (testing/artifacts/verify.py): in a child forked from this
     process, which has vLLM imported, under the run's ``limits``, and in a fresh interpreter
     (same environment) unless the fork reproduced; keep it only if it fails naming one of its
-    invariants.  Written under a temporary folder, renamed when kept."""
+    invariants.  Written under a temporary folder, renamed when kept.  The verdict, its
+    detail, and where the deciding run ran ("fork" or "subprocess")."""
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=out_dir))
     try:
         candidate = write_atomic(scratch / made.filename, made.text)
         # The fork is made before the spinner's thread starts (a fork copies no other thread).
-        verdict, detail, _runs = verify(
+        verdict, detail, runs = verify(
             candidate,
             made.checks,
             rootdir=scratch,
@@ -634,7 +636,7 @@ def verify_reproducer(made: Reproducer, out_dir: Path, limits: Limits | None = N
         )
         if verdict == REPRODUCES:
             os.replace(candidate, out_dir / made.filename)
-        return verdict, detail
+        return verdict, detail, runs[-1].how
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -155,8 +155,10 @@ def test_kvspec_check_keeps_a_file_only_when_plain_pytest_fails_it(tmp_path, mon
             monkeypatch.setenv(NO_FORK_ENV, "1")
         out = tmp_path / f"fork-{fork}"
         failing = Reproducer("test_kvspec_case.py", FAILS, CHECKS)
-        verdict, detail = verify_reproducer(failing, out / "failing", LIMITS)
+        verdict, detail, how = verify_reproducer(failing, out / "failing", LIMITS)
         assert verdict == REPRODUCES and detail.startswith("[no-leak]")
+        assert how == ("fork" if fork else "subprocess")
         assert (out / "failing" / "test_kvspec_case.py").is_file()
-        verdict, _ = verify_reproducer(Reproducer("test_kvspec_case.py", PASSES_TEXT, CHECKS), out / "passing", LIMITS)
+        passing = Reproducer("test_kvspec_case.py", PASSES_TEXT, CHECKS)
+        verdict, _, _ = verify_reproducer(passing, out / "passing", LIMITS)
         assert verdict == PASSES and not (out / "passing" / "test_kvspec_case.py").exists()
