@@ -52,6 +52,7 @@ def _command(name: str) -> Callable[..., Any]:
         "crosshair": ("crosshair", "cmd_crosshair"),
         "verdicts": ("verdicts", "cmd_verdicts"),
         "reproducers": ("reproducers", "cmd_reproducers"),
+        "checktime": ("checktime", "cmd_checktime"),
     }[name]
     return getattr(__import__(f"bench.{module}", fromlist=[function]), function)
 

@@ -528,12 +528,13 @@ def cmd_render(*, names: list[str], results: str | None, md: str | None) -> None
     ``names``: every saved one."""
     import json
 
+    from .checktime import render_checktime
     from .common import RESULTS
     from .mutation_report import render_mutation
     from .proofcost import render_proofs
 
     renderers = {"throughput": render_throughput, "ttc": render_ttc, "scale": render_scale,
-                 "proofs": render_proofs, "mutation": render_mutation}
+                 "proofs": render_proofs, "mutation": render_mutation, "checktime": render_checktime}
     results_dir, md_file = _out(results, md)
     directory = results_dir or RESULTS
     for name in names or list(renderers):

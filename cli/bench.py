@@ -130,6 +130,17 @@ def bench_parser() -> argparse.ArgumentParser:
     v.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     v.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
 
+    ct = sub.add_parser("checktime", parents=[common],
+                        help="the wall time of the default `kvspec check --vllm X` beside vLLM's own "
+                        "test files, alternating in one run")
+    ct.add_argument("--release", default="0.33.0")
+    ct.add_argument("--seed", type=int, default=1)
+    ct.add_argument("--repeats", type=int, default=3)
+    ct.add_argument("--planted", action="store_true",
+                    help="also a check that finds something (a planted scheduler leak), its reproducer "
+                    "verified in a forked child and in a fresh interpreter")
+    ct.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+
     r = sub.add_parser("render", parents=[common],
                        help="rewrite BENCHMARKS.md sections from saved bench/results/*.json")
     r.add_argument("names", nargs="*",

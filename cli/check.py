@@ -7,7 +7,6 @@ import difflib
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +28,11 @@ from kvspec.testing.artifacts.report import (
 )
 from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer, generate
 from kvspec.testing.artifacts.rerun import rerun
+from kvspec.testing.artifacts.verify import REPRODUCES, verify
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import TraceStep
 from kvspec.testing.blockmanager.machine import RunStats
-from kvspec.testing.guard import Guard, GuardTripped
+from kvspec.testing.guard import Guard, GuardTripped, Limits
 from kvspec.testing.implementations import lookup_scheduler
 from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
 from kvspec.testing.reach import Measurement
@@ -51,7 +51,6 @@ from .common import (
     UsageError,
     captured_fds,
     err,
-    first_lines,
     out,
     write_picture,
 )
@@ -600,7 +599,7 @@ def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible
         path = write_atomic(out_dir / made.filename, made.text)
         out.print(f"reproducer (not verified): {path}", markup=False, soft_wrap=True)
         return {"status": "unverified", "path": str(path), "checks": list(made.checks)}
-    verdict, detail = verify_reproducer(made, out_dir)
+    verdict, detail, how = verify_reproducer(made, out_dir, limits_from(args))
     if verdict != "reproduces":
         out.print(
             f"[yellow]no standalone reproducer[/]: the generated file {detail}; "
@@ -615,55 +614,37 @@ def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible
         soft_wrap=True,
     )
     out.print(f"  run it:   python -m pytest -q {path}", markup=False, soft_wrap=True)
-    return {"status": "verified", "path": str(path), "checks": list(made.checks), "failure": detail}
+    return {"status": "verified", "path": str(path), "checks": list(made.checks), "failure": detail,
+            "verified_in": how}
 
 
-def verify_reproducer(made: Reproducer, out_dir: Path) -> tuple[str, str]:
-    """Run the file with plain pytest in this interpreter (same PYTHONPATH); keep it only if it
-    fails naming one of its invariants.  Written under a temporary folder, renamed when kept."""
+def verify_reproducer(made: Reproducer, out_dir: Path, limits: Limits | None = None) -> tuple[str, str, str]:
+    """Run the file with plain pytest (testing/artifacts/verify.py): in a child forked from this
+    process, which has vLLM imported, under the run's ``limits``, and in a fresh interpreter
+    (same environment) unless the fork reproduced; keep it only if it fails naming one of its
+    invariants.  Written under a temporary folder, renamed when kept.  The verdict, its
+    detail, and where the deciding run ran ("fork" or "subprocess")."""
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".verify-", dir=out_dir))
     try:
         candidate = write_atomic(scratch / made.filename, made.text)
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(scratch),
-            str(candidate),
-        ]
-        with err.status(
-            "verifying the standalone reproducer with plain pytest ...", spinner="dots"
-        ):
-            try:
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=600, cwd=scratch, check=False
-                )
-            except subprocess.TimeoutExpired:
-                return "timeout", "timed out under pytest"
-        text = proc.stdout + proc.stderr
-        named = [
-            line.strip()
-            for line in text.splitlines()
-            if any(
-                line.lstrip().startswith(f"[{c}]") or f"Failed: [{c}]" in line for c in made.checks
-            )
-        ]
-        if proc.returncode == 1 and named:
-            os.replace(candidate, out_dir / made.filename)
-            return "reproduces", named[0].split("Failed: ", 1)[-1]
-        if proc.returncode == 0:
-            return "passes", "passes on this target (the standalone harness does not reach it)"
-        return (
-            "broken",
-            f"does not run cleanly (pytest exit {proc.returncode}): {first_lines(text, 4)}",
+        # The fork is made before the spinner's thread starts (a fork copies no other thread).
+        verdict, detail, runs = verify(
+            candidate,
+            made.checks,
+            rootdir=scratch,
+            limits=limits if limits is not None else Limits(),
+            fork=os.environ.get(NO_FORK_ENV) is None,
         )
+        if verdict == REPRODUCES:
+            os.replace(candidate, out_dir / made.filename)
+        return verdict, detail, runs[-1].how
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# Set (to anything): verify reproducers only in a fresh interpreter, never in a forked child.
+NO_FORK_ENV = "KVSPEC_VERIFY_NO_FORK"
 
 
 # ------------------------------------------------------------------------------ replay

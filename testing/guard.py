@@ -238,6 +238,33 @@ def _children() -> frozenset[int]:
     return frozenset(pids)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _started_at(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22;
+    proc(5)); None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # The command name (field 2) may hold spaces and parentheses: fields 3.. follow the last ')'.
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def children_since(seconds_ago: float) -> frozenset[int]:
+    """The live children of this process started at most ``seconds_ago`` seconds ago, to the
+    clock tick (``SC_CLK_TCK``, 10 ms on Linux): a child started in the same tick as that moment
+    counts, the ambiguity resolved for the call (no false hang).  ``/proc`` is read only here,
+    when a call has been idle for its whole time limit, so that a call costs no reads."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    if clock is None:
+        return frozenset()
+    since = int((time.clock_gettime(clock) - seconds_ago) * _CLOCK_TICKS)
+    return frozenset(pid for pid in _children() if (_started_at(pid) or -1) >= since)
+
+
 def _rss() -> int:
     try:
         with open("/proc/self/statm", "rb") as f:
@@ -252,6 +279,15 @@ def _address_space() -> int | None:
             return int(f.read().split()[0]) * _PAGE
     except (OSError, IndexError, ValueError):
         return None
+
+
+def address_space_limit(cap_gib: float) -> int | None:
+    """The ``RLIMIT_AS`` that lets this process grow by ``cap_gib`` plus slack (``ADDRESS_SLACK``
+    or the cap, the larger); None where the address space cannot be read."""
+    size = _address_space()
+    if size is None:
+        return None
+    return size + int(cap_gib * GIB) + max(ADDRESS_SLACK, int(cap_gib * GIB))
 
 
 class Guard:
@@ -270,7 +306,6 @@ class Guard:
         self._start = 0.0
         self._progress = 0.0  # when the running call last imported a module (or started)
         self._modules = 0  # len(sys.modules) then
-        self._children_before: frozenset[int] = frozenset()  # live children when the call began
         self._baseline = 0
         self._armed = False
         self._timer = False
@@ -308,11 +343,10 @@ class Guard:
 
     def _limit_address_space(self) -> tuple[int, int] | None:
         cap = self.limits.memory_cap_gib
-        size = _address_space()
-        if cap is None or size is None or not self.address_limit:
+        want = address_space_limit(cap) if cap is not None and self.address_limit else None
+        if want is None:
             return None
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        want = size + int(cap * GIB) + max(ADDRESS_SLACK, int(cap * GIB))
         if soft != resource.RLIM_INFINITY and soft <= want:
             return None  # already tighter
         if hard != resource.RLIM_INFINITY and want > hard:
@@ -360,7 +394,9 @@ class Guard:
         now = time.monotonic()
         if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
             self._modules, self._progress = len(sys.modules), now
-        elif timeout is not None and now - self._progress >= timeout and _children() - self._children_before:
+        elif timeout is not None and now - self._progress >= timeout and children_since(now - self._start):
+            # Only a child the call started is the call's work: a process the host already had
+            # (a test runner's helper, an earlier call's leftover) says nothing about this call.
             self._progress = now
         if timeout is not None:
             elapsed = now - self._start
@@ -390,9 +426,6 @@ class Guard:
             return fn(*args, **kw)
         self._start = self._progress = time.monotonic()
         self._modules = len(sys.modules)
-        # Only a child the call started is the call's work: a process the host already had
-        # (a test runner's helper, an earlier call's leftover) says nothing about this call.
-        self._children_before = _children()
         self._op = op
         try:
             result = fn(*args, **kw)
@@ -475,6 +508,8 @@ __all__ = [
     "Limits",
     "TargetExceededMemory",
     "TargetHung",
+    "address_space_limit",
+    "children_since",
     "crash_site",
     "crash_traceback",
     "raised_in_kvspec",

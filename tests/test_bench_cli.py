@@ -42,3 +42,17 @@ def test_a_missing_option_fails_the_binding():
     del options["quick"]
     with pytest.raises(TypeError):
         inspect.signature(_command("scale")).bind(**options)
+
+
+def test_checktime_renders_each_run_with_its_median():
+    from bench.checktime import render_checktime
+
+    machine = {"nproc": 2, "cpu": "x", "memory": "1 GiB", "python": "3.11", "date": "d", "commit": "c",
+               "loadavg": [1.0]}
+    rows = [{"run": "check", "repeat": 0, "wall": 20.0, "cpu": 15.0, "exit": 0},
+            {"run": "check", "repeat": 1, "wall": 22.0, "cpu": 16.0, "exit": 0},
+            {"run": "planted", "repeat": 0, "wall": 40.0, "cpu": 30.0, "exit": 1, "reproducers": ["verified"]}]
+    text = render_checktime({"machine": machine, "command": "python -m bench checktime", "release": "0.33.0",
+                             "seed": 1, "tests": {"files": ["a.py"], "deselected": 2}, "rows": rows})
+    assert "| check | 2 | 20.0 / 22.0 | 21.0 |" in text
+    assert "| planted | 1 | 40.0 | 40.0 |" in text and "verified" in text

@@ -129,8 +129,10 @@ def test_a_call_waiting_on_a_child_process_is_not_hung():
 
 
 def test_a_child_the_host_already_had_does_not_keep_a_hung_call_alive():
-    """Under pytest-xdist a worker may have a child of its own; it is not the call's work."""
+    """Under pytest-xdist a worker may have a child of its own; it is not the call's work.
+    (A child is told by its start time, to the clock tick: this one is started well before.)"""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    time.sleep(0.1)
     try:
         guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
         with guard.armed(), pytest.raises(TargetHung):
@@ -331,3 +333,37 @@ def test_a_crash_report_from_before_crashes_were_recorded_replays_as_the_crash(r
     said = capsys.readouterr().out
     assert "the recorded crash reproduces" in said and "KeyError" in said
     assert "diverged" not in said and "holds" not in said
+
+
+def test_a_child_an_earlier_call_left_does_not_keep_a_later_hung_call_alive():
+    """The children a call started are told by start time, not by a snapshot per call."""
+    guard = Guard(Limits(op_timeout=0.25, memory_cap_gib=None))
+    with guard.armed():
+        sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+        leftover = guard.call("construct", None, subprocess.Popen, sleeper)
+    try:
+        time.sleep(0.1)
+        with guard.armed(), pytest.raises(TargetHung):
+            guard.call("free", None, time.sleep, 2.0)
+    finally:
+        leftover.kill()
+        leftover.wait()
+
+
+def test_children_since_tells_a_new_child_from_an_old_one():
+    from kvspec.testing.guard import children_since
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert new.pid in children_since(0.2)
+            assert old.pid not in children_since(0.2)
+            assert old.pid in children_since(5.0)
+        finally:
+            new.kill()
+            new.wait()
+    finally:
+        old.kill()
+        old.wait()
