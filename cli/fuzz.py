@@ -310,20 +310,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def campaign_seconds(args: argparse.Namespace) -> float:
+    """The campaign's wall-clock budget (``--time-budget``, else ``--minutes``), validated."""
+    seconds = args.time_budget if args.time_budget is not None else 60 * args.minutes
+    if args.workers < 1 or seconds <= 0:
+        raise UsageError("--workers must be >= 1 and --minutes (--time-budget) > 0",
+                         "a campaign that runs nothing proves nothing")
+    return seconds
+
+
 def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
     from kvspec.testing.artifacts.report import build_report, config_from_json, trace_from_json, write_report
 
     from .check import check_invariant_ids, describe_target, resolve, target_json
     from .run import parse_overrides
 
-    seconds_given = args.time_budget if args.time_budget is not None else 60 * args.minutes
-    if args.workers < 1 or seconds_given <= 0:
-        raise UsageError("--workers must be >= 1 and --minutes (--time-budget) > 0",
-                         "a campaign that runs nothing proves nothing")
-    if args.machine == "scheduler":
-        from .fuzz_scheduler import cmd_fuzz_scheduler
-
-        return cmd_fuzz_scheduler(args, argv, seconds_given)
+    seconds_given = campaign_seconds(args)
     if args.until:
         raise UsageError("--until names a known finding the scheduler campaign reports",
                          "add --machine scheduler (the block-manager campaign steps past known findings)")

@@ -32,7 +32,8 @@ from .check import check_invariant_ids, cmd_check, cmd_replay
 from .common import EXIT_FOUND, EXIT_OK, EXIT_USAGE, UsageError, err, fail_usage, first_lines, out
 from .failures import add_limit_args
 from .fuzz import add_parser as add_fuzz_parser
-from .fuzz import cmd_fuzz
+from .fuzz import campaign_seconds, cmd_fuzz
+from .fuzz_scheduler import cmd_fuzz_scheduler
 from .pr import cmd_bisect, cmd_diff, cmd_pr
 from .run import CONFIG_HELP, PROFILES
 from .search import MAX_VIOLATIONS
@@ -335,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "diff":
             return cmd_diff(args)
         if args.command == "fuzz":
+            if args.machine == "scheduler":
+                return cmd_fuzz_scheduler(args, argv, campaign_seconds(args))
             return cmd_fuzz(args, argv)
         if args.command == "replay":
             return cmd_replay(args, argv)

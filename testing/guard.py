@@ -253,16 +253,28 @@ def _started_at(pid: int) -> int | None:
         return None
 
 
-def children_since(seconds_ago: float) -> frozenset[int]:
-    """The live children of this process started at most ``seconds_ago`` seconds ago, to the
-    clock tick (``SC_CLK_TCK``, 10 ms on Linux): a child started in the same tick as that moment
-    counts, the ambiguity resolved for the call (no false hang).  ``/proc`` is read only here,
-    when a call has been idle for its whole time limit, so that a call costs no reads."""
+def boot_clock() -> float | None:
+    """Seconds since boot on the clock ``/proc/PID/stat`` start times count (CLOCK_BOOTTIME);
+    None where there is none."""
     clock = getattr(time, "CLOCK_BOOTTIME", None)
-    if clock is None:
+    return None if clock is None else time.clock_gettime(clock)
+
+
+def children_started_since(moment: float | None) -> frozenset[int]:
+    """The live children of this process started at or after ``moment`` (``boot_clock()``), to
+    the clock tick (``SC_CLK_TCK``, 10 ms on Linux): a child started in the same tick counts,
+    the ambiguity resolved for the call (no false hang).  ``/proc`` is read only here, when a
+    call has been idle for its whole time limit, so that a call costs no reads."""
+    if moment is None:
         return frozenset()
-    since = int((time.clock_gettime(clock) - seconds_ago) * _CLOCK_TICKS)
+    since = int(moment * _CLOCK_TICKS)
     return frozenset(pid for pid in _children() if (_started_at(pid) or -1) >= since)
+
+
+def children_since(seconds_ago: float) -> frozenset[int]:
+    """The live children started at most ``seconds_ago`` seconds ago (``children_started_since``)."""
+    now = boot_clock()
+    return children_started_since(None if now is None else now - seconds_ago)
 
 
 def _rss() -> int:
@@ -304,6 +316,7 @@ class Guard:
         self.notes: list[str] = []
         self._op: str | None = None
         self._start = 0.0
+        self._start_boot: float | None = None  # boot_clock() when the running call began
         self._progress = 0.0  # when the running call last imported a module (or started)
         self._modules = 0  # len(sys.modules) then
         self._baseline = 0
@@ -394,7 +407,7 @@ class Guard:
         now = time.monotonic()
         if len(sys.modules) != self._modules:  # importing (module docstring: IMPORT_ALLOWANCE)
             self._modules, self._progress = len(sys.modules), now
-        elif timeout is not None and now - self._progress >= timeout and children_since(now - self._start):
+        elif timeout is not None and now - self._progress >= timeout and children_started_since(self._start_boot):
             # Only a child the call started is the call's work: a process the host already had
             # (a test runner's helper, an earlier call's leftover) says nothing about this call.
             self._progress = now
@@ -425,6 +438,9 @@ class Guard:
         if not self._armed:
             return fn(*args, **kw)
         self._start = self._progress = time.monotonic()
+        # The call's start on the clock children's start times count (read when the call
+        # begins: a timer thread delayed under load would otherwise place it too late).
+        self._start_boot = boot_clock()
         self._modules = len(sys.modules)
         self._op = op
         try:
@@ -509,7 +525,9 @@ __all__ = [
     "TargetExceededMemory",
     "TargetHung",
     "address_space_limit",
+    "boot_clock",
     "children_since",
+    "children_started_since",
     "crash_site",
     "crash_traceback",
     "raised_in_kvspec",
