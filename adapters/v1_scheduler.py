@@ -322,6 +322,8 @@ class VLLMV1SchedulerAdapter:
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self._sched = real(self.scheduler)
+        # Every request finished in an output has its KV sent (``do_remote_decode``, ``add``).
+        self.sends_kv = shape.kv_connector is not None
         if shape.kv_connector is not None and getattr(self._sched, "connector", None) is None:
             raise ConfigError(f"vLLM {v.version}'s scheduler built no KV connector for {shape.kv_connector}")
         self.manager = self._sched.kv_cache_manager

@@ -15,10 +15,10 @@ scheduling the worker runs step t+1 before the scheduler has seen step t's outpu
 request's step starts where the worker's own count stands (what vLLM's GPU model runner does
 with its on-device count), not at the scheduler's optimistic ``num_computed_tokens``.
 
-Under a KV connector (``Shape.kv_connector``) the worker also sends KV: a request the target
-finished but keeps (``sending``: its connector deferred the free) is ``Status.SENDING`` in the
-model, its blocks legitimately held (``registry.live_tables``), and after a drawn number of
-updates (``SEND_DELAYS``) the worker reports its KV sent (``update(..., sent=...)``, vLLM's
+Under a KV connector (``Shape.kv_connector``; the target's ``sends_kv``) the worker also sends
+KV: a request finished in an output (not aborted) is ``Status.SENDING`` in the model, its
+blocks legitimately held (``registry.live_tables``), and after a drawn number of updates
+(``SEND_DELAYS``) the worker reports its KV sent (``update(..., sent=...)``, vLLM's
 ``finished_sending``).  From then on the model holds nothing of it, so ``no-leak`` requires the
 target to have freed it; a table gone while the send is still in flight is ``kv-readback``'s
 ``freed-while-sending``.
@@ -73,8 +73,8 @@ class SchedulerTarget(Protocol):
     def live(self, seq_id: int) -> bool: ...
     def tokens(self, seq_id: int) -> tuple[int, ...]: ...
     def schedule(self) -> Any: ...
-    # A target built with a KV connector also takes ``sent`` (the worker's finished sends) and
-    # says which finished requests it keeps for a send (``sending(seq_id) -> bool``).
+    # A target built with a KV connector says so (``sends_kv``: every request finished in an
+    # output has its KV sent) and takes ``sent`` in ``update`` (the worker's finished sends).
     def update(self, plan: Any, sampled: dict, drafts: dict | None = None) -> None: ...
     def observe(self) -> HybridState: ...
 
@@ -455,10 +455,13 @@ class SchedulerDriver:
             self.counts["sends_reported"] += 1
         for seq_id in self.sends:
             self.sends[seq_id] -= 1
-        sending = getattr(self.target, "sending", None)
+        # The worker's own knowledge, not the target's word: under a connector that sends every
+        # finished request's KV (``sends_kv``), a request finished in an output (not aborted)
+        # is sent, and its blocks must stay until the send is reported.
+        sends_kv = getattr(self.target, "sends_kv", False)
         for seq_id in list(self.seqs):
             if self.seqs[seq_id].status is Status.RUNNING and not self.target.live(seq_id):
-                if sending is not None and sending(seq_id):
+                if sends_kv:
                     # Finished, its blocks kept for the connector's send (a deferred free).
                     self.seqs[seq_id] = attrs.evolve(self.seqs[seq_id], status=Status.SENDING)
                     self.sends[seq_id] = self._send_delay
