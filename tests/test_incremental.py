@@ -19,6 +19,7 @@ from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
 from kvspec.reference.manager import ReferenceManager
 from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.config import Config
+from kvspec.spec.groups import KV_CONNECTORS
 from kvspec.spec.state import Device
 from kvspec.testing import KVCacheMachine, SpecViolation
 from kvspec.testing.blockmanager.driver import Driver, replay
@@ -181,7 +182,9 @@ def _run_scheduler(cls, shape_strategy, examples: int = SCHEDULER_EXAMPLES) -> B
 
 def _within(name: str):
     shape = BROKEN_SCHEDULERS[name].shape
-    return shapes().filter(lambda s: shape in s.tags())
+    # The KV connector's variants need shapes that draw a connector (the reference models one).
+    drawn = shapes(connectors=KV_CONNECTORS) if shape == "kv-connector" else shapes()
+    return drawn.filter(lambda s: shape in s.tags())
 
 
 @pytest.mark.parametrize("name", ["reference", *sorted(BROKEN_SCHEDULERS)])
