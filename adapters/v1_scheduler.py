@@ -457,6 +457,11 @@ class VLLMV1SchedulerAdapter:
             )
         kv_transfer = {}
         if shape.kv_connector is not None:
+            if shape.mamba:
+                # A producer's Mamba boundary states go to the connector (0.33.0
+                # single_type_kv_cache_manager.py:149-160, kv_cache_manager.py:906-927), which
+                # kvspec's worker does not play.
+                raise ConfigError("a KV connector beside a Mamba group: the worker plays no boundary-state offloads")
             if shape.kv_connector not in self.kv_connectors_offered():
                 raise ConfigError(f"vLLM {self._v.version}: no {shape.kv_connector} in its KV connector factory")
             kv_transfer["kv_transfer_config"] = make(
