@@ -77,3 +77,20 @@ def test_the_connector_shape_is_tagged_and_checked():
     assert "kv-connector" not in Shape(**kwargs).tags()
     with pytest.raises(ValueError, match="unknown KV connector"):
         Shape(**kwargs, kv_connector="NoSuchConnector")
+
+
+def test_the_shapes_draw_a_connector_only_where_one_is_offered():
+    """A release offering no connector never draws one; one that offers draws it, never beside a
+    Mamba group (the worker plays no boundary-state offloads)."""
+    from hypothesis import find, given, settings
+    from kvspec.testing.scheduler.machine import shapes
+
+    assert find(shapes(connectors=KV_CONNECTORS), lambda s: s.kv_connector is not None).kv_connector in KV_CONNECTORS
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(offered=shapes(connectors=KV_CONNECTORS), plain=shapes())
+    def check(offered, plain):
+        assert plain.kv_connector is None
+        assert not (offered.mamba and offered.kv_connector is not None)
+
+    check()

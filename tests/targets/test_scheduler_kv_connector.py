@@ -81,6 +81,14 @@ def test_the_connector_is_built_and_offered(adapter):
 
 
 @on_033
+def test_no_connector_beside_a_mamba_group(adapter):
+    from kvspec.spec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Mamba"):
+        adapter(attrs.evolve(SHAPE, mamba=True))
+
+
+@on_033
 def test_a_finished_request_keeps_its_blocks_until_its_send_is_reported(adapter):
     driver = SchedulerDriver(adapter(SHAPE))
     driver.arrive(0, PROMPT, 2)
