@@ -59,6 +59,19 @@ retention       ``Shape.retention_interval`` into the ``KVCacheConfig`` the sche
                 (``_validate_prefix_cache_retention_interval``, kv_cache_coordinator.py:33-62)
                 decides which values a shape takes.  Releases whose ``CacheConfig`` lacks the
                 field (before 0.30.0) run dense retention only (``retention_offer``).
+KV connector    ``Shape.kv_connector``: ``KVTransferConfig`` names the connector vLLM builds for the
+                scheduler (``KVConnectorFactory.create_connector``, 0.33.0
+                sched/scheduler.py:174-205); kvspec plays the worker side and reports, in the
+                ``ModelRunnerOutput``'s ``kv_connector_output``, the requests whose KV it has
+                sent (``finished_sending``).  "NixlConnector" as a disaggregated prefill instance:
+                every request asks ``do_remote_decode`` (its ``kv_transfer_params``, read by
+                Request from ``SamplingParams.extra_args``, request.py:105-121), so a request
+                that finishes by length keeps its blocks (``request_finished`` answers
+                delay_free_blocks, nixl/pull_scheduler.py:235-270; scheduler.py:3040-3060) until
+                ``finished_sending`` names it (``_update_from_kv_xfer_finished``, :3579-3582);
+                an aborted one frees at once (pull_scheduler.py:235-244).  Only the scheduler
+                side is built: NIXL itself is not needed.  A release whose connector factory
+                lacks it refuses the shape (``kv_connectors_offered``).
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
@@ -87,13 +100,22 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.groups import DENSE_ONLY, GroupState, HybridState, Plan, RetentionOffer, Scheduled, Shape
+from kvspec.spec.groups import (
+    DENSE_ONLY,
+    KV_CONNECTORS,
+    GroupState,
+    HybridState,
+    Plan,
+    RetentionOffer,
+    Scheduled,
+    Shape,
+)
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey
 from kvspec.spec.state import Device, PoolView, TableView
 
@@ -300,6 +322,10 @@ class VLLMV1SchedulerAdapter:
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self._sched = real(self.scheduler)
+        # Every request finished in an output has its KV sent (``do_remote_decode``, ``add``).
+        self.sends_kv = shape.kv_connector is not None
+        if shape.kv_connector is not None and getattr(self._sched, "connector", None) is None:
+            raise ConfigError(f"vLLM {v.version}'s scheduler built no KV connector for {shape.kv_connector}")
         self.manager = self._sched.kv_cache_manager
         self.cache_view.watch(self.manager)
         self.extra_kinds = self.cache_view.kinds_for(self._sched)
@@ -429,9 +455,22 @@ class VLLMV1SchedulerAdapter:
                 prompt_lookup_max=NGRAM_LOOKUP,
                 prompt_lookup_min=1,
             )
+        kv_transfer = {}
+        if shape.kv_connector is not None:
+            if shape.mamba:
+                # A producer's Mamba boundary states go to the connector (0.33.0
+                # single_type_kv_cache_manager.py:149-160, kv_cache_manager.py:906-927), which
+                # kvspec's worker does not play.
+                raise ConfigError("a KV connector beside a Mamba group: the worker plays no boundary-state offloads")
+            if shape.kv_connector not in self.kv_connectors_offered():
+                raise ConfigError(f"vLLM {self._v.version}: no {shape.kv_connector} in its KV connector factory")
+            kv_transfer["kv_transfer_config"] = make(
+                c.KVTransferConfig, "kv_transfer_config", kv_connector=shape.kv_connector, kv_role="kv_producer"
+            )
         return make(
             c.VllmConfig,
             "vllm_config",
+            **kv_transfer,
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
@@ -495,6 +534,25 @@ class VLLMV1SchedulerAdapter:
             )
             out.append((LAYER_SWA, mamba))
         return out
+
+    @staticmethod
+    def kv_connectors_offered() -> tuple[str, ...]:
+        """The connectors of ``KV_CONNECTORS`` the installed release's connector factory
+        registers (0.33.0 kv_connector/factory.py:177); none where it has no V1 KV transfer
+        config or no ``kv_connector_output`` in the model runner's output."""
+        v = _load_vllm()
+        if not hasattr(v.config, "KVTransferConfig"):
+            return ()
+        outputs = importlib.import_module("vllm.v1.outputs")
+        fields = {f.name for f in dataclasses.fields(outputs.ModelRunnerOutput)}
+        if "kv_connector_output" not in fields or not hasattr(outputs, "KVConnectorOutput"):
+            return ()
+        try:
+            factory = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+        except ImportError:
+            return ()
+        registry = getattr(factory, "_registry", {})
+        return tuple(name for name in KV_CONNECTORS if name in registry)
 
     @staticmethod
     def retention_offer() -> RetentionOffer:
@@ -575,7 +633,11 @@ class VLLMV1SchedulerAdapter:
         self, seq_id: int, tokens: Sequence[int], max_tokens: int, extra: ExtraKeys = NO_EXTRA
     ) -> None:
         v = self._v
-        sampling = self._construct(v.sampling.SamplingParams, "sampling", max_tokens=max_tokens, ignore_eos=True)
+        # A disaggregated prefill instance's request: its KV is sent to a decode instance.
+        transfer = {"extra_args": {"kv_transfer_params": {"do_remote_decode": True}}} if self.shape.kv_connector else {}
+        sampling = self._construct(
+            v.sampling.SamplingParams, "sampling", max_tokens=max_tokens, ignore_eos=True, **transfer
+        )
         request = _build(
             v.request.Request,
             self._rec,
@@ -603,6 +665,20 @@ class VLLMV1SchedulerAdapter:
         status = self._v.request.RequestStatus.FINISHED_ABORTED
         self.cache_view.set_hash_format()
         self.scheduler.finish_requests([request.request_id], status)
+
+    def sending(self, seq_id: int) -> bool:
+        """Whether the request finished but the scheduler keeps it, and its blocks, until the
+        worker reports its KV sent (a connector's deferred free)."""
+        request = self._req.get(seq_id)
+        return (
+            request is not None
+            and request.is_finished()
+            and self._sched.requests.get(request.request_id) is request
+        )
+
+    def held_for_sending(self) -> tuple[int, ...]:
+        """The requests ``sending`` holds now."""
+        return tuple(s for s in self._req if self.sending(s))
 
     def requests(self) -> list[tuple[Any, ExtraKeys]]:
         """Every request the scheduler holds (until finished) with its domain."""
@@ -658,11 +734,22 @@ class VLLMV1SchedulerAdapter:
         plan: Plan,
         sampled: Mapping[int, Sequence[int]],
         drafts: Mapping[int, Sequence[int]] | None = None,
+        sent: Collection[int] = (),
     ) -> None:
         """``update_from_output`` with the worker's sampled tokens (accepted drafts + one
-        token) per request; then, synchronously, the next drafts (``update_draft_token_ids``)."""
+        token) per request, and the requests whose KV the worker has finished sending (the
+        connector's ``finished_sending``); then, synchronously, the next drafts
+        (``update_draft_token_ids``)."""
         so = plan.handle
         req_ids = list(so.num_scheduled_tokens)
+        connector: dict[str, Any] = {}
+        if self.shape.kv_connector is not None:
+            connector["kv_connector_output"] = _build(
+                self._outputs.KVConnectorOutput,
+                self._rec,
+                "kv_output",
+                finished_sending={self._req[s].request_id for s in sent} or None,
+            )
         out = _build(
             self._outputs.ModelRunnerOutput,
             self._rec,
@@ -675,6 +762,7 @@ class VLLMV1SchedulerAdapter:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=[],
+            **connector,
         )
         self.cache_view.set_hash_format()
         self.scheduler.update_from_output(so, out)

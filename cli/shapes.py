@@ -30,7 +30,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test
 from kvspec.reference.policies import Comparison, declared_spans
 from kvspec.spec.errors import ConfigError
-from kvspec.spec.groups import SHAPE_TAGS, Shape
+from kvspec.spec.groups import KV_CONNECTORS, SHAPE_TAGS, Shape
 from kvspec.spec.invariants import Violation
 from kvspec.testing.artifacts.report import build_report, write_atomic, write_report
 from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer
@@ -44,6 +44,7 @@ from kvspec.testing.scheduler.machine import (
     DiffCounts,
     PolicyDifference,
     SchedulerMachine,
+    kv_connectors_of,
     retention_offer_of,
     shapes,
 )
@@ -94,6 +95,8 @@ class ShapesOutcome:
     difference: PolicyDifference | None = None
     traceback: list[str] = attrs.Factory(list)  # of a crash or a kvspec error
     seed: int | None = None
+    # The KV connectors the target's release builds (``kv_connectors_of``); None: not read.
+    kv_connectors: tuple[str, ...] | None = None
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/blockmanager/differential.py).
@@ -161,7 +164,9 @@ def run_shapes(
                 part.start_example()
             super().__init__(
                 build,
-                shape_strategy if shape_strategy is not None else shapes(retention_offer_of(factory)),
+                shape_strategy
+                if shape_strategy is not None
+                else shapes(retention_offer_of(factory), kv_connectors_of(factory)),
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
@@ -256,6 +261,7 @@ def print_shapes(o: ShapesOutcome) -> None:
         else:
             out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
     print_cache_counts(o)
+    print_kv_connector(o)
     print_differential(o)
     if o.rejected:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
@@ -348,6 +354,23 @@ def print_differential(o: ShapesOutcome) -> None:
         out.print(f"    {escape(line)}")
 
 
+def print_kv_connector(o: ShapesOutcome) -> None:
+    """The KV connector shapes: examples that drew one, the sends the scheduler deferred a free
+    for and the worker reported; or why none ran."""
+    drew = o.counts.examples.get("kv-connector", 0)
+    c = o.counts.cache
+    if drew:
+        out.print(
+            f"  KV connector: {drew} examples drew one ({', '.join(o.kv_connectors or ())}); "
+            f"{c['sends_deferred']} finished requests kept their blocks for a send, "
+            f"{c['sends_reported']} sends reported done"
+        )
+    elif o.kv_connectors is not None and not o.kv_connectors:
+        out.print(f"  [yellow]KV connector: none drawn[/]: this release builds none of {', '.join(KV_CONNECTORS)}")
+    elif o.examples:
+        out.print("  [yellow]KV connector: no example drew one in this run[/]")
+
+
 def print_cache_counts(o: ShapesOutcome) -> None:
     """The prefix cache as tenants and routers see it: domains drawn, partial tails, events
     (``SchedulerDriver.cache_counts``).  A kind the run never produced is named."""
@@ -397,6 +420,7 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "operations": o.operations,
         "seconds": round(o.seconds, 2),
         "prefix_cache": dict(sorted(o.counts.cache.items())),
+        "kv_connectors_offered": None if o.kv_connectors is None else list(o.kv_connectors),
         "differential": {
             "mode": DIFFERENTIAL_MODE.value,
             "examples": o.differential.examples,
@@ -538,7 +562,8 @@ def run_v1_shapes(
         out.print(f"[yellow]scheduler shapes not run[/]: {escape(str(error))}")
         return None
     # Read off the adapter before the guard wraps it: the retentions its release offers.
-    strategy = shapes(retention_offer_of(factory))
+    connectors = kv_connectors_of(factory)
+    strategy = shapes(retention_offer_of(factory), connectors)
     if guard is not None:
         factory = guard.wrap(factory)
     run = run_scheduler_search(
@@ -555,6 +580,7 @@ def run_v1_shapes(
         max_violations=getattr(args, "max_violations", None) or MAX_VIOLATIONS,
     )
     run.implementation_name = guard.implementation_name if guard is not None else None
+    run.summary.kv_connectors = connectors
     print_shapes(run.summary)
     if not run.search.found:
         print_known(run.search)

@@ -193,6 +193,27 @@ class EagleDropAdds(ReferenceScheduler):
         return length + min(self.alignment, full.block_size)
 
 
+class FreesBeforeTheSend(ReferenceScheduler):
+    """KV connector: frees a finished request's blocks when it finishes, while the worker is
+    still sending its KV (the deferred free forgotten).  The pool stays consistent; the send
+    reads blocks the pool may hand out again: ``kv-readback``'s freed-while-sending."""
+
+    name = "frees-before-the-send"
+
+    def _finish(self, seq_id: int, send: bool = False) -> None:
+        super()._finish(seq_id)
+
+
+class KeepsBlocksAfterTheSend(ReferenceScheduler):
+    """KV connector: ignores the worker's report that a finished request's KV was sent, so its
+    blocks stay held for good: ``no-leak`` (and ``refcount-exact``: no live table holds them)."""
+
+    name = "keeps-blocks-after-the-send"
+
+    def _sent(self, seq_id: int) -> None:
+        pass
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -232,6 +253,10 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     # it holds its place in ``running`` and never finishes, which ``progress`` reports.
     EagleDropAdds.name: BrokenScheduler(
         EagleDropAdds, "spec-decode-eagle", frozenset({"kv-readback", "admission-soundness", "progress"})
+    ),
+    FreesBeforeTheSend.name: BrokenScheduler(FreesBeforeTheSend, "kv-connector", frozenset({"kv-readback"})),
+    KeepsBlocksAfterTheSend.name: BrokenScheduler(
+        KeepsBlocksAfterTheSend, "kv-connector", frozenset({"no-leak", "refcount-exact"})
     ),
 }
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 from kvspec.spec.config import Config
-from kvspec.spec.groups import GroupSpec, GroupState, HybridState, Plan, Scheduled, Shape
+from kvspec.spec.groups import KV_CONNECTORS, GroupSpec, GroupState, HybridState, Plan, Scheduled, Shape
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
 from kvspec.spec.state import Device, PoolView, TableView
 from kvspec.spec.window import blocks_for_tokens, ceil_div
@@ -158,6 +158,10 @@ class ReferenceScheduler:
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
         self.reqs: dict[int, _Req] = {}
         self.hits = 0  # admissions that started at a prefix hit
+        # Under a KV connector (a prefill instance sending every finished request's KV): the
+        # finished requests whose blocks are held until the worker reports the send.
+        self.sends_kv = shape.kv_connector is not None
+        self.held: dict[int, _Req] = {}
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._step = 0
@@ -184,6 +188,16 @@ class ReferenceScheduler:
     def live(self, seq_id: int) -> bool:
         return seq_id in self.reqs
 
+    @staticmethod
+    def kv_connectors_offered() -> tuple[str, ...]:
+        """The reference models every connector of ``KV_CONNECTORS`` as one thing: a finished
+        request's blocks are held until its KV is reported sent."""
+        return KV_CONNECTORS
+
+    def held_for_sending(self) -> tuple[int, ...]:
+        """The finished requests whose blocks a KV send holds."""
+        return tuple(self.held)
+
     def lookup_requests(self) -> list[tuple[tuple[int, ...], ExtraKeys, bool]]:
         """The tokens and domain of every live request, and whether it waits (to be admitted
         at a prefix hit)."""
@@ -192,14 +206,26 @@ class ReferenceScheduler:
     def tokens(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self.reqs[seq_id].tokens)
 
-    def _finish(self, seq_id: int) -> None:
+    def _finish(self, seq_id: int, send: bool = False) -> None:
+        """The request is done; with ``send`` (it finished by length under a KV connector), its
+        blocks are held for the send (``_sent`` releases them), as vLLM defers their free
+        (0.33.0 sched/scheduler.py:3040-3060); an aborted one's go at once."""
         req = self.reqs.pop(seq_id, None)
         if req is None:
             return
-        self._release(req)
+        if send:
+            self.held[seq_id] = req
+        else:
+            self._release(req)
         for queue in (self.waiting, self.running):
             if seq_id in queue:
                 queue.remove(seq_id)
+
+    def _sent(self, seq_id: int) -> None:
+        """The worker reports the request's KV sent: its blocks go (scheduler.py:3579-3582)."""
+        req = self.held.pop(seq_id, None)
+        if req is not None:
+            self._release(req)
 
     # ------------------------------------------------------------ blocks
 
@@ -649,8 +675,11 @@ class ReferenceScheduler:
         plan: Plan,
         sampled: Mapping[int, Sequence[int]],
         drafts: Mapping[int, Sequence[int]] | None = None,
+        sent: Sequence[int] = (),
     ) -> None:
         _, lives = plan.handle
+        for seq_id in sent:  # sends of requests finished in earlier outputs
+            self._sent(seq_id)
         for s in plan.scheduled:
             req = self.reqs.get(s.seq_id)
             if req is None:
@@ -685,7 +714,7 @@ class ReferenceScheduler:
         if cache:
             self._cache_blocks(req, req.computed - req.in_flight - (len(new) - len(kept)))
         if new and req.outputs >= req.max_tokens:
-            self._finish(req.seq_id)
+            self._finish(req.seq_id, send=self.sends_kv)
 
     def _roll_back(self, req: _Req, rejected: int) -> None:
         if req.running and req.computed > 0:
@@ -710,7 +739,7 @@ class ReferenceScheduler:
         for gi, spec in enumerate(self.group_specs):
             tables = {
                 r.seq_id: TableView(r.seq_id, Device.GPU, tuple(r.tables[gi]))
-                for r in self.reqs.values()
+                for r in (*self.reqs.values(), *self.held.values())
                 if r.tables
             }
             groups.append(GroupState(spec, tables, self.cache.entries(gi) if self.cache is not None else ()))

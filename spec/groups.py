@@ -115,8 +115,16 @@ SHAPE_TAGS = (
     "full-isl-on",
     "full-isl-off",
     "startup-min",
+    "kv-connector",
 )
 """The production shapes a scheduler-driven run counts operations in (``Shape.tags``)."""
+
+KV_CONNECTORS = ("NixlConnector",)
+"""The KV connectors a shape may be built with: those whose scheduler side vLLM builds offline
+on CPU (NIXL itself is needed by the worker side only) and that defer a finished request's
+frees until the worker reports its KV sent.  vLLM 0.33.0's OffloadingConnector and
+SimpleCPUOffloadConnector build offline too but never defer a free (``request_finished``
+answers False: offloading/scheduler.py:2336-2376, simple_kv_offload/manager.py:1216-1248)."""
 
 
 @attrs.frozen
@@ -192,6 +200,12 @@ class Shape:
                       positive: those and one per interval, a multiple of the scheduler's block
                       size (single_type_kv_cache_manager.py:1074-1140 for sliding windows,
                       ``reachable_block_mask`` :1556-1610 for Mamba).
+    kv_connector      the KV connector the scheduler is built with (``KV_CONNECTORS``), None: none.
+                      "NixlConnector" as a disaggregated prefill instance (``kv_role``
+                      "kv_producer"; every request asks ``do_remote_decode``): a finished request's
+                      blocks stay held until the worker reports its KV sent
+                      (``request_finished`` answers delay_free_blocks, 0.33.0
+                      nixl/pull_scheduler.py:191-270, sched/scheduler.py:3040-3060, 3579-3582).
     """
 
     block_size: int
@@ -211,8 +225,11 @@ class Shape:
     mamba: bool = False
     prefix_match_unit: int | None = None
     retention_interval: int | None = None
+    kv_connector: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"unknown KV connector {self.kv_connector!r} (one of {', '.join(KV_CONNECTORS)})")
         second = (self.sliding_window is not None, self.attention_chunk_size is not None, self.mamba)
         if sum(second) > 1:
             raise ValueError("one second group: a sliding window, a chunked-local or a Mamba one")
@@ -308,6 +325,8 @@ class Shape:
         out.append("full-isl-on" if self.full_sequence_must_fit else "full-isl-off")
         if self.extra_blocks == 0:
             out.append("startup-min")
+        if self.kv_connector is not None:
+            out.append("kv-connector")
         return tuple(out)
 
     def describe(self) -> str:
@@ -334,6 +353,8 @@ class Shape:
             interval = self.retention_interval
             retained = "dense" if interval is None else f"every {interval}" if interval else "sparse"
             parts.append(f"retention={retained}")
+        if self.kv_connector is not None:
+            parts.append(f"connector={self.kv_connector}")
         return " ".join(parts)
 
 

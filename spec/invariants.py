@@ -381,7 +381,15 @@ def kv_readback(world: World) -> Iterator[Violation]:
 
 
 def tableless_fault(seq: SeqModel, has_table: bool) -> Violation | None:
-    """``kv-readback`` on a running sequence without a block table: it has nothing to read."""
+    """``kv-readback`` on a running sequence without a block table: it has nothing to read; on a
+    sequence whose KV a connector is still sending: the transfer reads blocks already freed."""
+    if seq.status is Status.SENDING and not has_table and seq.num_computed:
+        return fact(
+            "freed-while-sending",
+            f"seq {seq.seq_id} finished and its KV is still being sent, but its blocks were freed "
+            f"(the transfer reads {seq.num_computed} positions from blocks the pool may hand out)",
+            seqs=(seq.seq_id,),
+        )
     if seq.status is Status.RUNNING and not has_table and seq.num_computed:
         return fact(
             "no-table",

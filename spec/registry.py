@@ -110,10 +110,11 @@ def invariant(
 
 
 def live_tables(world: World, device: Device):
-    wanted = Status.RUNNING if device is Device.GPU else Status.SWAPPED
+    # A sequence whose KV a connector is sending holds its GPU blocks as a running one does.
+    wanted = (Status.RUNNING, Status.SENDING) if device is Device.GPU else (Status.SWAPPED,)
     for seq_id, table in world.state.tables.items():
         seq = world.seqs.get(seq_id)
-        if seq is not None and seq.status is wanted and table.device is device:
+        if seq is not None and seq.status in wanted and table.device is device:
             yield table
 
 

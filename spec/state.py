@@ -28,6 +28,10 @@ class Status(StrEnum):
     RUNNING = "running"  # blocks on the GPU pool, may be stepped
     SWAPPED = "swapped"  # blocks on the CPU pool
     WAITING = "waiting"  # preempted by recompute: holds nothing, re-admitted later
+    # Finished, its GPU blocks held while a KV connector sends its KV (vLLM's deferred free:
+    # ``request_finished`` answered delay_free_blocks, 0.33.0 sched/scheduler.py:3040-3060);
+    # the blocks are freed once the worker reports the send finished (:3579-3582).
+    SENDING = "sending"
 
 
 DROPPED = None

@@ -158,7 +158,8 @@ def _live_device(table: TableView | None, seq: SeqModel | None) -> Device | None
     """The device a block table is live on (``registry.live_tables``), or None."""
     if table is None or seq is None:
         return None
-    wanted = Device.GPU if seq.status is Status.RUNNING else Device.CPU if seq.status is Status.SWAPPED else None
+    on_gpu = seq.status is Status.RUNNING or seq.status is Status.SENDING
+    wanted = Device.GPU if on_gpu else Device.CPU if seq.status is Status.SWAPPED else None
     return table.device if table.device is wanted else None
 
 

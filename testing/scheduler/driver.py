@@ -14,6 +14,14 @@ The sequence model (``SeqModel``) is the worker's: ``tokens`` are the tokens it 
 scheduling the worker runs step t+1 before the scheduler has seen step t's output: a running
 request's step starts where the worker's own count stands (what vLLM's GPU model runner does
 with its on-device count), not at the scheduler's optimistic ``num_computed_tokens``.
+
+Under a KV connector (``Shape.kv_connector``; the target's ``sends_kv``) the worker also sends
+KV: a request finished in an output (not aborted) is ``Status.SENDING`` in the model, its
+blocks legitimately held (``registry.live_tables``), and after a drawn number of updates
+(``SEND_DELAYS``) the worker reports its KV sent (``update(..., sent=...)``, vLLM's
+``finished_sending``).  From then on the model holds nothing of it, so ``no-leak`` requires the
+target to have freed it; a table gone while the send is still in flight is ``kv-readback``'s
+``freed-while-sending``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ from kvspec.testing.blockmanager.incremental import Judges, TouchedMemory, check
 from kvspec.testing.guard import Crash
 
 DRAFT_ALPHABET = 4  # draft token ids, like prompt tokens: few values, so drafts can match
+# Updates a finished request's KV send stays in flight before the worker reports it sent (0: in
+# the very next output), drawn from the finishing step's token bytes.
+SEND_DELAYS = 3
+MAX_SETTLE_STEPS = SEND_DELAYS + 2  # steps ``finish`` takes to let every send be reported
 
 
 class SchedulerTarget(Protocol):
@@ -61,6 +73,8 @@ class SchedulerTarget(Protocol):
     def live(self, seq_id: int) -> bool: ...
     def tokens(self, seq_id: int) -> tuple[int, ...]: ...
     def schedule(self) -> Any: ...
+    # A target built with a KV connector says so (``sends_kv``: every request finished in an
+    # output has its KV sent) and takes ``sent`` in ``update`` (the worker's finished sends).
     def update(self, plan: Any, sampled: dict, drafts: dict | None = None) -> None: ...
     def observe(self) -> HybridState: ...
 
@@ -146,6 +160,9 @@ class SchedulerDriver:
         self.crashed: BaseException | None = None
         self.crash: Crash | None = None  # what escaped, as the crashed step records it
         self.partials: Counter = Counter()  # partial tails cached, promoted, retired
+        # KV sends in flight: seq -> updates still to pass before the worker reports it sent.
+        self.sends: dict[int, int] = {}
+        self._send_delay = 0  # the delay a send started by the next update is given
 
     # ------------------------------------------------------------ operations
 
@@ -171,7 +188,8 @@ class SchedulerDriver:
     @_marks_crash
     def abort(self, seq_id: int) -> None:
         self.target.abort(seq_id)
-        self.seqs.pop(seq_id, None)
+        if seq_id not in self.sends:  # an abort of a finished request changes nothing
+            self.seqs.pop(seq_id, None)
         self._record("abort", {"seq": seq_id})
         self._observe()
 
@@ -180,6 +198,7 @@ class SchedulerDriver:
         """One engine iteration: schedule, execute, and hand back the output that is due; the
         step's plan."""
         prior = self.state
+        self._send_delay = (tokens[-1] if tokens else 0) % SEND_DELAYS
         plan = self.target.schedule()
         for seq_id in plan.preempted:
             if seq_id in self.seqs:
@@ -423,10 +442,32 @@ class SchedulerDriver:
                         del self.memory[cell]
 
     def _update(self, plan: Any, sampled: dict, drafts: dict) -> None:
-        self.target.update(plan, sampled, drafts)
+        # The sends whose delay has passed are reported in this output (vLLM's
+        # ``finished_sending``); the model then holds nothing of those requests.
+        sent = sorted(s for s, left in self.sends.items() if left <= 0)
+        if sent:
+            self.target.update(plan, sampled, drafts, sent=sent)
+        else:
+            self.target.update(plan, sampled, drafts)
+        for seq_id in sent:
+            del self.sends[seq_id]
+            self.seqs.pop(seq_id, None)
+            self.counts["sends_reported"] += 1
+        for seq_id in self.sends:
+            self.sends[seq_id] -= 1
+        # The worker's own knowledge, not the target's word: under a connector that sends every
+        # finished request's KV (``sends_kv``), a request finished in an output (not aborted)
+        # is sent, and its blocks must stay until the send is reported.
+        sends_kv = getattr(self.target, "sends_kv", False)
         for seq_id in list(self.seqs):
             if self.seqs[seq_id].status is Status.RUNNING and not self.target.live(seq_id):
-                del self.seqs[seq_id]  # finished (max_tokens): the scheduler freed it
+                if sends_kv:
+                    # Finished, its blocks kept for the connector's send (a deferred free).
+                    self.seqs[seq_id] = attrs.evolve(self.seqs[seq_id], status=Status.SENDING)
+                    self.sends[seq_id] = self._send_delay
+                    self.counts["sends_deferred"] += 1
+                else:
+                    del self.seqs[seq_id]  # finished (max_tokens): the scheduler freed it
         self._observe()
 
     # ------------------------------------------------------------ checking
@@ -455,10 +496,19 @@ class SchedulerDriver:
         return found
 
     def finish(self) -> list[Violation]:
-        """Abort every request and drain the in-flight outputs; then ``no-leak`` bites."""
+        """Abort every request, drain the in-flight outputs and step until the worker has
+        reported every KV send; then ``no-leak`` bites."""
         for seq_id in sorted(self.seqs):
             self.abort(seq_id)
         self.drain()
+        for _ in range(MAX_SETTLE_STEPS):
+            if not self.sends:
+                break
+            found = self.check()  # a verdict on the way is the verdict (the state after it is not)
+            if found:
+                return found
+            self.step(bytes(4), bytes(4))
+            self.drain()
         # Requests finished inside update_from_output are gone from seqs already.
         return self.check()
 
@@ -474,7 +524,13 @@ class SchedulerDriver:
         out["events"] = sum(len(g.events or ()) for g in self.state.groups)
         for fmt, n in getattr(self.target, "event_hash_formats", {}).items():
             out[f"event_hashes_{fmt}"] += n  # the hash forms the events carried (int, bytes)
-        for key in ("eagle_admissions_with_cached_prefix", "eagle_dropped_blocks", "block_copies"):
+        for key in (
+            "eagle_admissions_with_cached_prefix",
+            "eagle_dropped_blocks",
+            "block_copies",
+            "sends_deferred",
+            "sends_reported",
+        ):
             out[key] = self.counts[key]
         return out
 

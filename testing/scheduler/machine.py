@@ -76,8 +76,16 @@ def retention_offer_of(factory: Callable[..., Any]) -> RetentionOffer:
     return offer() if offer is not None else DENSE_ONLY
 
 
+def kv_connectors_of(factory: Callable[..., Any]) -> tuple[str, ...]:
+    """The KV connectors the scheduler ``factory`` builds (vLLM's adapter reads its release,
+    ``VLLMV1SchedulerAdapter.kv_connectors_offered``); none for any other (the reference
+    scheduler models no connector)."""
+    offered = getattr(factory, "kv_connectors_offered", None)
+    return tuple(offered()) if offered is not None else ()
+
+
 @st.composite
-def shapes(draw, retention: RetentionOffer = DENSE_ONLY) -> Shape:
+def shapes(draw, retention: RetentionOffer = DENSE_ONLY, connectors: tuple[str, ...] = ()) -> Shape:
     """Production shapes, most of them hybrid, following the generator rules
     (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
     the second group's block size (``block_relative``), the pool's spare blocks by
@@ -90,7 +98,11 @@ def shapes(draw, retention: RetentionOffer = DENSE_ONLY) -> Shape:
     shape runs the release's engine default; where the release lets a deployment choose and
     the choice matters (prefix caching with a sliding-window or Mamba group), half the shapes
     choose instead, dense or a periodic interval (``RETENTION_PERIODS``).  A release without
-    the choice draws nothing, so its shapes draw as they did before it existed."""
+    the choice draws nothing, so its shapes draw as they did before it existed.
+
+    ``connectors``: the KV connectors the target's release builds (``kv_connectors_of``); a
+    quarter of the shapes without a Mamba group take one, drawn last.  None offered: nothing is drawn, so the other
+    shapes draw as they did before."""
     B = draw(st.sampled_from([2, 4, 8]))
     swa_B = draw(st.sampled_from([d for d in (1, 2, 4, 8) if B % d == 0]))
     hybrid = draw(st.integers(0, 3)) != 0
@@ -149,6 +161,11 @@ def shapes(draw, retention: RetentionOffer = DENSE_ONLY) -> Shape:
         periodic = shape.scheduler_block_size * draw(st.sampled_from(RETENTION_PERIODS))
         choices = [retention.engine_default, retention.engine_default, None, periodic]
         shape = attrs.evolve(shape, retention_interval=draw(st.sampled_from(choices)))
+    # Not beside a Mamba group: vLLM 0.33.0 hands a producer's Mamba boundary states to the
+    # connector (single_type_kv_cache_manager.py:149-160, kv_cache_manager.py:906-927,
+    # sched/scheduler.py:3360-3390), which the worker model does not play.
+    if connectors and not shape.mamba and draw(st.integers(0, 3)) == 0:
+        shape = attrs.evolve(shape, kv_connector=draw(st.sampled_from(connectors)))
     return shape
 
 
@@ -162,6 +179,7 @@ def _note(message: str) -> None:
 step_bytes = st.binary(min_size=4, max_size=4)
 MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
+KV_SEND_HELD = "a finished request's blocks held for a KV send (the reference frees at finish)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -362,9 +380,20 @@ class SchedulerLockstep:
         return plan
 
     def update(
-        self, plan: Plan, sampled: Mapping[int, Sequence[int]], drafts: Mapping | None = None
+        self,
+        plan: Plan,
+        sampled: Mapping[int, Sequence[int]],
+        drafts: Mapping | None = None,
+        **worker: Any,
     ) -> None:
-        self.target.update(plan, sampled, drafts)
+        """The output to both; the worker's connector report (``sent``) to the target alone.
+        The reference models no KV connector: it frees a request's blocks when it finishes, so
+        once the target keeps a finished request's blocks for a send (``held_for_sending``) the
+        two no longer hold the same blocks and the comparison ends, counted."""
+        self.target.update(plan, sampled, drafts, **worker)
+        held = getattr(self.target, "held_for_sending", None)
+        if self.comparing and held is not None and held():
+            self._end(KV_SEND_HELD)
         ref = self._pairs.pop(id(plan), None)
         if ref is not None and self.comparing:
             self.reference.update(ref, sampled, drafts)
@@ -531,7 +560,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.known = known
         self.lockstep: SchedulerLockstep | None = None
         self.factory = factory
-        self.shape_strategy = shape_strategy if shape_strategy is not None else shapes(retention_offer_of(factory))
+        if shape_strategy is None:
+            shape_strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory))
+        self.shape_strategy = shape_strategy
         self.counts = counts if counts is not None else ShapeCounts()
         self.focus = focus
         self.driver: SchedulerDriver | None = None

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from kvspec.spec.admission import ProgressFacts, least_blocks_alone
 from kvspec.spec.invariants import Violation, progress
+from kvspec.testing.scheduler.driver import SEND_DELAYS
 
 if TYPE_CHECKING:
     from kvspec.spec.groups import HybridState
@@ -55,9 +56,15 @@ def least_blocks_of(driver: SchedulerDriver, seq: int) -> int:
 
 
 def bound_of(driver: SchedulerDriver) -> int:
-    """Steps within which every live request finishes (the module's docstring says why)."""
+    """Steps within which every live request finishes (the module's docstring says why).  Under
+    a KV connector a finished request's blocks stay held until the worker reports its send
+    (at most ``SEND_DELAYS`` updates later): the head may wait that long for the blocks of each
+    request finishing before it, and for those of the sends in flight now."""
     depth = driver.async_depth
-    return sum(driver.seqs[s].prompt_len + driver.max_tokens[s] + 1 + depth for s in live(driver)) + depth + 1
+    steps = sum(driver.seqs[s].prompt_len + driver.max_tokens[s] + 1 + depth for s in live(driver)) + depth + 1
+    if getattr(driver.target, "sends_kv", False):
+        steps += (SEND_DELAYS + 1) * (len(live(driver)) + len(driver.sends))
+    return steps
 
 
 def live(driver: SchedulerDriver) -> list[int]:
@@ -97,7 +104,9 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
         holders |= {s.seq_id for s in plan.scheduled}
         alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s}]
         idle = not plan.scheduled and not plan.preempted
-        if idle and driver.state == before and all(not p.scheduled for p, _, _ in driver.in_flight):
+        # A send in flight is reported by a later output, which frees blocks: not a repeat.
+        quiet = not driver.sends and all(not p.scheduled for p, _, _ in driver.in_flight)
+        if idle and driver.state == before and quiet:
             repeated = True
             break
     facts = ProgressFacts(
