@@ -189,19 +189,11 @@ def _within(name: str):
 
 # Open defect: after a reported send leaves a finished request's table held, the incremental
 # and whole-world checks report the leak differently (IncrementalMismatch); not yet triaged.
-KNOWN_MISMATCH = pytest.mark.xfail(
-    strict=True, reason="open: incremental vs whole-world disagree on a table kept after its send"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
         "reference",
-        *(
-            pytest.param(n, marks=KNOWN_MISMATCH) if n == "keeps-blocks-after-the-send" else n
-            for n in sorted(BROKEN_SCHEDULERS)
-        ),
+        *sorted(BROKEN_SCHEDULERS),
     ],
 )
 def test_scheduler_verdicts_agree(name, monkeypatch):

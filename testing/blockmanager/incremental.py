@@ -308,10 +308,11 @@ class IncrementalChecker:
             touched.update(index.ids ^ ids)
             index.ids = ids
         if old.refcounts != new.refcounts:
-            for block, _ in old.refcounts.items() ^ new.refcounts.items():
-                if block not in touched:
-                    touched.add(block)
-                    index.in_use += (new.refcounts.get(block, 0) > 0) - (old.refcounts.get(block, 0) > 0)
+            # Each block once (it appears twice when its count changed), whether or not an
+            # earlier change of this pool already touched it.
+            for block in {b for b, _ in old.refcounts.items() ^ new.refcounts.items()}:
+                touched.add(block)
+                index.in_use += (new.refcounts.get(block, 0) > 0) - (old.refcounts.get(block, 0) > 0)
         if old.free != new.free:
             free = frozenset(new.free)
             # Multiplicities only matter for a double free: counted when the list has one.
