@@ -214,6 +214,18 @@ class KeepsBlocksAfterTheSend(ReferenceScheduler):
         pass
 
 
+class HoldsTheWholeTableForTheSend(ReferenceScheduler):
+    """KV connector: holds every block of a finished request for the send, those its windows
+    (or attention chunks) no longer read included.  Nothing is unsafe, the pool just keeps
+    blocks nobody reads until the send is reported; vLLM frees them first
+    (``_connector_finished``), so only the differential sees it."""
+
+    name = "holds-the-whole-table-for-the-send"
+
+    def _hold_for_send(self, req) -> None:
+        self.held[req.seq_id] = req
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -335,6 +347,7 @@ DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
     SerialAdmission.name: (SerialAdmission, Comparison.SCHEDULED),
     OverReserve.name: (OverReserve, Comparison.HELD_BLOCKS),
     UnalignedMambaSplit.name: (UnalignedMambaSplit, Comparison.STEP_COUNTS),
+    HoldsTheWholeTableForTheSend.name: (HoldsTheWholeTableForTheSend, Comparison.HELD_BLOCKS),
 }
 """Broken schedulers no invariant catches and the differential does (as a difference from the
 reference's own policy), with what it compares when it finds them."""

@@ -125,6 +125,16 @@ class SchedulerPolicy:
     # token.  False: a chunk is the budget's cut, or the release's split differs from this rule
     # (its own source line says where).
     mamba_aligned_split: Choice
+    # A request stopped by ``max_tokens`` inside a step's accepted tokens (drafts accepted past
+    # its last wanted token) keeps a computed count covering the tokens kept less the last one:
+    # the cut ones are taken off (False: the count keeps them).  Seen under a KV connector, which
+    # frees the out-of-window blocks of that count before holding the rest for the send.
+    trims_computed_at_stop: Choice
+    # Under a KV connector that sends every finished request's KV (a producer), a preemption
+    # drops the preempted request's output still in flight instead of delivering it: the request
+    # is recomputed rather than finished by that output (False: the output is delivered, as
+    # without a connector).
+    producer_drops_stale_output: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -153,6 +163,8 @@ class SchedulerPolicy:
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
             "caches_at_output": self.caches_at_output,
             "mamba_aligned_split": self.mamba_aligned_split,
+            "trims_computed_at_stop": self.trims_computed_at_stop,
+            "producer_drops_stale_output": self.producer_drops_stale_output,
         }
 
     def span(self) -> str:
@@ -195,6 +207,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         caches_at_output=Choice(False, f"{_KVM}:316-319"),
         # A chunk is min(uncomputed tokens, budget); no Mamba split in this release.
         mamba_aligned_split=Choice(False, f"{_SCHED}:515-529"),
+        # _update_request_with_output trims the new tokens at a stop, not num_computed_tokens.
+        trims_computed_at_stop=Choice(False, f"{_SCHED}:1233-1249"),
+        # _preempt_request takes no drop_stale_output.
+        producer_drops_stale_output=Choice(False, f"{_SCHED}:749-780"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -220,6 +236,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # last token included) and has no stop at a block's end for a chunk starting inside one:
         # not this rule (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
         mamba_aligned_split=Choice(False, f"{_SCHED}:302-350"),
+        trims_computed_at_stop=Choice(False, f"{_SCHED}:1635-1649"),
+        producer_drops_stale_output=Choice(False, f"{_SCHED}:965-990"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -252,6 +270,9 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # token included), and its partial-tail stop the prompt rounded down: not this rule
         # (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
         mamba_aligned_split=Choice(False, f"{_SCHED}:438-444"),
+        trims_computed_at_stop=Choice(False, f"{_SCHED}:2347-2362"),
+        # drop_stale_output=self.requires_kv_delivery (the producer role, connector base.py).
+        producer_drops_stale_output=Choice(True, f"{_SCHED}:786-791"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -283,6 +304,10 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # is get_mamba_prefill_checkpoint_position (kv_cache_interface.py:1169-1186: before the
         # last token).  No prefill-checkpoint blocks or shared-prefix junction in kvspec's shapes.
         mamba_aligned_split=Choice(True, f"{_SCHED}:546-650"),
+        # num_computed_tokens -= len(new_token_ids) - num_new, for an output not stale.
+        trims_computed_at_stop=Choice(True, f"{_SCHED}:2758-2763"),
+        # drop_stale_output=self.requires_kv_delivery; the dropped output skipped at :2338-2339.
+        producer_drops_stale_output=Choice(True, f"{_SCHED}:972-976"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

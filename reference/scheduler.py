@@ -142,6 +142,8 @@ class ReferenceScheduler:
         eagle = shape.eagle and shape.num_spec_tokens > 0
         self.drop_eagle_block = eagle and not shape.lookahead_hashes if drop_eagle_block is None else drop_eagle_block
         self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
+        self.trims_computed_at_stop = policy.trims_computed_at_stop.value
+        self.drops_stale_output = policy.producer_drops_stale_output.value and shape.kv_connector is not None
         self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         # A step's output caches blocks when the release does so, for a request with output
         # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
@@ -209,17 +211,24 @@ class ReferenceScheduler:
     def _finish(self, seq_id: int, send: bool = False) -> None:
         """The request is done; with ``send`` (it finished by length under a KV connector), its
         blocks are held for the send (``_sent`` releases them), as vLLM defers their free
-        (0.33.0 sched/scheduler.py:3040-3060); an aborted one's go at once."""
+        (0.33.0 sched/scheduler.py:3040-3060); an aborted one's go at once.  A held request
+        keeps only what its local groups still read: vLLM frees the rest before it hands the
+        table to the connector (``_connector_finished``, 0.33.0 scheduler.py:3367-3375; 0.20.1
+        and 0.25.1 do the same on the computed count)."""
         req = self.reqs.pop(seq_id, None)
         if req is None:
             return
         if send:
-            self.held[seq_id] = req
+            self._hold_for_send(req)
         else:
             self._release(req)
         for queue in (self.waiting, self.running):
             if seq_id in queue:
                 queue.remove(seq_id)
+
+    def _hold_for_send(self, req: _Req) -> None:
+        self._drop_unattended(req)
+        self.held[req.seq_id] = req
 
     def _sent(self, seq_id: int) -> None:
         """The worker reports the request's KV sent: its blocks go (scheduler.py:3579-3582)."""
@@ -268,10 +277,11 @@ class ReferenceScheduler:
     def _slots_for(self, req: _Req, end: int, group: GroupSpec) -> int:
         return blocks_for_tokens(end, group.block_size)
 
-    def _grow(self, req: _Req, end: int) -> None:
-        """Tables cover positions < end in every group; all or nothing."""
+    def _drop_unattended(self, req: _Req) -> None:
+        """Free the blocks of every local group (window, attention chunk, state) before the
+        first position the worker still reads."""
         if not req.tables:
-            req.tables = [[] for _ in self.group_specs]
+            return  # holds nothing (preempted, or never admitted)
         for table, group in zip(req.tables, self.group_specs, strict=True):
             if group.local:
                 # Last to first, down to the first slot already dropped (a state group's table
@@ -285,6 +295,12 @@ class ReferenceScheduler:
                         dropped.append(table[i])
                         table[i] = None
                 self._free(dropped)
+
+    def _grow(self, req: _Req, end: int) -> None:
+        """Tables cover positions < end in every group; all or nothing."""
+        if not req.tables:
+            req.tables = [[] for _ in self.group_specs]
+        self._drop_unattended(req)
         hit, req.hit = req.hit, None
         if hit is not None:
             self._adopt(req, end, hit)
@@ -687,8 +703,10 @@ class ReferenceScheduler:
             new = list(sampled.get(s.seq_id, ()))
             if req.preemptions != lives[s.seq_id]:
                 # Planned before a preemption: the tokens are still delivered, the counters
-                # (reset by the preemption) stay as they are (vLLM 0.33.0 scheduler.py:1824-1835).
-                self._deliver(req, new)
+                # (reset by the preemption) stay as they are (vLLM 0.33.0 scheduler.py:1824-1835);
+                # under a sending connector they are dropped (``producer_drops_stale_output``).
+                if not self.drops_stale_output:
+                    self._deliver(req, new)
                 continue
             req.in_flight -= s.num_tokens
             if not new:
@@ -697,23 +715,27 @@ class ReferenceScheduler:
             self._roll_back(req, rejected)
             if self.shape.async_scheduling:
                 req.placeholders -= 1 + s.drafts
-            self._deliver(req, new, cache=req.running and self._caches_at_output)
+            self._deliver(req, new, cache=req.running and self._caches_at_output, current=True)
         if drafts and not self.shape.async_scheduling:
             for seq_id, ids in drafts.items():
                 if seq_id in self.reqs:
                     self.reqs[seq_id].drafts = list(ids)
 
-    def _deliver(self, req: _Req, new: list[int], cache: bool = False) -> None:
+    def _deliver(self, req: _Req, new: list[int], cache: bool = False, current: bool = False) -> None:
         """Append a step's sampled tokens, up to the request's ``max_tokens`` (the rest are cut,
         and so are the positions computed for them); with ``cache``, cache the blocks of the
         processed tokens they complete (their keys may cover a token just sampled), before a
-        request they finish releases its blocks (vLLM 0.33.0 scheduler.py:2401-2415, 2752-2764)."""
+        request they finish releases its blocks (vLLM 0.33.0 scheduler.py:2401-2415, 2752-2764).
+        A ``current`` output (planned in the request's present life) that finishes it takes the
+        cut positions off its computed count under ``trims_computed_at_stop``."""
         kept = new[: req.max_tokens - req.outputs]
         req.tokens.extend(kept)
         req.outputs += len(kept)
         if cache:
             self._cache_blocks(req, req.computed - req.in_flight - (len(new) - len(kept)))
         if new and req.outputs >= req.max_tokens:
+            if current and self.trims_computed_at_stop:
+                req.computed -= len(new) - len(kept)
             self._finish(req.seq_id, send=self.sends_kv)
 
     def _roll_back(self, req: _Req, rejected: int) -> None:

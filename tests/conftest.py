@@ -139,3 +139,10 @@ def shown_report(browser):
         return shown
 
     return read
+
+
+def pytest_collection_modifyitems(config, items):
+    """The real-target tests first (each runs a release's target suite in a subprocess, minutes
+    long): started first, ``pytest -n 2 --dist worksteal`` spreads the rest around them instead
+    of leaving one worker on a long test at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("target") is None)

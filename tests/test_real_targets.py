@@ -1,5 +1,8 @@
 """Runs tests/targets inside each pinned vLLM release's venv (they import vllm, which the
-core environment never has).  Unprovisioned targets skip, naming the command."""
+core environment never has).  Unprovisioned targets skip, naming the command.
+
+Each release's files run in ``SHARDS`` subprocesses, so that ``pytest -n`` spreads one
+release's suite over its workers instead of leaving one worker on it for the whole run."""
 
 from __future__ import annotations
 
@@ -11,17 +14,33 @@ import pytest
 from kvspec.targets.provision import REPO, install_kvspec
 from kvspec.targets.registry import PINNED, target
 
+SHARDS = 4
+TARGET_FILES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests" / "targets").glob("test_*.py"))
+
+
+def shard_files(shard: int) -> list[str]:
+    """The target test files of ``shard``: every ``SHARDS``-th file, in name order."""
+    return TARGET_FILES[shard::SHARDS]
+
+
+def test_the_shards_cover_every_target_file_once():
+    sharded = [f for shard in range(SHARDS) for f in shard_files(shard)]
+    assert sorted(sharded) == TARGET_FILES and len(set(sharded)) == len(sharded)
+    assert all(shard_files(shard) for shard in range(SHARDS)), "more shards than files"
+
 
 @pytest.mark.target
+@pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("version", PINNED)
-def test_stateful_real_target(version):
+def test_stateful_real_target(version, shard):
     t = target(version)
     if not t.is_provisioned():
         pytest.skip(f"vLLM {version} is not provisioned: run `kvspec provision {version}`")
     install_kvspec(t, lambda msg: print(msg, file=sys.stderr))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    files = shard_files(shard)
     proc = subprocess.run(
-        [str(t.python), "-m", "pytest", "tests/targets", "-q", "-rfEs", "-p", "no:cacheprovider"],
+        [str(t.python), "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", "--durations=15"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -30,7 +49,9 @@ def test_stateful_real_target(version):
     print(proc.stdout[-6000:])
     # The skip list is long; the failures are what a red run must show first.
     failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    assert proc.returncode == 0, (
-        f"tests/targets failed in vLLM {version}:\n" + "\n".join(failures) + "\n" + proc.stdout[-4000:]
+    assert proc.returncode in (0, 5), (
+        f"tests/targets (shard {shard}) failed in vLLM {version}:\n" + "\n".join(failures) + "\n" + proc.stdout[-4000:]
     )
-    assert " passed" in proc.stdout, f"nothing ran in vLLM {version}:\n{proc.stdout[-3000:]}"
+    if " passed" not in proc.stdout:
+        # Every file of this shard is for other releases: a skip, named, never a pass.
+        pytest.skip(f"no test of {', '.join(files)} applies to vLLM {version}:\n{proc.stdout[-1500:]}")

@@ -179,7 +179,6 @@ def _note(message: str) -> None:
 step_bytes = st.binary(min_size=4, max_size=4)
 MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
-KV_SEND_HELD = "a finished request's blocks held for a KV send (the reference frees at finish)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -386,17 +385,13 @@ class SchedulerLockstep:
         drafts: Mapping | None = None,
         **worker: Any,
     ) -> None:
-        """The output to both; the worker's connector report (``sent``) to the target alone.
-        The reference models no KV connector: it frees a request's blocks when it finishes, so
-        once the target keeps a finished request's blocks for a send (``held_for_sending``) the
-        two no longer hold the same blocks and the comparison ends, counted."""
+        """The output and the worker's connector report (``sent``) to both: the reference
+        holds a finished request's blocks until its send is reported, as vLLM defers their
+        free (reference/scheduler.py ``_finish``)."""
         self.target.update(plan, sampled, drafts, **worker)
-        held = getattr(self.target, "held_for_sending", None)
-        if self.comparing and held is not None and held():
-            self._end(KV_SEND_HELD)
         ref = self._pairs.pop(id(plan), None)
         if ref is not None and self.comparing:
-            self.reference.update(ref, sampled, drafts)
+            self.reference.update(ref, sampled, drafts, **worker)
 
     # ------------------------------------------------ comparing
 

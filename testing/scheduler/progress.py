@@ -26,9 +26,11 @@ The bound rests on the head never being preempted while it fits alone: a step th
 request no other request held a block beside (before the step, or by being scheduled in it) is
 reported there (``ProgressFacts.preempted_alone``;
 it may still finish, recomputing from scratch each time, but no bound on the target's own loop
-holds).  A step that plans nothing, preempts nothing, has no output in flight and leaves the
-observed state as it was, leaves the scheduler where it was: every later step does the same, so
-the drain stops there (``ProgressFacts.repeated``) rather than spending the bound.
+holds).  A step that plans nothing, preempts nothing, delivers no output (one in flight from
+an earlier step carries tokens the observed state need not show), leaves no output in flight
+and leaves the observed state as it was, leaves the scheduler where it was: every later step
+does the same, so the drain stops there (``ProgressFacts.repeated``) rather than spending the
+bound.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
     while live(driver) and steps < bound and not alone:
         before = driver.state
         holders = _holders(before)
+        # An output in flight before the step is delivered by it (async scheduling): tokens the
+        # observed state may not show (a token landing in a block already held), so not a repeat.
+        delivers = any(p.scheduled for p, _, _ in driver.in_flight)
         plan = driver.step(DEFAULT_OUTPUT, DEFAULT_OUTPUT)
         steps += 1
         found = check()
@@ -105,7 +110,7 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
         alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s}]
         idle = not plan.scheduled and not plan.preempted
         # A send in flight is reported by a later output, which frees blocks: not a repeat.
-        quiet = not driver.sends and all(not p.scheduled for p, _, _ in driver.in_flight)
+        quiet = not delivers and not driver.sends and all(not p.scheduled for p, _, _ in driver.in_flight)
         if idle and driver.state == before and quiet:
             repeated = True
             break

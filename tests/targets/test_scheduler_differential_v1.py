@@ -169,3 +169,38 @@ def test_a_dense_cache_under_sparse_retention_differs_from_vllm(adapter, monkeyp
     found = caught.value
     assert found.release == "0.33.0", found
     assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+
+
+def _connector(adapter):
+    return shapes(adapter.retention_offer(), adapter.kv_connectors_offered()).filter(lambda s: s.kv_connector)
+
+
+def test_kv_connector_shapes_are_compared_to_the_end(adapter):
+    """Under a sending KV connector the reference holds a finished request's blocks as vLLM
+    does (the out-of-window ones freed first, the cut positions off a trimmed count, the output
+    in flight of a preempted request dropped): every example is compared to its end."""
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, _connector(adapter), differential=Mode.RENAMING, diff_counts=counts),
+        settings=settings(_settings(), suppress_health_check=list(HealthCheck)),
+    )
+    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+    assert counts.to_end == counts.examples and not counts.ended, counts
+
+
+def test_a_whole_table_held_for_the_send_differs_from_vllm(adapter, monkeypatch):
+    """The reference replaced by ``holds-the-whole-table-for-the-send``: vLLM frees a finished
+    request's out-of-window blocks before the hand-off, and the differential reports the held
+    blocks."""
+    import kvspec.testing.scheduler.machine as machine
+
+    variant, comparison = DIFFERENTIAL_ONLY["holds-the-whole-table-for-the-send"]
+    monkeypatch.setattr(machine, "ReferenceScheduler", variant)
+    local = _connector(adapter).filter(lambda s: s.sliding_window is not None or s.attention_chunk_size is not None)
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, local, differential=Mode.RENAMING),
+            settings=settings(_settings(), suppress_health_check=list(HealthCheck)),
+        )
+    found = caught.value
+    assert found.comparison == comparison and found.release == "0.33.0", found
