@@ -30,17 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvspec.testing.planted import LEAK
+
 from .common import REPO, RESULTS, command_line, header, machine_info, python_for, save_result, table, write_section
 
-LEAK = """            self.kv_cache_manager.free(request)
-            return
-        blocks = self.kv_cache_manager.pop_blocks_for_free(request)"""
-LEAK_PLANTED = LEAK.replace(
-    "self.kv_cache_manager.free(request)",
-    "if request.status != RequestStatus.FINISHED_ABORTED:  # planted: an abort leaks\n"
-    "                self.kv_cache_manager.free(request)",
-)
-SCHEDULER = "v1/core/sched/scheduler.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -81,11 +74,11 @@ def _planted_copy(python: str, where: Path) -> Path:
                            capture_output=True, text=True, check=True, env={**os.environ, **OFFLINE})
     source = Path(found.stdout.strip().splitlines()[-1])
     shutil.copytree(source, where / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    path = where / "vllm" / SCHEDULER
-    text = path.read_text()
-    if LEAK not in text:
-        raise SystemExit(f"the planted bug's context is not in {path}: another release?")
-    path.write_text(text.replace(LEAK, LEAK_PLANTED))
+    path = where / "vllm" / LEAK.file
+    try:
+        path.write_text(LEAK.plant(path.read_text()))
+    except ValueError as error:
+        raise SystemExit(f"{path}: {error}") from None
     subprocess.run([python, "-m", "compileall", "-q", str(where / "vllm")], check=False,
                    env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
     return where

@@ -25,28 +25,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvspec.testing.planted import LEAK, SCHEDULER, SHORT
 
 from .conftest import requires_vllm
 
 pytestmark = requires_vllm("0.33.0", "0.33.0")
 
-SCHEDULER = "v1/core/sched/scheduler.py"
-SHORT = """                        request,
-                        num_new_tokens,
-                        num_lookahead_tokens=self.num_lookahead_tokens,
-"""
-SHORT_PLANTED = SHORT.replace("num_new_tokens,", "max(num_new_tokens - 1, 1),  # planted: one slot short")
-LEAK = """            self.kv_cache_manager.free(request)
-            return
-        blocks = self.kv_cache_manager.pop_blocks_for_free(request)"""
-LEAK_PLANTED = LEAK.replace(
-    "self.kv_cache_manager.free(request)",
-    "if request.status != RequestStatus.FINISHED_ABORTED:  # planted: an abort leaks\n"
-    "                self.kv_cache_manager.free(request)",
-)
 # Each planted bug, by the invariants its verdict may name.
-SHORT_IDS = {"kv-readback", "admission-soundness"}
-LEAK_IDS = {"refcount-exact", "no-leak"}
+SHORT_IDS = SHORT.invariants
+LEAK_IDS = LEAK.invariants
 # A loaded machine builds a scheduler slowly: the hang limit is raised, not the budget.
 BUDGET = ["--profile", "ci", "--examples", "40", "--seed", "1", "--op-timeout", "600"]
 SOURCE = ["--source-version", "0.33.0"]
@@ -57,11 +44,7 @@ def _copy(root: Path) -> Path:
 
     shutil.copytree(Path(vllm.__file__).parent, root / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     path = root / "vllm" / SCHEDULER
-    text = path.read_text()
-    for old, new in ((SHORT, SHORT_PLANTED), (LEAK, LEAK_PLANTED)):
-        assert text.count(old) == 1, "the planted lines moved: update the test for this release"
-        text = text.replace(old, new)
-    path.write_text(text)
+    path.write_text(LEAK.plant(SHORT.plant(path.read_text())))
     return root
 
 
