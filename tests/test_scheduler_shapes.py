@@ -31,7 +31,7 @@ def _settings(n: int = EXAMPLES):
 def test_reference_scheduler_holds_in_every_shape():
     counts = ShapeCounts()
     run_state_machine_as_test(
-        lambda: SchedulerMachine(ReferenceScheduler, counts=counts), settings=_settings()
+        lambda: SchedulerMachine(ReferenceScheduler, counts=counts), settings=_settings(2 * EXAMPLES)
     )
     for tag in SHAPE_TAGS:
         assert counts.operations[tag] >= 100, (tag, counts)
