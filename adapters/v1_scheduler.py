@@ -326,6 +326,8 @@ class VLLMV1SchedulerAdapter:
         self.sends_kv = shape.kv_connector is not None
         if shape.kv_connector is not None and getattr(self._sched, "connector", None) is None:
             raise ConfigError(f"vLLM {v.version}'s scheduler built no KV connector for {shape.kv_connector}")
+        if shape.kv_connector is not None and len(self._sched.kv_cache_config.kv_cache_groups) > 1:
+            self._hybrid_connector_built(shape.kv_connector)
         self.manager = self._sched.kv_cache_manager
         self.cache_view.watch(self.manager)
         self.extra_kinds = self.cache_view.kinds_for(self._sched)
@@ -534,6 +536,24 @@ class VLLMV1SchedulerAdapter:
             )
             out.append((LAYER_SWA, mamba))
         return out
+
+    def _hybrid_connector_built(self, connector: str) -> None:
+        """A connector beside more than one KV-cache group only where it supports the hybrid
+        KV cache manager (``SupportsHMA``): vLLM turns the manager off under any other
+        connector (0.12.0 config/vllm.py:892-905, always; 0.20.1 :1288-1305, unless asked),
+        and its scheduler asserts one group when a request finishes (0.12.0
+        sched/scheduler.py:1508-1513).  A hybrid shape with such a connector is one vLLM never
+        builds: refused."""
+        try:
+            base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        except ImportError:
+            base = None
+        supports = getattr(base, "SupportsHMA", None)
+        if supports is None or not isinstance(self._sched.connector, supports):
+            raise ConfigError(
+                f"vLLM {self._v.version}: {connector} does not support the hybrid KV cache manager, "
+                "which vLLM turns off under it (a hybrid shape with it is never built)"
+            )
 
     @staticmethod
     def kv_connectors_offered() -> tuple[str, ...]:

@@ -60,13 +60,15 @@ WHEELS: dict[str, tuple[str | None, str]] = {
 # Imported only under ``except ImportError``, on the releases that have them (the coordinator:
 # the retention check, adapters/v1_scheduler.py ``_retention_valid``; in the 0.10.1.1 wheel and
 # later, not in 0.6.3.post1's).
-# The KV connector factory: the connectors a release registers (adapters/v1_scheduler.py
-# ``kv_connectors_offered``); a release without it offers no connector shape.
+# The KV connector factory and base: the connectors a release registers and whether one
+# supports the hybrid KV cache manager (adapters/v1_scheduler.py ``kv_connectors_offered``,
+# ``_hybrid_connector_built``); a release without them offers no connector shape.
 GUARDED_ELSEWHERE = {
     "vllm.utils.hashing",
     "vllm.v1.core.sched.async_scheduler",
     "vllm.v1.core.kv_cache_coordinator",
     "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
 }
 
 
