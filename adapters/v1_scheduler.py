@@ -100,7 +100,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,22 @@ def _tiny_model_dir() -> Path:
         for name, text in _tiny_tokenizer().items():
             _write_if_changed(root / name, text)
     return root
+
+
+class SentInOrder(set):
+    """The requests whose KV the worker reports sent in one output, iterated in the order
+    reported.  vLLM frees their blocks in its iteration order of this set (0.33.0
+    sched/scheduler.py:3579-3582), which for a plain set of strings follows the process's
+    string hashing: any order is one vLLM may meet, and kvspec fixes the one the reference
+    scheduler frees them in (``update``'s ``sent``), so that the free queue's order, and what
+    a later allocation evicts, can be compared."""
+
+    def __init__(self, request_ids: Iterable[str] = ()) -> None:
+        self._order = list(dict.fromkeys(request_ids))
+        super().__init__(self._order)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
 
 
 class VLLMV1SchedulerAdapter:
@@ -768,7 +784,7 @@ class VLLMV1SchedulerAdapter:
                 self._outputs.KVConnectorOutput,
                 self._rec,
                 "kv_output",
-                finished_sending={self._req[s].request_id for s in sent} or None,
+                finished_sending=SentInOrder(self._req[s].request_id for s in sent) or None,
             )
         out = _build(
             self._outputs.ModelRunnerOutput,

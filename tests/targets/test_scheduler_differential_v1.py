@@ -178,14 +178,23 @@ def _connector(adapter):
 def test_kv_connector_shapes_are_compared_to_the_end(adapter):
     """Under a sending KV connector the reference holds a finished request's blocks as vLLM
     does (the out-of-window ones freed first, the cut positions off a trimmed count, the output
-    in flight of a preempted request dropped): every example is compared to its end."""
-    counts = DiffCounts()
-    run_state_machine_as_test(
-        lambda: SchedulerMachine(adapter, _connector(adapter), differential=Mode.RENAMING, diff_counts=counts),
-        settings=settings(_settings(), suppress_health_check=list(HealthCheck)),
-    )
-    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
-    assert counts.to_end == counts.examples and not counts.ended, counts
+    in flight of a preempted request dropped, the sends freed after the output's requests, in
+    the order reported): without prefix caching every example is compared to its end; with it,
+    a comparison ends only once a send holds blocks (``KV_SEND_CACHED``)."""
+    from kvspec.testing.scheduler.machine import KV_SEND_CACHED
+
+    for caching in (False, True):
+        counts = DiffCounts()
+        within = _connector(adapter).filter(lambda s, c=caching: s.prefix_caching == c)
+        run_state_machine_as_test(
+            lambda w=within, d=counts: SchedulerMachine(adapter, w, differential=Mode.RENAMING, diff_counts=d),
+            settings=settings(_settings(), suppress_health_check=list(HealthCheck)),
+        )
+        assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+        if caching:
+            assert set(counts.ended) <= {KV_SEND_CACHED} and counts.to_end > 0, counts
+        else:
+            assert counts.to_end == counts.examples and not counts.ended, counts
 
 
 def test_a_whole_table_held_for_the_send_differs_from_vllm(adapter, monkeypatch):
