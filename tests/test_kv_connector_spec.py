@@ -94,3 +94,16 @@ def test_the_shapes_draw_a_connector_only_where_one_is_offered():
         assert not (offered.mamba and offered.kv_connector is not None)
 
     check()
+
+
+def test_sends_reported_in_one_output_are_iterated_in_the_order_reported():
+    """vLLM frees the blocks of ``finished_sending`` in its iteration order; a plain set of
+    strings iterates in the process's hash order, so the adapter hands vLLM one that iterates
+    as the reference scheduler frees (adapters/v1_scheduler.py ``SentInOrder``)."""
+    from kvspec.adapters.v1_scheduler import SentInOrder
+
+    ids = [f"req-{n}" for n in (7, 2, 11, 0, 5)]
+    sent = SentInOrder(ids)
+    assert list(sent) == ids and set(sent) == set(ids) and isinstance(sent, set)
+    assert list(SentInOrder(ids + ids[:2])) == ids  # a request reported twice is one send
+    assert not SentInOrder()  # nothing sent: vLLM is handed None
