@@ -254,6 +254,8 @@ def print_shapes(o: ShapesOutcome) -> None:
     differential, and its verdict in one line (the verdicts follow, ``print_verdict``)."""
     out.rule("vLLM's own V1 scheduler, production shapes")
     out.print(f"{o.examples} examples, {o.operations} operations, {o.seconds:.1f}s: " + headline(o))
+    # Every run counts, the shrinker's included: after a verdict most are its simplified shapes.
+    out.print("  per shape (every run of the search, shrinking runs included):", markup=False)
     for tag in SHAPE_TAGS:
         ex, ops = o.counts.examples.get(tag, 0), o.counts.operations.get(tag, 0)
         if ex:
