@@ -221,6 +221,11 @@ class ReferenceScheduler:
         if send:
             self._hold_for_send(req)
         else:
+            if self.sends_kv:
+                # vLLM hands every finished request to the connector, an aborted one too, and
+                # frees its out-of-window blocks before the rest (``_free_request`` calls
+                # ``_connector_finished``): they join the free queue first.
+                self._drop_unattended(req)
             self._release(req)
         for queue in (self.waiting, self.running):
             if seq_id in queue:
