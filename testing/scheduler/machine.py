@@ -181,7 +181,7 @@ def _note(message: str) -> None:
 step_bytes = st.binary(min_size=4, max_size=4)
 MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
-KV_SEND_CACHED = "blocks held for a KV send under prefix caching (eviction order beside vLLM not verified)"
+KV_SEND_CACHED = "blocks held for a KV send under prefix caching (the reference keeps no partial-tail entries)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -395,9 +395,12 @@ class SchedulerLockstep:
         """The output and the worker's connector report (``sent``) to both: the reference
         holds a finished request's blocks until its send is reported, as vLLM defers their
         free (reference/scheduler.py ``_finish``).  Beside vLLM with prefix caching, the
-        comparison ends once a send holds blocks: what later allocations evict from a free
-        queue the deferred frees reorder has been seen to differ from the reference (0.30.0 and
-        0.33.0, sliding window with EAGLE drafts), and is not modelled yet."""
+        comparison ends once a send holds blocks: vLLM caches a prompt's partial tail block
+        where hashes are finer than the block (0.30.0 single_type_kv_cache_manager.py:857-884),
+        which the reference does not, so that block rejoins the free queue's tail as a cached
+        one where the reference puts it at the head; the deferred frees have been seen to make
+        that order decide a later hit (0.30.0 and 0.33.0, a sliding window of 1-token blocks
+        beside EAGLE drafts)."""
         self.target.update(plan, sampled, drafts, **worker)
         held = getattr(self.target, "held_for_sending", None)
         if self.comparing and self.caching and self._beside_vllm and held is not None and held():
