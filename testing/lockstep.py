@@ -236,10 +236,18 @@ class _Session:
 
     def hello(self, impl: str) -> dict[str, Any]:
         """Import the target once, unguarded (importing vLLM and torch takes far longer than any
-        operation may), by building it on a small configuration; say what was imported."""
+        operation may), by building it on a small configuration; say what was imported.  A
+        build that fails once imported (a constructor that raises) is no failure to start: the
+        search's ``build`` meets it under the guard, a crash in construct, which beside a side
+        that builds is a verdict.  What cannot be imported is."""
         from kvspec.testing import implementations
         self.impl = impl
-        implementations.factory(impl)(Config(block_size=16, num_blocks=16))
+        try:
+            implementations.factory(impl)(Config(block_size=16, num_blocks=16))
+        except (ImportError, SyntaxError):
+            raise
+        except Exception:  # reported by ``build``, where the search meets it
+            pass
         vllm = sys.modules.get("vllm")
         return {"python": sys.executable, "vllm": getattr(vllm, "__file__", None), "pid": os.getpid(),
                 "version": getattr(vllm, "__version__", None)}
@@ -933,7 +941,7 @@ def run_lockstep(
             if run.status == "compared" and not stats.restarts:
                 remote.log.unlink(missing_ok=True)  # kept only when a side died or the run failed
     run.seconds = time.perf_counter() - start
-    if stats.operations == 0:
+    if stats.operations == 0 and not run.verdicts:  # a crash in construct is a verdict
         run.status = "no-examples"
     return run
 

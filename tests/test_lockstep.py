@@ -98,3 +98,25 @@ def test_without_shrinking_the_first_difference_met_is_the_verdict_unshrunk():
     # and cheaper (shrinking re-runs candidates, each operation on both sides).
     assert len(verdict.trace) >= len(shrunk.verdicts[0].trace)
     assert first.stats.operations < shrunk.stats.operations, (first.stats, shrunk.stats)
+
+
+def test_a_head_whose_constructor_raises_starts_and_its_build_is_the_verdict(monkeypatch):
+    """``hello`` imports the target by building it once: a constructor that raises after the
+    import is no failure to start (the search's ``build`` meets it, a crash in construct), and
+    an import that fails still is."""
+    import pytest
+    from kvspec.testing import implementations
+    from kvspec.testing.guard import Limits
+    from kvspec.testing.lockstep import _Session
+
+    def raising(exc):
+        def factory(_config):
+            raise exc
+        return factory
+
+    session = _Session(Limits(60, 4))
+    monkeypatch.setattr(implementations, "factory", lambda _name: raising(NameError("block_ids")))
+    assert "pid" in session.hello("reference")
+    monkeypatch.setattr(implementations, "factory", lambda _name: raising(ImportError("no vllm")))
+    with pytest.raises(ImportError):
+        session.hello("reference")
