@@ -75,6 +75,7 @@ class _Req:
     running: bool = False
     preemptions: int = 0  # output of a step planned before a preemption is stale: dropped
     prefill_chunk: bool = False  # its last step left prompt to compute
+    decoding: bool = False  # a step of its present life finished its prefill (drafts follow)
     extra: ExtraKeys = NO_EXTRA  # its domain (cache salt, LoRA adapter): part of every block key
     cached: list[int] = attrs.Factory(list)  # per group: table slots already cached (or skipped)
     hit: Hit | None = None  # the prefix hit its admission is adopting (``_grow`` takes it)
@@ -496,7 +497,11 @@ class ReferenceScheduler:
         if self._done_in_flight(req):
             return 0, ()
         remaining = req.known() - req.computed
-        if remaining > 1 or (req.outputs == 0 and req.placeholders == 0):
+        # Drafts (async: placeholders) only once a step of this life finished the prefill: vLLM
+        # gives a request spec tokens after a step that is no prefill chunk and takes them at a
+        # preemption (0.20.1 async_scheduler.py:26-35, scheduler.py:977-979), so a resumed
+        # request computes its last recomputed position alone, its outputs notwithstanding.
+        if remaining > 1 or not req.decoding:
             return self._aligned(req, min(remaining, budget)), ()
         k = self.shape.num_spec_tokens
         if self.shape.async_scheduling:
@@ -589,6 +594,7 @@ class ReferenceScheduler:
         req.computed += n
         req.in_flight += n
         req.prefill_chunk = req.computed < req.known()
+        req.decoding = req.decoding or not req.prefill_chunk
         if req.computed >= req.known():
             req.placeholders += 1 + len(drafts) if self.shape.async_scheduling else 0
         req.drafts = []
@@ -639,6 +645,7 @@ class ReferenceScheduler:
         self._release(req)
         req.computed = req.in_flight = req.placeholders = 0
         req.drafts = []
+        req.decoding = False
         req.preemptions += 1
         req.running = False
         self.running.remove(seq_id)
