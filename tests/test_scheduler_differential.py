@@ -40,9 +40,9 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
     counts = DiffCounts()
     run_state_machine_as_test(
         lambda: SchedulerMachine(ReferenceScheduler, differential=Mode.RENAMING, diff_counts=counts),
-        settings=_settings(),
+        settings=_settings(2 * EXAMPLES),
     )
-    assert counts.examples >= EXAMPLES and counts.steps >= 5 * EXAMPLES, counts
+    assert counts.examples >= EXAMPLES and counts.steps >= 10 * EXAMPLES, counts
     assert not counts.allowed and not counts.ended, counts
     assert counts.policy == REFERENCE_OWN and counts.undeclared is None, counts
 
