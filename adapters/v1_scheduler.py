@@ -21,6 +21,13 @@ chunked local   a full-attention group and a chunked-local group (Llama-4):
                 (kv_cache_interface.py:861, single_type_kv_cache_manager.py:1276; 0.12.0 :199,
                 :501; 0.10.1.1 :138, :393; absent in 0.9.1).  One block size for both groups
                 (single_type_kv_cache_manager.py:1338-1341) and no EAGLE beside it (:1333-1335).
+pipeline        ``ParallelConfig.pipeline_parallel_size`` > 1 with the synchronous ``Scheduler``:
+                the engine keeps one batch per stage in flight (``max_concurrent_batches``,
+                0.33.0 config/vllm.py:588-598; before 0.25 the executor's, 0.20.1
+                v1/executor/multiproc_executor.py:474-478), which the driver plays as it
+                plays async scheduling's; the scheduler's ``use_pp`` only changes what its
+                output carries (scheduler.py:1945), and from 0.30.0 ``max_in_flight_tokens``
+                (config/vllm.py:601-609) sizes windows and the admission cap for those batches.
 async           ``AsyncScheduler`` (vllm/v1/core/sched/async_scheduler.py):
                 ``schedule()`` for step t+1 before ``update_from_output`` of step t, output
                 placeholders (async_scheduler.py:25-56).  The engine keeps two batches in
@@ -338,6 +345,8 @@ class VLLMV1SchedulerAdapter:
             **{k: x for k, x in extra.items() if k in self._sched_params},
         )
         self._sched = real(self.scheduler)
+        if shape.pipeline_parallel > 1 and not getattr(self._sched, "use_pp", False):
+            raise ConfigError(f"vLLM {v.version}'s scheduler does not see the pipeline")
         # Every request finished in an output has its KV sent (``do_remote_decode``, ``add``).
         self.sends_kv = shape.kv_connector is not None
         if shape.kv_connector is not None and getattr(self._sched, "connector", None) is None:
@@ -485,10 +494,19 @@ class VLLMV1SchedulerAdapter:
             kv_transfer["kv_transfer_config"] = make(
                 c.KVTransferConfig, "kv_transfer_config", kv_connector=shape.kv_connector, kv_role="kv_producer"
             )
+        # A pipeline: the scheduler reads only that there is one (``use_pp``: which tokens its
+        # output carries, 0.33.0 scheduler.py:1945); the engine's batch queue is what keeps
+        # ``pipeline_parallel`` batches in flight, and kvspec's driver plays it.
+        parallel = {}
+        if shape.pipeline_parallel > 1:
+            parallel["parallel_config"] = make(
+                c.ParallelConfig, "parallel_config", pipeline_parallel_size=shape.pipeline_parallel
+            )
         return make(
             c.VllmConfig,
             "vllm_config",
             **kv_transfer,
+            **parallel,
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,

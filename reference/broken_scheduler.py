@@ -226,6 +226,23 @@ class HoldsTheWholeTableForTheSend(ReferenceScheduler):
         self.held[req.seq_id] = req
 
 
+class RecomputesInFlight(ReferenceScheduler):
+    """Pipeline parallel: takes a batch in flight for lost, planning a request's next step from
+    the positions whose output came back, so the synchronous scheduler hands the worker
+    positions it is still computing (a prefill chunk's successor starts over the chunk in
+    flight).  Async scheduling plans past the step in flight with placeholders and a
+    synchronous scheduler without a pipeline has no batch in flight when it plans, so only a
+    pipeline reaches it: ``kv-readback``'s step-start."""
+
+    name = "recomputes-in-flight"
+
+    def _tokens_for(self, req: _Req, budget: int) -> tuple[int, tuple[int, ...]]:
+        if not self.shape.async_scheduling and req.in_flight:
+            req.computed -= req.in_flight
+            req.in_flight = 0
+        return super()._tokens_for(req, budget)
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -270,6 +287,7 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     KeepsBlocksAfterTheSend.name: BrokenScheduler(
         KeepsBlocksAfterTheSend, "kv-connector", frozenset({"no-leak", "refcount-exact"})
     ),
+    RecomputesInFlight.name: BrokenScheduler(RecomputesInFlight, "pipeline-parallel", frozenset({"kv-readback"})),
 }
 
 

@@ -77,8 +77,8 @@ class SchedulerPolicy:
     # count, the steps in flight included).
     free_by_processed: Choice
     # The ``scheduler_reserve_full_isl`` admission gate caps a local group's share of the whole
-    # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two);
-    # False: plus one batch's.
+    # sequence at its window (or chunk) plus the tokens of every batch in flight (async: two; a
+    # pipeline: one per stage, ``Shape.batches_in_flight``); False: plus one batch's.
     admission_cap_all_batches: Choice
     # With prefix caching: a freed block that holds no cached content goes to the head of the
     # free queue, to be reused first (False: to its tail, as a cached one does).
@@ -135,6 +135,11 @@ class SchedulerPolicy:
     # is recomputed rather than finished by that output (False: the output is delivered, as
     # without a connector).
     producer_drops_stale_output: Choice
+    # A preempted request whose output planned before the preemption is still in flight, and
+    # will be delivered, is not resumed until that output has arrived: the admission passes
+    # over it to the requests behind it (False: it is resumed as any other).  Only a pipeline
+    # deeper than two batches resumes a request with such output still in flight.
+    waits_for_stale_output: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -165,6 +170,7 @@ class SchedulerPolicy:
             "mamba_aligned_split": self.mamba_aligned_split,
             "trims_computed_at_stop": self.trims_computed_at_stop,
             "producer_drops_stale_output": self.producer_drops_stale_output,
+            "waits_for_stale_output": self.waits_for_stale_output,
         }
 
     def span(self) -> str:
@@ -211,6 +217,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         trims_computed_at_stop=Choice(False, f"{_SCHED}:1233-1249"),
         # _preempt_request takes no drop_stale_output.
         producer_drops_stale_output=Choice(False, f"{_SCHED}:749-780"),
+        # The waiting loop resumes a preempted request with no regard to its output in flight.
+        waits_for_stale_output=Choice(False, f"{_SCHED}:418-440"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -238,6 +246,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         mamba_aligned_split=Choice(False, f"{_SCHED}:302-350"),
         trims_computed_at_stop=Choice(False, f"{_SCHED}:1635-1649"),
         producer_drops_stale_output=Choice(False, f"{_SCHED}:965-990"),
+        # The waiting loop resumes a preempted request with no regard to its output in flight.
+        waits_for_stale_output=Choice(False, f"{_SCHED}:576-600"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -273,6 +283,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         trims_computed_at_stop=Choice(False, f"{_SCHED}:2347-2362"),
         # drop_stale_output=self.requires_kv_delivery (the producer role, connector base.py).
         producer_drops_stale_output=Choice(True, f"{_SCHED}:786-791"),
+        # A deliverable stale output in flight skips the request (``skip_request``).
+        waits_for_stale_output=Choice(True, f"{_SCHED}:886-895"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -308,6 +320,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         trims_computed_at_stop=Choice(True, f"{_SCHED}:2758-2763"),
         # drop_stale_output=self.requires_kv_delivery; the dropped output skipped at :2338-2339.
         producer_drops_stale_output=Choice(True, f"{_SCHED}:972-976"),
+        # A deliverable stale output in flight skips the request (``skip_request``).
+        waits_for_stale_output=Choice(True, f"{_SCHED}:1084-1089"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

@@ -81,6 +81,7 @@ class _Req:
     hit: Hit | None = None  # the prefix hit its admission is adopting (``_grow`` takes it)
     prompt: int = 0  # its prompt's tokens (the replay boundaries are the prompt's)
     junction: int = 0  # its last lookup's full-attention hit, where longer than the hit (else 0)
+    stale: int = 0  # tokens of steps planned before its last preemption whose output is in flight
 
     def known(self) -> int:
         return len(self.tokens) + self.placeholders
@@ -145,6 +146,7 @@ class ReferenceScheduler:
         self.hash_lookahead = int(eagle and shape.lookahead_hashes) if hash_lookahead is None else hash_lookahead
         self.trims_computed_at_stop = policy.trims_computed_at_stop.value
         self.drops_stale_output = policy.producer_drops_stale_output.value and shape.kv_connector is not None
+        self.waits_for_stale_output = policy.waits_for_stale_output.value and not self.drops_stale_output
         self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         # A step's output caches blocks when the release does so, for a request with output
         # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
@@ -497,6 +499,10 @@ class ReferenceScheduler:
         if self._done_in_flight(req):
             return 0, ()
         remaining = req.known() - req.computed
+        if remaining < 1 and req.in_flight:
+            # Every known position is planned: a synchronous step in flight under a pipeline
+            # (vLLM 0.33.0 scheduler.py:839-843, 891-896: no new tokens, no step).
+            return 0, ()
         # Drafts (async: placeholders) only once a step of this life finished the prefill: vLLM
         # gives a request spec tokens after a step that is no prefill chunk and takes them at a
         # preemption (0.20.1 async_scheduler.py:26-35, scheduler.py:977-979), so a resumed
@@ -621,7 +627,7 @@ class ReferenceScheduler:
 
     def _admission_blocks(self, tokens: int, group: GroupSpec) -> int:
         blocks = blocks_for_tokens(tokens, group.block_size)
-        batches = 2 if self.shape.async_scheduling and self.admission_cap_all_batches else 1
+        batches = self.shape.batches_in_flight if self.admission_cap_all_batches else 1
         in_flight = batches * self.shape.max_num_batched_tokens
         length = self.shape.max_model_len
         chunk = group.attention_chunk_size
@@ -643,6 +649,7 @@ class ReferenceScheduler:
     def _preempt(self, seq_id: int) -> None:
         req = self.reqs[seq_id]
         self._release(req)
+        req.stale += req.in_flight
         req.computed = req.in_flight = req.placeholders = 0
         req.drafts = []
         req.decoding = False
@@ -677,8 +684,12 @@ class ReferenceScheduler:
                 budget -= s.num_tokens
                 prefill_scheduled |= was_prefill_chunk
         running_scheduled = bool(scheduled)
-        while self.waiting and budget > 0 and not preempted and not self._full():
-            req = self.reqs[self.waiting[0]]
+        at = 0  # the waiting requests before it are passed over
+        while at < len(self.waiting) and budget > 0 and not preempted and not self._full():
+            req = self.reqs[self.waiting[at]]
+            if self.waits_for_stale_output and req.stale:
+                at += 1  # its output of before the preemption has yet to arrive
+                continue
             hit = self._find_hit(req)
             padded = None if prefill_scheduled else self._padded(req, budget, running_scheduled, hit.length)
             if padded == (0, ()) or not self._admissible(req, hit):
@@ -689,7 +700,7 @@ class ReferenceScheduler:
                 break
             if s is None:
                 break  # nothing fits the budget (a Mamba split to no whole block)
-            self.waiting.pop(0)
+            self.waiting.pop(at)
             req.running = True
             self.running.append(req.seq_id)
             scheduled.append(s)
@@ -712,6 +723,7 @@ class ReferenceScheduler:
                 continue  # finished
             new = list(sampled.get(s.seq_id, ()))
             if req.preemptions != lives[s.seq_id]:
+                req.stale = max(req.stale - s.num_tokens, 0)
                 # Planned before a preemption: the tokens are still delivered, the counters
                 # (reset by the preemption) stay as they are (vLLM 0.33.0 scheduler.py:1824-1835);
                 # under a sending connector they are dropped (``producer_drops_stale_output``).

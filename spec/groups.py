@@ -109,6 +109,7 @@ SHAPE_TAGS = (
     "hybrid-mamba",
     "mamba-partial-hits",
     "async",
+    "pipeline-parallel",
     "spec-decode",
     "spec-decode-eagle",
     "budget-chunked",
@@ -161,6 +162,18 @@ class Shape:
     prefix_caching    ``enable_prefix_caching``.
     num_spec_tokens   ngram draft tokens per decode step (0: no speculative decoding).
     async_scheduling  ``AsyncScheduler`` with two batches in flight.
+    pipeline_parallel the pipeline's stages (``ParallelConfig.pipeline_parallel_size``): the engine
+                      keeps that many batches in flight (``max_concurrent_batches``, 0.33.0
+                      config/vllm.py:588-598; the executor's before 0.25, 0.20.1
+                      v1/executor/multiproc_executor.py:474-478), scheduling the next before the
+                      oldest's output returns (``step_with_batch_queue``, engine/core.py:708-776).
+                      The scheduler itself is the synchronous one: a request whose step is in
+                      flight has nothing left to compute until its output comes back, a prefill
+                      chunk's successor is planned at once.  1: no pipeline.  With more than one
+                      stage: no async scheduling (0.33.0's V1 model runner refuses it,
+                      config/vllm.py:1660-1690) and no drafts (the engine takes a sync step's
+                      drafts after the call that executed it, engine/core.py:699-706, which the
+                      worker model does not play when another batch is in flight).
     max_num_batched_tokens  the token budget per step.
     max_model_len     the context length.
     full_sequence_must_fit  ``scheduler_reserve_full_isl``.
@@ -226,8 +239,13 @@ class Shape:
     prefix_match_unit: int | None = None
     retention_interval: int | None = None
     kv_connector: str | None = None
+    pipeline_parallel: int = 1
 
     def __attrs_post_init__(self) -> None:
+        if self.pipeline_parallel < 1:
+            raise ValueError("a pipeline has at least one stage")
+        if self.pipeline_parallel > 1 and (self.async_scheduling or self.num_spec_tokens):
+            raise ValueError("pipeline parallel shapes run the synchronous scheduler without drafts")
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"unknown KV connector {self.kv_connector!r} (one of {', '.join(KV_CONNECTORS)})")
         second = (self.sliding_window is not None, self.attention_chunk_size is not None, self.mamba)
@@ -253,6 +271,12 @@ class Shape:
     def mamba_partial_hits(self) -> bool:
         """Mamba "align" blocks larger than the hash block: prefix hits inside a Mamba block."""
         return self.prefix_match_unit is not None
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches the engine keeps in flight at most (vLLM's ``max_concurrent_batches``): two
+        under async scheduling, else one per pipeline stage."""
+        return 2 if self.async_scheduling else self.pipeline_parallel
 
     @property
     def hybrid(self) -> bool:
@@ -295,8 +319,9 @@ class Shape:
             # One state block per request in "none" mode; in "align" mode the block the next
             # step reads and the block it writes (MambaSpec.max_memory_usage_bytes, 0.33.0
             # kv_cache_interface.py:1135-1141; no speculative or prefill-checkpoint blocks
-            # here), and under async scheduling the block the step in flight writes.
-            held = 1 + self.prefix_caching * (1 + self.async_scheduling)
+            # here), and for every batch in flight (async scheduling, a pipeline) the block
+            # that step writes.
+            held = 1 + self.prefix_caching * self.batches_in_flight
             return (full, GroupSpec("mamba", self.mamba_block, state_blocks=held))
         if self.sliding_window is None:
             return (full,)
@@ -316,6 +341,8 @@ class Shape:
                 out.append("mamba-partial-hits")
         if self.async_scheduling:
             out.append("async")
+        if self.pipeline_parallel > 1:
+            out.append("pipeline-parallel")
         if self.num_spec_tokens:
             out.append("spec-decode")
             if self.eagle:
@@ -347,6 +374,8 @@ class Shape:
             parts.append(f"spec={self.num_spec_tokens}{method}")
         if self.async_scheduling:
             parts.append("async")
+        if self.pipeline_parallel > 1:
+            parts.append(f"pp={self.pipeline_parallel}")
         parts.append(f"budget={self.max_num_batched_tokens}/len={self.max_model_len}")
         parts.append(f"full_isl={'on' if self.full_sequence_must_fit else 'off'}")
         if self.prefix_caching and (self.sliding_window is not None or self.mamba):
@@ -571,10 +600,11 @@ def state_faults(world: World, spec: GroupSpec) -> Iterator[Violation]:
                   step reads and the block it writes, the older ones nulled
                   (``remove_skipped_blocks`` :1629-1657, ``allocate_new_blocks`` :1846-1856).
                   vLLM sizes the pool by that count (``MambaSpec.max_memory_usage_bytes``,
-                  kv_cache_interface.py:1135-1141).  Freedom: one more under async scheduling
-                  (``Shape.groups``): step t+1 is planned, and its block taken, before step t's
-                  output comes back, and vLLM frees the block step t reads only by the processed
-                  count (kv_cache_manager.py:561-568; ``remove_skipped_blocks`` :1640-1657).
+                  kv_cache_interface.py:1135-1141).  Freedom: one more for each other batch the
+                  engine keeps in flight (async scheduling, a pipeline; ``Shape.groups``): step
+                  t+1 is planned, and its block taken, before step t's output comes back, and
+                  vLLM frees the block step t reads only by the processed count
+                  (kv_cache_manager.py:561-568; ``remove_skipped_blocks`` :1640-1657).
     """
     B = world.config.block_size
     bound = spec.state_blocks

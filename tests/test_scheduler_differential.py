@@ -103,7 +103,10 @@ def test_invariants_accept_what_the_differential_rejects(name):
     assert not isinstance(found, SpecViolation | AssertionError), found
     assert found.comparison == comparison and found.policy == REFERENCE_OWN.id, found
     assert found.release == variant.name, found
-    assert 0 < len(found.trace) <= 6, found
+    # Short: the request(s) and the step that differs, after at most a few idle steps the
+    # shrinker leaves in front (their number moves with the shape draws).
+    busy = [t for t in found.trace if not (t.op == "step" and t.outcome.startswith("scheduled {}, preempted []"))]
+    assert 0 < len(found.trace) <= 8 and len(busy) <= 4, found
     text = str(found)
     assert text.startswith("differs from the reference scheduler's declared policy"), text
     assert "violat" not in text.lower() and not any(i in text for i in INVARIANTS), text

@@ -135,13 +135,21 @@ class SchedulerDriver:
         async_depth: int = 0,
         log: Callable[[str], None] | None = None,
         checking: str | None = None,
+        placeholders: bool | None = None,
     ) -> None:
-        """``checking``: how the state invariants are evaluated (``incremental.MODES``; None:
-        ``KVSPEC_CHECK``, else incremental, which equals the whole-world definition)."""
+        """``async_depth``: the batches still in flight after a step (the engine's batch queue
+        less one).  ``placeholders``: whether the scheduler plans a step before the output of
+        the one in flight with placeholders for its tokens (async scheduling; None: whenever a
+        batch is in flight), so a step starts at the worker's position rather than the
+        scheduler's; a synchronous scheduler beside a batch in flight (a pipeline) plans from
+        positions it counts computed, and must start each step exactly there.  ``checking``:
+        how the state invariants are evaluated (``incremental.MODES``; None: ``KVSPEC_CHECK``,
+        else incremental, which equals the whole-world definition)."""
         # The target as the driver calls it: which call an exception escaped is remembered.
         self.target = _Target(target)
         self.config = target.config
         self.async_depth = async_depth  # steps whose output is still in flight after a step
+        self.placeholders = async_depth > 0 if placeholders is None else placeholders
         self.log = log or (lambda _m: None)
         self.seqs: dict[int, SeqModel] = {}
         self.max_tokens: dict[int, int] = {}  # a request's sampled tokens at most (its arrival's)
@@ -163,6 +171,17 @@ class SchedulerDriver:
         # KV sends in flight: seq -> updates still to pass before the worker reports it sent.
         self.sends: dict[int, int] = {}
         self._send_delay = 0  # the delay a send started by the next update is given
+
+    @classmethod
+    def for_shape(cls, target: SchedulerTarget, shape: Any, **kwargs: Any) -> SchedulerDriver:
+        """The driver of a target built in ``shape`` (``spec.groups.Shape``): the engine's batch
+        queue as the shape keeps it."""
+        return cls(
+            target,
+            async_depth=shape.batches_in_flight - 1,
+            placeholders=shape.async_scheduling,
+            **kwargs,
+        )
 
     # ------------------------------------------------------------ operations
 
@@ -311,9 +330,17 @@ class SchedulerDriver:
                     num_computed=start,
                     tokens=self.target.tokens(s.seq_id),
                 )
-            elif self.async_depth:
+            elif self.placeholders:
                 start = seq.num_computed
-            elif start != seq.num_computed:
+            if not fresh and not self.placeholders and self.async_depth:
+                # A synchronous scheduler beside batches in flight (a pipeline) sends each
+                # step's tokens with it (``use_pp``, 0.33.0 scheduler.py:1945-1956): so a token
+                # that a stale output (of a step in flight at a preemption) delivered after the
+                # worker resumed the request reaches the worker.  Only an extension is taken.
+                theirs = tuple(self.target.tokens(s.seq_id))
+                if len(theirs) > len(seq.tokens) and theirs[: len(seq.tokens)] == tuple(seq.tokens):
+                    seq = attrs.evolve(seq, tokens=theirs)
+            if not fresh and not self.placeholders and start != seq.num_computed:
                 self.pending.append(
                     Violation(
                         "kv-readback",
@@ -349,7 +376,7 @@ class SchedulerDriver:
                 continue
             starts = self.recent_starts.setdefault(s.seq_id, [])
             starts.append(start)
-            del starts[:-2]
+            del starts[: -(self.async_depth + 1)]  # the steps in flight and this one
             lo = starts[0] if self.async_depth else start
             # Under async scheduling the scheduler reserves up to its optimistic end (drafts
             # of the step in flight counted as accepted): the step spans both.

@@ -199,7 +199,7 @@ class SchedulerSession:
         try:
             with self.guard.armed():
                 target = factory(shape)  # type: ignore[arg-type]
-                driver = SchedulerDriver(target, async_depth=1 if shape.async_scheduling else 0)
+                driver = SchedulerDriver.for_shape(target, shape)
         except (ConfigError, Unsupported) as error:
             return {"unsupported": str(error)}
         except GuardTripped as trip:

@@ -66,6 +66,8 @@ from kvspec.testing.scheduler.progress import drain
 # Multiples of the scheduler's block size a periodic retention interval is drawn from (vLLM
 # refuses any other interval, kv_cache_coordinator.py:57-62 of 0.33.0).
 RETENTION_PERIODS = (1, 2, 4)
+# Pipeline stages a pipeline-parallel shape is drawn with: two and three batches in flight.
+PIPELINE_STAGES = (2, 3)
 
 
 def retention_offer_of(factory: Callable[..., Any]) -> RetentionOffer:
@@ -161,6 +163,10 @@ def shapes(draw, retention: RetentionOffer = DENSE_ONLY, connectors: tuple[str, 
         periodic = shape.scheduler_block_size * draw(st.sampled_from(RETENTION_PERIODS))
         choices = [retention.engine_default, retention.engine_default, None, periodic]
         shape = attrs.evolve(shape, retention_interval=draw(st.sampled_from(choices)))
+    # Pipeline parallel: half the shapes that run the synchronous
+    # scheduler without drafts keep one batch per stage in flight (``Shape.pipeline_parallel``).
+    if not shape.async_scheduling and not shape.num_spec_tokens and draw(st.integers(0, 1)) == 1:
+        shape = attrs.evolve(shape, pipeline_parallel=draw(st.sampled_from(PIPELINE_STAGES)))
     # Not beside a Mamba group: vLLM 0.33.0 hands a producer's Mamba boundary states to the
     # connector (single_type_kv_cache_manager.py:149-160, kv_cache_manager.py:906-927,
     # sched/scheduler.py:3360-3390), which the worker model does not play.
@@ -600,7 +606,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         the shape; a replay (testing/scheduler/replay.py) gives the recorded one."""
         target = self.factory(shape)
         self.shape = shape
-        depth = 1 if shape.async_scheduling else 0
         # Against vLLM, a Mamba "align" shape needs the reference to cut prefill chunks at Mamba
         # blocks' ends as the release does (reference/policies.py ``mamba_aligned_split``).
         vllm_align = shape.mamba_cache_mode == "align" and not isinstance(target, ReferenceScheduler)
@@ -622,7 +627,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 target, reference, self.differential, self.known, policy, release_of(target)
             )
             target = self.lockstep
-        self.driver = SchedulerDriver(target, async_depth=depth, log=note)
+        self.driver = SchedulerDriver.for_shape(target, shape, log=note)
 
     @property
     def d(self) -> SchedulerDriver:

@@ -20,7 +20,10 @@ token even with every draft rejected), or admits it.  A request computes at most
 preempted before: preemptions ahead of that cost nothing), plus one step for its admission and,
 under async scheduling, ``async_depth`` steps whose output is still in flight (its last token
 already planned, vLLM gives it no step; 0.33.0 scheduler.py:802-816).  Summed over the requests,
-with ``async_depth + 1`` more for the outputs in flight when the drain starts.
+with ``async_depth + 1`` more for the outputs in flight when the drain starts.  A synchronous
+scheduler beside batches in flight (a pipeline, ``Shape.pipeline_parallel``) plans no step for a
+request whose output is in flight (0.33.0 scheduler.py:891-896), so each of its steps may come
+``async_depth`` steps after the last: the request's share is multiplied by ``async_depth + 1``.
 
 The bound rests on the head never being preempted while it fits alone: a step that preempts a
 request no other request held a block beside (before the step, or by being scheduled in it) is
@@ -63,7 +66,12 @@ def bound_of(driver: SchedulerDriver) -> int:
     (at most ``SEND_DELAYS`` updates later): the head may wait that long for the blocks of each
     request finishing before it, and for those of the sends in flight now."""
     depth = driver.async_depth
-    steps = sum(driver.seqs[s].prompt_len + driver.max_tokens[s] + 1 + depth for s in live(driver)) + depth + 1
+    # A synchronous scheduler beside batches in flight (a pipeline) gives a request no step
+    # while its output is in flight: each of its steps may wait ``depth`` more.
+    wait = 1 if driver.placeholders else depth + 1
+    steps = sum(
+        (driver.seqs[s].prompt_len + driver.max_tokens[s] + 1 + depth) * wait for s in live(driver)
+    ) + depth + 1
     if getattr(driver.target, "sends_kv", False):
         steps += (SEND_DELAYS + 1) * (len(live(driver)) + len(driver.sends))
     return steps

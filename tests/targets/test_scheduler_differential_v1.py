@@ -102,6 +102,26 @@ def _mamba(shape) -> bool:
     return shape.mamba
 
 
+def test_pipeline_shapes_are_compared_beside_vllm(adapter):
+    """Pipeline-parallel shapes (the synchronous scheduler with one batch per stage in flight)
+    run the differential: the same steps, the same passes over a preempted request whose
+    output is still in flight (``waits_for_stale_output``), ending early only where every
+    shape may (Mamba prefix caching, a KV send under prefix caching)."""
+    from kvspec.testing.scheduler.machine import KV_SEND_CACHED, MAMBA_PARTIAL_TAIL, MAMBA_PREFIX_CACHE
+
+    counts = DiffCounts()
+    within = shapes(adapter.retention_offer(), adapter.kv_connectors_offered()).filter(
+        lambda s: s.pipeline_parallel > 1
+    )
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(adapter, within, differential=Mode.RENAMING, diff_counts=counts),
+        settings=settings(_settings(), suppress_health_check=[HealthCheck.filter_too_much]),
+    )
+    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+    assert set(counts.ended) <= {MAMBA_PREFIX_CACHE, MAMBA_PARTIAL_TAIL, KV_SEND_CACHED}, counts
+    assert counts.to_end > 0 and counts.steps >= 5 * EXAMPLES, counts
+
+
 def test_mamba_shapes_are_compared_beside_vllm(adapter):
     """vLLM's Mamba shapes run the differential: "none" mode (no prefix caching) to the end,
     "align" mode with the block-aligned prefill split (``mamba_aligned_split``) until vLLM's

@@ -49,7 +49,7 @@ def _run(shape: Shape, policy_release: str, arrivals: list[tuple[list[int], int]
     assert policy is not None
     reference = reference_beside(target, shape, policy)
     lockstep = SchedulerLockstep(target, reference, Mode.RENAMING, policy=policy, release=target.vllm_version)
-    driver = SchedulerDriver(lockstep, async_depth=1 if shape.async_scheduling else 0)
+    driver = SchedulerDriver.for_shape(lockstep, shape)
     for seq, (tokens, max_tokens) in enumerate(arrivals):
         driver.arrive(seq, tokens, max_tokens)
     zeros = bytes(4)

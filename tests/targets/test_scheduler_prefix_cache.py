@@ -48,7 +48,7 @@ def _beside(shape: Shape, policy: SchedulerPolicy) -> tuple[SchedulerLockstep, S
     lockstep = SchedulerLockstep(
         target, reference_beside(target, shape, policy), Mode.RENAMING, policy=policy, release=target.vllm_version
     )
-    return lockstep, SchedulerDriver(lockstep, async_depth=int(shape.async_scheduling))
+    return lockstep, SchedulerDriver.for_shape(lockstep, shape)
 
 
 def _steps(

@@ -327,7 +327,7 @@ V1_S2B = Shape(
 
 
 def _two_identical_requests(adapter, shape: Shape) -> SchedulerDriver:
-    driver = SchedulerDriver(adapter(shape), async_depth=1 if shape.async_scheduling else 0)
+    driver = SchedulerDriver.for_shape(adapter(shape), shape)
     for seq in range(2):
         driver.arrive(seq, [0], 3)
     for _ in range(4):
