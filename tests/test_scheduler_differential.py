@@ -101,7 +101,10 @@ def test_invariants_accept_what_the_differential_rejects(name):
         )
     found = caught.value
     assert not isinstance(found, SpecViolation | AssertionError), found
-    assert found.comparison == comparison and found.policy == REFERENCE_OWN.id, found
+    # The block over-reserve holds too many shows in the held count, or, where the pool has no
+    # block to spare for it, as a request the step leaves out.
+    also = {Comparison.SCHEDULED} if name == "over-reserve" else set()
+    assert found.comparison in {comparison, *also} and found.policy == REFERENCE_OWN.id, found
     assert found.release == variant.name, found
     # Short: the request(s) and the step that differs, after at most a few idle steps the
     # shrinker leaves in front (their number moves with the shape draws).
