@@ -117,6 +117,12 @@ class SchedulerPolicy:
     # caches the full blocks of its processed tokens, the steps in flight excluded (False: only
     # a step's allocation caches, up to the tokens known when it is scheduled).
     caches_at_output: Choice
+    # ... also a synchronous scheduler's step with drafts (False: only under async scheduling,
+    # where the output placeholders are).
+    caches_at_output_with_drafts: Choice
+    # ... the count cached is the computed tokens less the output placeholders of the steps in
+    # flight, so a prefill chunk in flight is counted (False: less every token in flight).
+    output_cache_counts_chunks_in_flight: Choice
     # In a Mamba "align" shape (prefix caching): a prefill chunk that does not finish the
     # prefill ends at a Mamba block's end (the state is written at chunk ends, and only a
     # block-end state can be cached); a chunk starting inside a block stops at that block's
@@ -167,6 +173,8 @@ class SchedulerPolicy:
             "eagle_looks_further": self.eagle_looks_further,
             "eagle_looks_past_hit_limit": self.eagle_looks_past_hit_limit,
             "caches_at_output": self.caches_at_output,
+            "caches_at_output_with_drafts": self.caches_at_output_with_drafts,
+            "output_cache_counts_chunks_in_flight": self.output_cache_counts_chunks_in_flight,
             "mamba_aligned_split": self.mamba_aligned_split,
             "trims_computed_at_stop": self.trims_computed_at_stop,
             "producer_drops_stale_output": self.producer_drops_stale_output,
@@ -208,9 +216,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # The full group looks up to max_cache_hit_length, the other group up to its hit.
         eagle_looks_further=Choice(False, f"{_COORD}:470-500"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:470-500"),
-        # allocate_slots caches min(computed + new, num_tokens); update_from_output (scheduler.py
-        # :1028-) caches nothing.
-        caches_at_output=Choice(False, f"{_KVM}:316-319"),
+        # AsyncScheduler._update_request_with_output: cache_blocks(request, num_computed_tokens -
+        # num_output_placeholders) for a request RUNNING before the output.
+        caches_at_output=Choice(True, "vllm/v1/core/sched/async_scheduler.py:43-68"),
+        # The synchronous Scheduler caches nothing at output.
+        caches_at_output_with_drafts=Choice(False, "vllm/v1/core/sched/async_scheduler.py:43-68"),
+        output_cache_counts_chunks_in_flight=Choice(True, "vllm/v1/core/sched/async_scheduler.py:43-68"),
         # A chunk is min(uncomputed tokens, budget); no Mamba split in this release.
         mamba_aligned_split=Choice(False, f"{_SCHED}:515-529"),
         # _update_request_with_output trims the new tokens at a stop, not num_computed_tokens.
@@ -239,7 +250,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # min(curr_hit_length + spec.block_size, max_cache_hit_length).
         eagle_looks_further=Choice(True, f"{_COORD}:539-544"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:539-544"),
-        caches_at_output=Choice(False, f"{_KVM}:428-432"),
+        # AsyncScheduler._update_request_with_output: cache_blocks(request, num_computed_tokens -
+        # num_output_placeholders) for a request RUNNING before the output.
+        caches_at_output=Choice(True, "vllm/v1/core/sched/async_scheduler.py:37-60"),
+        # The synchronous Scheduler caches nothing at output.
+        caches_at_output_with_drafts=Choice(False, "vllm/v1/core/sched/async_scheduler.py:37-60"),
+        output_cache_counts_chunks_in_flight=Choice(True, "vllm/v1/core/sched/async_scheduler.py:37-60"),
         # Its split caches the last chunk at num_tokens rounded down to the block (the request's
         # last token included) and has no stop at a block's end for a chunk starting inside one:
         # not this rule (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
@@ -275,7 +291,12 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         hybrid_caches_aligned=Choice(True, f"{_COORD}:795-830"),
         eagle_looks_further=Choice(True, f"{_COORD}:905-921"),
         eagle_looks_past_hit_limit=Choice(False, f"{_COORD}:905-921"),
-        caches_at_output=Choice(False, f"{_KVM}:595-599"),
+        # AsyncScheduler._update_request_with_output: cache_blocks(request, num_computed_tokens -
+        # num_output_placeholders) for a request RUNNING before the output.
+        caches_at_output=Choice(True, "vllm/v1/core/sched/async_scheduler.py:51-70"),
+        # The synchronous Scheduler caches nothing at output.
+        caches_at_output_with_drafts=Choice(False, "vllm/v1/core/sched/async_scheduler.py:51-70"),
+        output_cache_counts_chunks_in_flight=Choice(True, "vllm/v1/core/sched/async_scheduler.py:51-70"),
         # Its last cacheable position is num_tokens rounded down to the block (the request's last
         # token included), and its partial-tail stop the prompt rounded down: not this rule
         # (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
@@ -311,6 +332,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # tokens are appended, for a request RUNNING before the output, its output not stale,
         # with output placeholders (async) or num_spec_tokens > 0.
         caches_at_output=Choice(True, f"{_SCHED}:2401-2415"),
+        caches_at_output_with_drafts=Choice(True, f"{_SCHED}:2401-2415"),
+        output_cache_counts_chunks_in_flight=Choice(False, f"{_SCHED}:2401-2415"),
         # _mamba_block_aligned_split (applied to running requests, :860-862, and to waiting
         # ones, :1350-1356, which a 0-token split stops admitting); the last cacheable position
         # is get_mamba_prefill_checkpoint_position (kv_cache_interface.py:1169-1186: before the

@@ -149,10 +149,13 @@ class ReferenceScheduler:
         self.waits_for_stale_output = policy.waits_for_stale_output.value and not self.drops_stale_output
         self.mamba_split = policy.mamba_aligned_split.value and shape.mamba_cache_mode == "align"
         # A step's output caches blocks when the release does so, for a request with output
-        # placeholders (async) or draft tokens (reference/policies.py ``caches_at_output``).
+        # placeholders (async) or, where the release says so, draft tokens
+        # (reference/policies.py ``caches_at_output``).
         self._caches_at_output = policy.caches_at_output.value and (
-            shape.async_scheduling or shape.num_spec_tokens > 0
+            shape.async_scheduling
+            or (shape.num_spec_tokens > 0 and policy.caches_at_output_with_drafts.value)
         )
+        self._output_cache_counts_chunks = policy.output_cache_counts_chunks_in_flight.value
         # Mamba groups cache states at chunk ends the reference does not cut: no cache there.
         self.cache = PrefixCache() if shape.prefix_caching and not shape.mamba else None
         # Hits are whole multiples of every group's block size (vLLM: the scheduler block size).
@@ -758,7 +761,10 @@ class ReferenceScheduler:
         req.tokens.extend(kept)
         req.outputs += len(kept)
         if cache:
-            self._cache_blocks(req, req.computed - req.in_flight - (len(new) - len(kept)))
+            # Less the tokens still in flight: every one, or (``output_cache_counts_chunks_in_
+            # flight``) only the output placeholders of the decode steps among them.
+            pending = req.placeholders if self._output_cache_counts_chunks else req.in_flight
+            self._cache_blocks(req, req.computed - pending - (len(new) - len(kept)))
         if new and req.outputs >= req.max_tokens:
             if current and self.trims_computed_at_stop:
                 req.computed -= len(new) - len(kept)
