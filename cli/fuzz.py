@@ -180,28 +180,13 @@ def campaign_test(campaign: Campaign, *, max_examples: int, record: dict[str, An
     return run
 
 
-def _step_past():
+def _known_policy(campaign: Campaign):
     """Known findings of this target stepped past, when this kvspec ships the module."""
     try:
-        from kvspec.testing.known import SHIPPED, label_failures, load_known
+        from kvspec.testing.known import SHIPPED, load_known, step_past_known
     except ImportError:
-        return None, []
-    return label_failures, load_known([SHIPPED])
-
-
-def _known_policy(campaign: Campaign):
-    label_failures, entries = _step_past()
-    if label_failures is None:
         return None
-    mine = [k for k in entries if k.concerns(campaign.impl, campaign.vllm_version)]
-    if not mine:
-        return None
-
-    def policy(error, driver) -> bool:
-        # Stepped past only when every failure the operation shows is a known finding.
-        return all(k is not None for _, k in label_failures(mine, error, driver.config, driver.trace))
-
-    return policy
+    return step_past_known(load_known([SHIPPED]), campaign.impl, campaign.vllm_version)
 
 
 # ------------------------------------------------------------------------------ workers

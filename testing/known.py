@@ -414,3 +414,17 @@ def label_failures(
         for fp, k in labelled
     ]
     return labelled or [(fingerprint(error, steps), None)]
+
+
+def step_past_known(known: Iterable[KnownFinding], impl: str, version: str | None):
+    """A machine's step-past policy over the known findings of ``impl`` on ``version``: an
+    example whose every failure is one of them is discarded (what ``kvspec check`` and ``kvspec
+    fuzz`` do); None when no finding concerns that target."""
+    mine = [k for k in known if k.concerns(impl, version)]
+    if not mine:
+        return None
+
+    def policy(error: BaseException, driver: Any) -> bool:
+        return all(k is not None for _, k in label_failures(mine, error, driver.config, driver.trace))
+
+    return policy

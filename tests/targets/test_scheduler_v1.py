@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.testing import SpecViolation
+from kvspec.testing.known import SHIPPED, load_known, step_past_known
 from kvspec.testing.scheduler.driver import SchedulerDriver, ShapeCounts
 from kvspec.testing.scheduler.machine import SchedulerMachine, kv_connectors_of, retention_offer_of, shapes
 
@@ -83,19 +84,6 @@ def test_hybrid_scheduler_is_built_as_production_builds_it(adapter):
     assert driver.finish() == []
 
 
-def _past_known_findings(version: str):
-    """What ``kvspec check`` does with the release's known findings (FINDINGS.md, e.g. C5 in a
-    Mamba shape at the startup minimum): an example whose every failure is one is discarded."""
-    from kvspec.testing.known import SHIPPED, label_failures, load_known
-
-    mine = [k for k in load_known([SHIPPED]) if k.concerns("v1-scheduler", version)]
-
-    def step_past(error, driver) -> bool:
-        return all(k is not None for _, k in label_failures(mine, error, driver.config, driver.trace))
-
-    return step_past
-
-
 @on_033
 @pytest.mark.parametrize("tag", SHAPE_TAGS)
 def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
@@ -105,7 +93,9 @@ def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
     # The release's own offers: a shape tag (the KV connector, a sparse retention) can only be
     # drawn where the strategy is told the target builds it.
     within = shapes(retention_offer_of(adapter), kv_connectors_of(adapter)).filter(lambda s: tag in s.tags())
-    step_past = _past_known_findings(vllm.__version__)
+    # What ``kvspec check`` does with the release's known findings (FINDINGS.md, e.g. C5 in a
+    # Mamba shape at the startup minimum): an example whose every failure is one is discarded.
+    step_past = step_past_known(load_known([SHIPPED]), "v1-scheduler", vllm.__version__)
     run_state_machine_as_test(
         lambda: SchedulerMachine(adapter, within, counts=counts, step_past=step_past),
         settings=settings(settings(), max_examples=40, report_multiple_bugs=False, deadline=None),
