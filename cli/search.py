@@ -45,7 +45,7 @@ from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation
 from kvspec.testing.blockmanager.machine import CONTINUE
-from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, label_failures
+from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, label_failures, shape_of
 from rich.markup import escape
 from rich.table import Table
 
@@ -167,7 +167,7 @@ class Sieve:
         past are counted and stepped past (by going on only if every one of them is ``go_on``
         and nothing else broke); any other failure ends the example, and the first one not
         reported yet is the round's target."""
-        labelled = label_failures(self.known, error, driver.config, driver.trace)
+        labelled = label_failures(self.known, error, driver.config, driver.trace, shape_of(driver))
         stepped = [k for _, k in labelled if k is not None and k.id in self.stepped]
         others = [(fp, k) for fp, k in labelled if k is None or k.id not in self.stepped]
         # Going on is for violations that leave the target consistent: never after a crash.

@@ -146,6 +146,13 @@ class SchedulerPolicy:
     # over it to the requests behind it (False: it is resumed as any other).  Only a pipeline
     # deeper than two batches resumes a request with such output still in flight.
     waits_for_stale_output: Choice
+    # A padded admission (``pad_admissions``) whose 1 + num_spec_tokens tokens the step's
+    # budget cannot hold is not scheduled, and the admissions stop for the step (False: it is
+    # scheduled with its one token, unpadded).  Where the budget is below 1 + num_spec_tokens
+    # for good, a request admitted at a prefix hit with one token left waits forever (FINDINGS
+    # C6): vLLM's choice is declared for its releases, the reference's own scheduler does not
+    # wait.
+    padding_waits_for_budget: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -179,6 +186,7 @@ class SchedulerPolicy:
             "trims_computed_at_stop": self.trims_computed_at_stop,
             "producer_drops_stale_output": self.producer_drops_stale_output,
             "waits_for_stale_output": self.waits_for_stale_output,
+            "padding_waits_for_budget": self.padding_waits_for_budget,
         }
 
     def span(self) -> str:
@@ -200,6 +208,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         lookahead_at_admission=Choice(False, f"{_SCHED}:556-558"),
         # A waiting request's token count is its uncomputed tokens capped by the budget; no padding.
         pad_admissions=Choice(False, f"{_SCHED}:515-529"),
+        padding_waits_for_budget=Choice(False, f"{_SCHED}:515-529"),
         # remove_skipped_blocks(request_id, request.num_computed_tokens): the optimistic count.
         free_by_processed=Choice(False, f"{_KVM}:265-267"),
         # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
@@ -237,6 +246,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         "0.20.1",
         lookahead_at_admission=Choice(False, f"{_SCHED}:728-730"),
         pad_admissions=Choice(False, f"{_SCHED}:677-693"),
+        padding_waits_for_budget=Choice(False, f"{_SCHED}:677-693"),
         # remove_skipped_blocks(request_id, total_computed_tokens), :364-367: computed plus hits.
         free_by_processed=Choice(False, f"{_KVM}:380-382"),
         # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
@@ -272,6 +282,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # Lookahead withheld only during an async KV-connector load (none here).
         lookahead_at_admission=Choice(True, f"{_SCHED}:1134-1137"),
         pad_admissions=Choice(True, f"{_SCHED}:1042-1064"),
+        padding_waits_for_budget=Choice(True, f"{_SCHED}:1060-1062"),
         # total_computed_tokens - request.num_in_flight_tokens.
         free_by_processed=Choice(True, f"{_KVM}:540-544"),
         # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
@@ -313,6 +324,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         "0.33.0",
         lookahead_at_admission=Choice(True, f"{_SCHED}:1403-1406"),
         pad_admissions=Choice(True, f"{_SCHED}:1308-1330"),
+        padding_waits_for_budget=Choice(True, f"{_SCHED}:1326-1328"),
         free_by_processed=Choice(True, f"{_KVM}:564-568"),
         # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),
@@ -384,9 +396,14 @@ def validate(table: tuple[SchedulerPolicy, ...]) -> tuple[SchedulerPolicy, ...]:
 
 validate(DECLARED)
 
-REFERENCE_OWN = attrs.evolve(DECLARED[-1], id="reference-scheduler")
+REFERENCE_OWN = attrs.evolve(
+    DECLARED[-1],
+    id="reference-scheduler",
+    padding_waits_for_budget=Choice(False, "reference/scheduler.py ReferenceScheduler._padded (FINDINGS C6)"),
+)
 """The policy the reference scheduler runs alone (and beside its own broken variants): the
-newest declared release's."""
+newest declared release's, less its wait for a budget that may never hold a padded decode
+(C6): a scheduler that waits there breaks ``progress``."""
 
 
 def parse_release(text: str) -> tuple[int, ...] | None:

@@ -139,6 +139,7 @@ class ReferenceScheduler:
         self.policy = policy
         self.lookahead_at_admission = policy.lookahead_at_admission.value
         self.pad_admissions = policy.pad_admissions.value
+        self.padding_waits_for_budget = policy.padding_waits_for_budget.value
         self.free_by_processed = policy.free_by_processed.value
         self.admission_cap_all_batches = policy.admission_cap_all_batches.value
         eagle = shape.eagle and shape.num_spec_tokens > 0
@@ -562,16 +563,19 @@ class ReferenceScheduler:
     ) -> tuple[int, tuple[int, ...]] | None:
         """A request admitted with one token to compute while others decode is padded with
         ``num_spec_tokens`` placeholder drafts, so the batch decodes uniformly (vLLM 0.33.0
-        scheduler.py:1308-1330: not beside a prefill chunk, only within max_model_len).  ``(0,
-        ())`` when the padded step does not fit the budget (vLLM then admits nobody more);
-        None when no padding applies.  ``hit``: the prefix hit it is admitted with."""
+        scheduler.py:1308-1330: not beside a prefill chunk, only within max_model_len).  When
+        the padded step does not fit the budget: ``(0, ())`` where the policy waits for the
+        budget (vLLM then admits nobody more in the step), else None (it is scheduled unpadded);
+        None too when no padding applies.  ``hit``: the prefix hit it is admitted with."""
         k = self.shape.num_spec_tokens if self.pad_admissions else 0
         computed = req.computed + hit
         if not k or req.known() - computed != 1 or not (running_scheduled or computed):
             return None
         if computed + 1 + k + 1 > self.shape.max_model_len:
             return None
-        return (0, ()) if 1 + k > budget else (1 + k, (-1,) * k)
+        if 1 + k > budget:
+            return (0, ()) if self.padding_waits_for_budget else None
+        return (1 + k, (-1,) * k)
 
     def _schedule_one(
         self,

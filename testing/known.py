@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 from kvspec.spec.config import Config
+from kvspec.spec.groups import Shape
 from kvspec.spec.violation import Violation
 from kvspec.targets.registry import release_key
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation, TraceStep
@@ -181,6 +182,19 @@ FEATURES = {
     "lookahead": lambda c: c.max_lookahead > 0,
     "swap": lambda c: c.num_cpu_blocks > 0,
 }
+# Features of a scheduler target's production shape (spec.groups.Shape) an entry may require:
+# what its Config cannot say (which second group, which drafter, the budget against a padded
+# decode).  Checked where the failure's shape is known (``shape_of``); a scheduler failure is
+# always labelled with its shape by ``kvspec check`` and ``kvspec fuzz``.
+SHAPE_FEATURES = {
+    "mamba": lambda s: s.mamba,
+    "sliding_window_group": lambda s: s.sliding_window is not None,
+    "eagle": lambda s: s.eagle and s.num_spec_tokens > 0,
+    "ngram": lambda s: not s.eagle and s.num_spec_tokens > 0,
+    # The token budget cannot hold a decode padded to 1 + num_spec_tokens (0.30.0+ scheduler.py
+    # pads a one-token admission to that, and otherwise leaves it waiting).
+    "budget_below_padded_decode": lambda s: 0 < s.max_num_batched_tokens < 1 + s.num_spec_tokens,
+}
 _KEYS = {
     "id",
     "title",
@@ -237,7 +251,7 @@ class KnownFinding:
     message: tuple[str, ...] = ()  # a crash only: substrings, one of which its exception text contains
     impl: tuple[str, ...] = ()  # kvspec implementation names: legacy-v2, v1, ...
     releases: tuple[str, str] | None = None  # first and last release, inclusive
-    requires: tuple[str, ...] = ()  # FEATURES the configuration must have
+    requires: tuple[str, ...] = ()  # FEATURES the configuration, SHAPE_FEATURES the shape must have
     go_on: bool = False  # stepped past by going on with the example (state violations only)
     after: tuple[str, ...] = ()  # driver operations the trace must hold (up to the failing one)
     reach: str = ""  # kvspec check flags under which the ci budget reaches it, when the default does not
@@ -274,9 +288,12 @@ class KnownFinding:
                 f"kind (kind = [...], the Violation.kind its check gives)"
             )
         requires = _strings(entry, "requires")
-        bad = set(requires) - set(FEATURES)
+        bad = set(requires) - set(FEATURES) - set(SHAPE_FEATURES)
         if bad:
-            raise KnownFindingsError(f"{ident}: requires {sorted(bad)}; features: {sorted(FEATURES)}")
+            raise KnownFindingsError(
+                f"{ident}: requires {sorted(bad)}; features: {sorted(FEATURES)}, shape features: "
+                f"{sorted(SHAPE_FEATURES)}"
+            )
         return cls(
             id=ident,
             title=str(entry.get("title", "")),
@@ -319,10 +336,16 @@ class KnownFinding:
         return release_key(self.releases[0]) <= key <= release_key(self.releases[1])
 
     def matches(
-        self, fp: Fingerprint, evidence: Evidence, config: Config | None, ops: Collection[str] | None = None
+        self,
+        fp: Fingerprint,
+        evidence: Evidence,
+        config: Config | None,
+        ops: Collection[str] | None = None,
+        shape: Shape | None = None,
     ) -> bool:
         """Whether a failure is this finding; ``ops``: the operations of its trace (None: not
-        known, ``after`` is not checked)."""
+        known, ``after`` is not checked); ``shape``: the scheduler shape it ran in (None: not a
+        scheduler failure, or not known: shape features are not checked)."""
         if fp.invariant not in self.invariant or fp.operation not in self.operation:
             return False
         if self.exception and fp.exception not in self.exception:
@@ -335,7 +358,9 @@ class KnownFinding:
             return False
         if self.message and not any(part in evidence.crash for part in self.message):
             return False
-        if config is not None and not all(FEATURES[f](config) for f in self.requires):
+        if config is not None and not all(FEATURES[f](config) for f in self.requires if f in FEATURES):
+            return False
+        if shape is not None and not all(SHAPE_FEATURES[f](shape) for f in self.requires if f in SHAPE_FEATURES):
             return False
         if ops is not None and not all(op in ops for op in self.after):
             return False
@@ -372,8 +397,15 @@ def which_known(
     evidence: Evidence,
     config: Config | None,
     ops: Collection[str] | None = None,
+    shape: Shape | None = None,
 ) -> KnownFinding | None:
-    return next((k for k in known if k.matches(fp, evidence, config, ops)), None)
+    return next((k for k in known if k.matches(fp, evidence, config, ops, shape)), None)
+
+
+def shape_of(driver: Any) -> Shape | None:
+    """The production shape a driver's scheduler target runs (None: a block-manager driver)."""
+    shape = getattr(getattr(driver, "target", None), "shape", None)
+    return shape if isinstance(shape, Shape) else None
 
 
 Labelled = tuple[Fingerprint, KnownFinding | None]
@@ -385,6 +417,7 @@ def label_failures(
     error: BaseException,
     config: Config | None,
     trace: Sequence[TraceStep] = (),
+    shape: Shape | None = None,
 ) -> list[Labelled]:
     """Every distinct failure ``error`` carries, each with the known finding it matches.
 
@@ -396,7 +429,7 @@ def label_failures(
     if not isinstance(error, SpecViolation):
         steps = list(trace)
         fp = fingerprint(error, steps)
-        return [(fp, which_known(known, fp, evidence_of(error), config, {s.op for s in steps}))]
+        return [(fp, which_known(known, fp, evidence_of(error), config, {s.op for s in steps}, shape))]
     steps = error.trace or list(trace)
     operation = steps[-1].op if steps else "teardown"
     ops = {s.op for s in steps}
@@ -406,7 +439,7 @@ def label_failures(
     labelled: list[Labelled] = []
     for invariant, violations in shown.items():
         fp = Fingerprint(invariant, operation)
-        labelled.append((fp, which_known(known, fp, Evidence.of(violations), config, ops)))
+        labelled.append((fp, which_known(known, fp, Evidence.of(violations), config, ops, shape)))
     # What a finding met in this operation declares it breaks alongside is that finding.
     met = [k for _, k in labelled if k is not None]
     labelled = [
@@ -425,6 +458,7 @@ def step_past_known(known: Iterable[KnownFinding], impl: str, version: str | Non
         return None
 
     def policy(error: BaseException, driver: Any) -> bool:
-        return all(k is not None for _, k in label_failures(mine, error, driver.config, driver.trace))
+        labelled = label_failures(mine, error, driver.config, driver.trace, shape_of(driver))
+        return all(k is not None for _, k in labelled)
 
     return policy

@@ -95,26 +95,78 @@ def test_only_progress_sees_a_scheduler_that_waits_forever():
     )
 
 
-def test_a_stalled_request_of_0_33_is_labelled_c3():
+def test_a_stalled_request_of_0_33_is_labelled_by_its_shape():
     """``kvspec check`` labels a scheduler verdict by the shipped known findings of the
-    scheduler target (the search's fingerprint and match, cli/search.py ``Sieve``): a lone
-    request preempted at the startup minimum on 0.33.0 is C3."""
+    scheduler target (the search's fingerprint and match, cli/search.py ``Sieve``, which passes
+    the example's shape): a lone request stalled at the startup minimum on 0.33.0 is C3 with
+    EAGLE and a window group, C5 with a Mamba group, C6 with ngram drafts and a budget below
+    the padded decode -- and none of them in a shape none of them needs."""
+    import attrs
     from kvspec.cli.shapes import SCHEDULER_IMPL
+    from kvspec.spec.config import Config
+    from kvspec.spec.groups import Shape
     from kvspec.spec.invariants import Violation
     from kvspec.testing.blockmanager.driver import TraceStep
-    from kvspec.testing.known import SHIPPED, evidence_of, fingerprint, load_known, which_known
+    from kvspec.testing.known import SHIPPED, label_failures, load_known
 
     trace = [TraceStep("arrive", {"seq": 0}), TraceStep("step", {})]
-    stalled = Violation("progress", "seq 0 was preempted while ...", kind="preempted-alone", seqs=(0,))
-    error = SpecViolation([stalled], trace)
+    plain = Shape(
+        block_size=2, swa_block_size=1, sliding_window=None, extra_blocks=0, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=4, max_model_len=16,
+        full_sequence_must_fit=False,
+    )
+    c3 = attrs.evolve(plain, sliding_window=1, num_spec_tokens=2, eagle=True)
+    c5 = attrs.evolve(plain, mamba=True, async_scheduling=True)
+    c6 = attrs.evolve(plain, num_spec_tokens=4)
     known = load_known([SHIPPED])
 
-    def label(version: str):
+    def label(version: str, shape: Shape, kind: str = "livelock"):
+        stalled = Violation("progress", "seq 0 was never scheduled ...", kind=kind, seqs=(0,))
         concern = [k for k in known if k.concerns(SCHEDULER_IMPL, version)]
-        return which_known(concern, fingerprint(error), evidence_of(error), None, {s.op for s in trace})
+        config = Config(block_size=2, num_blocks=8, prefix_caching=True, max_lookahead=shape.num_spec_tokens)
+        ((_, found),) = label_failures(concern, SpecViolation([stalled], trace), config, trace, shape)
+        return found.id if found is not None else None
 
-    assert label("0.33.0") is not None and label("0.33.0").id == "C3"
-    assert label("0.12.0") is None
+    assert label("0.33.0", c3, "preempted-alone") == "C3"
+    assert label("0.33.0", c5, "preempted-alone") == "C5"
+    assert label("0.33.0", c6) == "C6" and label("0.30.0", c6) == "C6"
+    # ngram drafts the budget holds padded, or no prefix cache: none of them.
+    assert label("0.33.0", attrs.evolve(c6, max_num_batched_tokens=5)) is None
+    assert label("0.33.0", attrs.evolve(c6, num_spec_tokens=0)) is None
+    assert label("0.33.0", plain) is None
+    assert label("0.12.0", c3) is None
+
+
+def _padded_admission(policy) -> tuple[ReferenceScheduler, list]:
+    """FINDINGS C6's trace on the reference scheduler: 2 ngram drafts, budget 2, a request
+    admitted at a two-token prefix hit with one token left."""
+    from kvspec.spec.groups import Shape
+    from kvspec.testing.scheduler.driver import SchedulerDriver
+    from kvspec.testing.scheduler.progress import drain
+
+    shape = Shape(
+        block_size=2, swa_block_size=1, sliding_window=None, extra_blocks=0, prefix_caching=True,
+        num_spec_tokens=2, async_scheduling=False, max_num_batched_tokens=2, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2,
+    )
+    reference = ReferenceScheduler(shape, policy=policy)
+    driver = SchedulerDriver.for_shape(reference, shape)
+    driver.arrive(0, [0, 0], 1)
+    driver.step(bytes(4), bytes(4))
+    driver.arrive(1, [0, 0, 0], 1)
+    return reference, drain(driver, driver.check)
+
+
+def test_the_reference_schedules_a_padded_admission_the_budget_cannot_hold_unpadded():
+    """The reference's own policy does not wait for a budget that never holds the padded decode
+    (``padding_waits_for_budget``): the request runs to its end.  Under vLLM 0.33.0's declared
+    policy the same trace livelocks, as vLLM does (FINDINGS C6), and ``progress`` says so."""
+    from kvspec.reference.policies import REFERENCE_OWN, declared_for
+
+    reference, found = _padded_admission(REFERENCE_OWN)
+    assert found == [] and not reference.live(1)
+    reference, found = _padded_admission(declared_for("0.33.0"))
+    assert [(v.invariant, v.kind) for v in found] == [("progress", "livelock")], found
 
 
 def test_a_finding_the_step_past_policy_goes_on_past_does_not_end_the_example():
