@@ -194,6 +194,11 @@ def run_shapes(
         test = hypothesis_seed(seed)(test)
     if database is not None and database_key is not None:
         test._hypothesis_internal_database_key = database_key  # type: ignore[attr-defined]
+        # hypothesis' ``seed`` switches the database off; a campaign seeds its rounds (so a
+        # verdict names the seed that found it) and still shares what they find.
+        test._hypothesis_internal_use_settings = Settings(  # type: ignore[attr-defined]
+            test._hypothesis_internal_use_settings, database=database  # type: ignore[attr-defined]
+        )
     start = time.perf_counter()
     if part is not None:
         part.next_round()

@@ -54,6 +54,27 @@ def test_a_broken_scheduler_is_found_reported_and_replayed(tmp_path):
     assert VARIANT in replayed.stderr
 
 
+def test_a_seeded_search_still_stores_its_failures_in_the_campaign_database():
+    """A campaign's rounds run the ``dev`` profile with a drawn seed; hypothesis' ``seed``
+    switches the example database off, so the search puts it back: the failure a round finds
+    is in the shared database for the other workers (under ``ci`` no seed is applied, so the
+    campaign test above cannot see this)."""
+    from hypothesis.database import InMemoryExampleDatabase
+    from kvspec.cli.shapes import run_scheduler_search
+    from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
+    from kvspec.testing.scheduler.machine import shapes
+
+    database = InMemoryExampleDatabase()
+    variant = BROKEN_SCHEDULERS[VARIANT.split(":", 1)[1]]
+    run = run_scheduler_search(variant.cls, shape_strategy=shapes(), profile="dev", examples=300, steps=None,
+                               seed=7, focus=None, database=database, database_key=b"campaign")
+    assert run.summary.status == "violated", run.summary.status
+    # The rounds after the first replay it and step past it (reported), so hypothesis may
+    # move it to the key's secondary entries, which a campaign's reuse phase replays too.
+    stored = [*database.fetch(b"campaign"), *database.fetch(b"campaign.secondary")]
+    assert stored, "the seeded search stored nothing"
+
+
 def test_the_reference_scheduler_holds_for_the_budget(tmp_path):
     out = tmp_path / "campaign"
     run = _kvspec("fuzz", "--machine", "scheduler", "--impl", "reference-scheduler", "--workers", "1",
