@@ -153,6 +153,12 @@ class SchedulerPolicy:
     # C6): vLLM's choice is declared for its releases, the reference's own scheduler does not
     # wait.
     padding_waits_for_budget: Choice
+    # With prefix caching and a full-attention group whose block is coarser than the hash unit
+    # (a second group of smaller blocks): the group also caches the block in which the prompt's
+    # last hash boundary falls, under that boundary's key (a partial tail).  It is never hit
+    # here (hits are multiples of the scheduler's block size), but the block counts as cached:
+    # freed, it joins the free queue's tail, not its head (False: no partial tails).
+    caches_partial_tails: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -187,6 +193,7 @@ class SchedulerPolicy:
             "producer_drops_stale_output": self.producer_drops_stale_output,
             "waits_for_stale_output": self.waits_for_stale_output,
             "padding_waits_for_budget": self.padding_waits_for_budget,
+            "caches_partial_tails": self.caches_partial_tails,
         }
 
     def span(self) -> str:
@@ -209,6 +216,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # A waiting request's token count is its uncomputed tokens capped by the budget; no padding.
         pad_admissions=Choice(False, f"{_SCHED}:515-529"),
         padding_waits_for_budget=Choice(False, f"{_SCHED}:515-529"),
+        caches_partial_tails=Choice(False, "vllm/v1/core/single_type_kv_cache_manager.py:147-170"),
         # remove_skipped_blocks(request_id, request.num_computed_tokens): the optimistic count.
         free_by_processed=Choice(False, f"{_KVM}:265-267"),
         # SchedulerConfig has no scheduler_reserve_full_isl: no gate (the scheduler adapter
@@ -247,6 +255,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         lookahead_at_admission=Choice(False, f"{_SCHED}:728-730"),
         pad_admissions=Choice(False, f"{_SCHED}:677-693"),
         padding_waits_for_budget=Choice(False, f"{_SCHED}:677-693"),
+        caches_partial_tails=Choice(False, "vllm/v1/core/single_type_kv_cache_manager.py:273-300"),
         # remove_skipped_blocks(request_id, total_computed_tokens), :364-367: computed plus hits.
         free_by_processed=Choice(False, f"{_KVM}:380-382"),
         # SlidingWindowSpec: sliding_window - 1 + max_num_batched_tokens (ChunkedLocalAttentionSpec
@@ -283,6 +292,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         lookahead_at_admission=Choice(True, f"{_SCHED}:1134-1137"),
         pad_admissions=Choice(True, f"{_SCHED}:1042-1064"),
         padding_waits_for_budget=Choice(True, f"{_SCHED}:1060-1062"),
+        caches_partial_tails=Choice(True, "vllm/v1/core/single_type_kv_cache_manager.py:838-884"),
         # total_computed_tokens - request.num_in_flight_tokens.
         free_by_processed=Choice(True, f"{_KVM}:540-544"),
         # max_in_flight_tokens = max_concurrent_batches (async: 2, :589-597) * the budget, which
@@ -325,6 +335,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         lookahead_at_admission=Choice(True, f"{_SCHED}:1403-1406"),
         pad_admissions=Choice(True, f"{_SCHED}:1308-1330"),
         padding_waits_for_budget=Choice(True, f"{_SCHED}:1326-1328"),
+        caches_partial_tails=Choice(True, "vllm/v1/core/single_type_kv_cache_manager.py:839-898"),
         free_by_processed=Choice(True, f"{_KVM}:564-568"),
         # As 0.30.0; the window's share at kv_cache_interface.py:937-944.
         admission_cap_all_batches=Choice(True, "vllm/config/vllm.py:601-609"),

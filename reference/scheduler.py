@@ -165,6 +165,8 @@ class ReferenceScheduler:
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
+        # Blocks holding a partial tail (``_cache_partial_tail``): cached for the free queue.
+        self.partial_tails: set[int] = set()
         self.reqs: dict[int, _Req] = {}
         self.hits = 0  # admissions that started at a prefix hit
         # Under a KV connector (a prefill instance sending every finished request's KV): the
@@ -256,6 +258,7 @@ class ReferenceScheduler:
         block = self.free.pop(0)
         if self.cache is not None:
             self.cache.evict(block)
+        self.partial_tails.discard(block)
         self.refcounts[block] = 1
         self.epochs[block] += 1
         return block
@@ -269,7 +272,7 @@ class ReferenceScheduler:
         for block in blocks:
             self.refcounts[block] -= 1
             if self.refcounts[block] == 0:
-                cached = self.cache is not None and self.cache.holds(block)
+                cached = self.cache is not None and (self.cache.holds(block) or block in self.partial_tails)
                 (last if cached or not self.policy.uncached_freed_first.value else first).append(block)
         self.free[:0] = first
         self.free.extend(last)
@@ -480,6 +483,31 @@ class ReferenceScheduler:
                 if block is not None and keep and key is not None:
                     cache.insert(gi, key, block)
             req.cached[gi] = full
+        self._cache_partial_tail(req, tokens, hashed)
+
+    def _cache_partial_tail(self, req: _Req, tokens: int, hashed: int) -> None:
+        """Under ``caches_partial_tails``: the full-attention group, when its blocks are coarser
+        than the hash unit, also caches the block holding the prompt's last hash boundary below
+        its last token (with an EAGLE drop, within the prompt), once the tokens it caches reach
+        that boundary (0.33.0 single_type_kv_cache_manager.py:839-898).  0.30.0 takes the last
+        boundary within the prompt either way (:857-884); the two differ only without an EAGLE
+        drop, where the tokens cached are a multiple of the scheduler's block size, so the
+        boundary's block is full and cached whole in the same call under either rule.  Hits never
+        land inside a block here, so only the free queue sees it: the block is cached when
+        freed."""
+        if not self.policy.caches_partial_tails.value:
+            return
+        unit = min(g.block_size for g in self.group_specs)
+        limit = req.prompt if self.drop_eagle_block else req.prompt - 1
+        boundary = min(limit, hashed) // unit * unit
+        for table, group in zip(req.tables, self.group_specs, strict=True):
+            if group.name != "full" or group.block_size == unit:
+                continue
+            if not 0 < boundary <= self._cacheable(tokens, group) or boundary % group.block_size == 0:
+                continue
+            index = boundary // group.block_size
+            if index < len(table) and table[index] is not None:
+                self.partial_tails.add(table[index])
 
     def _retention(self, req: _Req, group: GroupSpec) -> tuple[int | None, tuple[int, ...]]:
         """The retention a sliding-window group caches by (``sparse_window_mask``) and the
