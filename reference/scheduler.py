@@ -403,7 +403,7 @@ class ReferenceScheduler:
             limit = min(length + group.block_size, cap) if further else length
             lookup = self._lookup(req, gi)
             if group.state:
-                found = state_hit(lookup, limit // group.block_size, group.block_size, self.alignment)
+                found = self._state_hit(lookup, limit // group.block_size, group)
             elif group.sliding_window is not None:
                 found = window_hit(
                     lookup, limit // group.block_size, group.block_size, group.sliding_window, self.alignment, drop
@@ -421,6 +421,10 @@ class ReferenceScheduler:
         # kv_cache_manager.py:318-325, kept on the request (scheduler.py:1120-1126).
         req.junction = full_length if full_length > length else 0
         return Hit(length, tuple(tables)) if length else NO_HIT
+
+    def _state_hit(self, lookup: Callable[[int], int | None], max_blocks: int, group: GroupSpec) -> list[int | None]:
+        """A Mamba group's hit within ``max_blocks`` blocks (``state_hit``)."""
+        return state_hit(lookup, max_blocks, group.block_size, self.alignment)
 
     def _after_eagle_drop(self, length: int, full: GroupSpec) -> int:
         """A full-attention hit of ``length`` tokens less the block an EAGLE head drops (one

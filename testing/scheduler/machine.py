@@ -185,7 +185,7 @@ def _note(message: str) -> None:
     if currently_in_test_context():
         note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
-MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
+MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (hits inside a block: the reference caches no Mamba states there)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
 KV_SEND_CACHED = "blocks held for a KV send beside partial tails (the reference keeps no partial-tail entries)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
