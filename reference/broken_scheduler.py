@@ -136,8 +136,10 @@ class WaitsForAFullBatch(ReferenceScheduler):
 
 class StatePerPosition(ReferenceScheduler):
     """Mamba: the state group takes a block for every block of positions a step computes, as
-    an attention group does, rather than only the block its state ends in.  Safe but
-    wasteful: only the state group's bound (``window-bound``) sees it."""
+    an attention group does, rather than only the block its state ends in.  Without prefix
+    caching safe but wasteful: only the state group's bound (``window-bound``) sees it.  With
+    it (the reference caching Mamba states, ``mamba_state_cache``) the blocks inside a chunk
+    are cached too, under keys whose states they never held: ``prefix-cache-consistency``."""
 
     name = "state-per-position"
 
@@ -272,7 +274,9 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     WaitsForAFullBatch.name: BrokenScheduler(
         WaitsForAFullBatch, "budget-chunked", frozenset({"progress"})
     ),
-    StatePerPosition.name: BrokenScheduler(StatePerPosition, "hybrid-mamba", frozenset({"window-bound"})),
+    StatePerPosition.name: BrokenScheduler(
+        StatePerPosition, "hybrid-mamba", frozenset({"window-bound", "prefix-cache-consistency"})
+    ),
     StateFreedBeforeRead.name: BrokenScheduler(
         StateFreedBeforeRead, "hybrid-mamba", frozenset({"kv-readback"})
     ),

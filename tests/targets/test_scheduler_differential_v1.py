@@ -197,12 +197,18 @@ def test_a_broken_mamba_cache_differs_from_vllm(adapter, monkeypatch, name):
     """The reference replaced by ``mamba-hit-as-a-run`` (the Mamba hit a run of cached states
     from block 0): vLLM hits the last cached state, which a chunk of several blocks leaves with
     no states before it inside the chunk, and the differential reports it."""
+    _differs_beside_vllm(adapter, monkeypatch, MAMBA_CACHE_ONLY[name], _mamba_states(adapter))
+
+
+def _differs_beside_vllm(adapter, monkeypatch, variant, within) -> None:
+    """The reference replaced by ``variant``: over ``within``, vLLM 0.33.0 differs from it, as a
+    policy difference from 0.33.0's declared policy."""
     import kvspec.testing.scheduler.machine as machine
 
-    monkeypatch.setattr(machine, "ReferenceScheduler", MAMBA_CACHE_ONLY[name])
+    monkeypatch.setattr(machine, "ReferenceScheduler", variant)
     with pytest.raises(PolicyDifference) as caught:
         run_state_machine_as_test(
-            lambda: SchedulerMachine(adapter, _mamba_states(adapter), differential=Mode.RENAMING),
+            lambda: SchedulerMachine(adapter, within, differential=Mode.RENAMING),
             settings=settings(_settings(), max_examples=4 * EXAMPLES, suppress_health_check=list(HealthCheck)),
         )
     found = caught.value
@@ -232,17 +238,9 @@ def test_a_dense_cache_under_sparse_retention_differs_from_vllm(adapter, monkeyp
     """The reference replaced by ``dense-under-sparse-retention`` (every aligned tail cached
     whatever the retention): vLLM keeps fewer sliding-window blocks, and the differential
     reports it."""
-    import kvspec.testing.scheduler.machine as machine
-
-    monkeypatch.setattr(machine, "ReferenceScheduler", SPARSE_RETENTION_ONLY["dense-under-sparse-retention"])
-    with pytest.raises(PolicyDifference) as caught:
-        run_state_machine_as_test(
-            lambda: SchedulerMachine(adapter, _sparse_window(adapter), differential=Mode.RENAMING),
-            settings=settings(_settings(), max_examples=4 * EXAMPLES, suppress_health_check=list(HealthCheck)),
-        )
-    found = caught.value
-    assert found.release == "0.33.0", found
-    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+    _differs_beside_vllm(
+        adapter, monkeypatch, SPARSE_RETENTION_ONLY["dense-under-sparse-retention"], _sparse_window(adapter)
+    )
 
 
 def _connector(adapter):
