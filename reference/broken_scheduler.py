@@ -16,6 +16,7 @@ from kvspec.spec.groups import GroupSpec, Scheduled, Shape
 from kvspec.spec.window import first_needed_position
 
 from .policies import Comparison
+from .prefix_cache import full_hit
 from .scheduler import ReferenceScheduler, _Req
 
 
@@ -135,8 +136,10 @@ class WaitsForAFullBatch(ReferenceScheduler):
 
 class StatePerPosition(ReferenceScheduler):
     """Mamba: the state group takes a block for every block of positions a step computes, as
-    an attention group does, rather than only the block its state ends in.  Safe but
-    wasteful: only the state group's bound (``window-bound``) sees it."""
+    an attention group does, rather than only the block its state ends in.  Without prefix
+    caching safe but wasteful: only the state group's bound (``window-bound``) sees it.  With
+    it (the reference caching Mamba states, ``mamba_state_cache``) the blocks inside a chunk
+    are cached too, under keys whose states they never held: ``prefix-cache-consistency``."""
 
     name = "state-per-position"
 
@@ -271,7 +274,9 @@ BROKEN_SCHEDULERS: dict[str, BrokenScheduler] = {
     WaitsForAFullBatch.name: BrokenScheduler(
         WaitsForAFullBatch, "budget-chunked", frozenset({"progress"})
     ),
-    StatePerPosition.name: BrokenScheduler(StatePerPosition, "hybrid-mamba", frozenset({"window-bound"})),
+    StatePerPosition.name: BrokenScheduler(
+        StatePerPosition, "hybrid-mamba", frozenset({"window-bound", "prefix-cache-consistency"})
+    ),
     StateFreedBeforeRead.name: BrokenScheduler(
         StateFreedBeforeRead, "hybrid-mamba", frozenset({"kv-readback"})
     ),
@@ -356,6 +361,22 @@ class DenseUnderSparseRetention(ReferenceScheduler):
         return None, ()
 
 
+class MambaHitAsARun(ReferenceScheduler):
+    """Mamba "align" prefix caching: the Mamba group's hit is the longest run of cached states
+    from block 0, as a full-attention hit is, ending at the run's last state, instead of the last
+    cached state at or below the full-attention hit.  Every state it hits is cached and holds
+    the whole prefix before it, so every hit is sound and every invariant holds; but a prefill
+    chunk spanning several blocks leaves no states at the block ends inside it, so its runs stop
+    short of hits the reference (and vLLM 0.33.0) take.  Only the differential past a Mamba
+    hit sees it."""
+
+    name = "mamba-hit-as-a-run"
+
+    def _state_hit(self, lookup, max_blocks: int, group: GroupSpec) -> list[int | None]:
+        run = full_hit(lookup, max_blocks)
+        return [None] * (len(run) - 1) + run[-1:]
+
+
 PREFIX_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {EvictsNewestFirst.name: EvictsNewestFirst}
 """Broken prefix caches no invariant catches and the differential does, once it compares past
 prefix hits: what differs first (a hit's start, the requests a step fits, the blocks held) is
@@ -370,8 +391,19 @@ DIFFERENTIAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
 """Broken schedulers no invariant catches and the differential does (as a difference from the
 reference's own policy), with what it compares when it finds them."""
 
+MAMBA_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {MambaHitAsARun.name: MambaHitAsARun}
+"""Broken Mamba prefix caches only the differential past a Mamba hit catches, in the Mamba
+"align" shapes whose hits end at block ends (the reference's ``mamba_state_cache``)."""
+
 SPARSE_RETENTION_ONLY: dict[str, type[ReferenceScheduler]] = {DenseUnderSparseRetention.name: DenseUnderSparseRetention}
 """Broken sliding-window prefix caches only the differential in a sparse-retention shape
 catches (tests/test_scheduler_retention.py): in a dense shape they are the reference."""
 
-__all__ = ["BROKEN_SCHEDULERS", "DIFFERENTIAL_ONLY", "PREFIX_CACHE_ONLY", "SPARSE_RETENTION_ONLY", "BrokenScheduler"]
+__all__ = [
+    "BROKEN_SCHEDULERS",
+    "DIFFERENTIAL_ONLY",
+    "MAMBA_CACHE_ONLY",
+    "PREFIX_CACHE_ONLY",
+    "SPARSE_RETENTION_ONLY",
+    "BrokenScheduler",
+]

@@ -131,6 +131,16 @@ class SchedulerPolicy:
     # token.  False: a chunk is the budget's cut, or the release's split differs from this rule
     # (its own source line says where).
     mamba_aligned_split: Choice
+    # In a Mamba "align" shape whose hits end at Mamba block ends (no ``prefix_match_unit``): the
+    # Mamba group caches the state block ending each block end its table holds (every one under
+    # dense retention; under a sparse one those ending a multiple of the interval, the prompt's
+    # replay boundary and the shared-prefix junction); a lookup takes the full-attention hit, then
+    # the last cached state at or below it, searched from the right, and cuts the full group's
+    # blocks to it; a hit on a state cached in the same step is not admitted in that step; a
+    # prefill chunk stops at the junction (where the full-attention hit ended when the Mamba hit
+    # was shorter).  False: the release's Mamba prefix cache is not modelled; the differential
+    # ends where it may hit (testing/scheduler/machine.py ``_mamba_cache_may_hit``).
+    mamba_state_cache: Choice
     # A request stopped by ``max_tokens`` inside a step's accepted tokens (drafts accepted past
     # its last wanted token) keeps a computed count covering the tokens kept less the last one:
     # the cut ones are taken off (False: the count keeps them).  Seen under a KV connector, which
@@ -189,6 +199,7 @@ class SchedulerPolicy:
             "caches_at_output_with_drafts": self.caches_at_output_with_drafts,
             "output_cache_counts_chunks_in_flight": self.output_cache_counts_chunks_in_flight,
             "mamba_aligned_split": self.mamba_aligned_split,
+            "mamba_state_cache": self.mamba_state_cache,
             "trims_computed_at_stop": self.trims_computed_at_stop,
             "producer_drops_stale_output": self.producer_drops_stale_output,
             "waits_for_stale_output": self.waits_for_stale_output,
@@ -241,6 +252,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         output_cache_counts_chunks_in_flight=Choice(True, "vllm/v1/core/sched/async_scheduler.py:43-68"),
         # A chunk is min(uncomputed tokens, budget); no Mamba split in this release.
         mamba_aligned_split=Choice(False, f"{_SCHED}:515-529"),
+        # Its MambaManager's hit is not read (kvspec builds no Mamba shape on this release).
+        mamba_state_cache=Choice(False, f"{_SINGLE}:656-702"),
         # _update_request_with_output trims the new tokens at a stop, not num_computed_tokens.
         trims_computed_at_stop=Choice(False, f"{_SCHED}:1233-1249"),
         # _preempt_request takes no drop_stale_output.
@@ -279,6 +292,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # last token included) and has no stop at a block's end for a chunk starting inside one:
         # not this rule (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
         mamba_aligned_split=Choice(False, f"{_SCHED}:302-350"),
+        # Its MambaManager's hit is not read (kvspec builds no Mamba shape on this release).
+        mamba_state_cache=Choice(False, f"{_SINGLE}:806-852"),
         trims_computed_at_stop=Choice(False, f"{_SCHED}:1635-1649"),
         producer_drops_stale_output=Choice(False, f"{_SCHED}:965-990"),
         # The waiting loop resumes a preempted request with no regard to its output in flight.
@@ -322,6 +337,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # token included), and its partial-tail stop the prompt rounded down: not this rule
         # (kvspec builds no Mamba shape on this release, adapters/v1_scheduler.py).
         mamba_aligned_split=Choice(False, f"{_SCHED}:438-444"),
+        # Its MambaManager's hit is not read (kvspec builds no Mamba shape on this release).
+        mamba_state_cache=Choice(False, f"{_SINGLE}:1487-1564"),
         trims_computed_at_stop=Choice(False, f"{_SCHED}:2347-2362"),
         # drop_stale_output=self.requires_kv_delivery (the producer role, connector base.py).
         producer_drops_stale_output=Choice(True, f"{_SCHED}:786-791"),
@@ -362,6 +379,13 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         # is get_mamba_prefill_checkpoint_position (kv_cache_interface.py:1169-1186: before the
         # last token).  No prefill-checkpoint blocks or shared-prefix junction in kvspec's shapes.
         mamba_aligned_split=Choice(True, f"{_SCHED}:546-650"),
+        # MambaManager.find_longest_cache_hit (:1522-1546) after the full group's
+        # (kv_cache_coordinator.py:846-941, one pass for one full group and one other), its
+        # reachable_block_mask (:1548-1606), the same-step refusal (:1704-1712, scheduler.py
+        # :1453-1461 stops the admissions), the junction (kv_cache_manager.py:318-325) and its
+        # stop (scheduler.py:632-650, block-floored: no shared-prefix checkpoint in kvspec's
+        # shapes, cache.py:312).
+        mamba_state_cache=Choice(True, f"{_SINGLE}:1470-1606"),
         # num_computed_tokens -= len(new_token_ids) - num_new, for an output not stale.
         trims_computed_at_stop=Choice(True, f"{_SCHED}:2758-2763"),
         # drop_stale_output=self.requires_kv_delivery; the dropped output skipped at :2338-2339.

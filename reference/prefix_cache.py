@@ -15,7 +15,9 @@ sliding window   from the end: the last run of ``ceil((W - 1) / B)`` consecutive
                  (the window of the token after the hit), the blocks before it not needed
                  (None); a run reaching block 0 is a hit even if shorter;
 chunked local    the blocks of the last chunk (the chunk of the token after the hit) from its
-                 start, the blocks of earlier chunks not needed (None).
+                 start, the blocks of earlier chunks not needed (None);
+recurrent state  from the end: the last block whose state is cached (a Mamba state holds the
+                 whole prefix before it), the blocks before it not needed (None).
 """
 
 from __future__ import annotations
@@ -148,6 +150,47 @@ def chunk_hit(lookup: Lookup, max_blocks: int, first_block: int) -> list[int | N
     return hit
 
 
+def state_hit(lookup: Lookup, max_blocks: int, block_size: int, alignment: int) -> list[int | None]:
+    """A recurrent-state (Mamba "align") group's hit: searching from block ``max_blocks - 1``
+    down, the first block whose state is cached and whose end is a multiple of ``alignment``
+    tokens, the blocks before it None; none found, no hit.  One state is the whole prefix
+    before it, so no run of blocks is needed (vLLM 0.33.0 single_type_kv_cache_manager.py
+    :1522-1546, ``MambaManager.find_longest_cache_hit`` without hits inside a block)."""
+    for i in range(max_blocks - 1, -1, -1):
+        if (i + 1) * block_size % alignment:
+            continue
+        block = lookup(i)
+        if block is not None:
+            return [None] * i + [block]
+    return []
+
+
+def sparse_state_mask(
+    start: int, end: int, block_size: int, alignment: int, retention: int | None, boundaries: Sequence[int] = ()
+) -> list[bool]:
+    """Which of a recurrent-state group's full blocks ``start .. end - 1`` have their state
+    cached (vLLM 0.33.0 single_type_kv_cache_manager.py:1548-1606, ``MambaManager.
+    reachable_block_mask``).  A hit needs the one block ending on its boundary, so no tail.
+
+    ``retention`` None: every block (dense).  0: only the blocks ending on ``boundaries``
+    (token positions, aligned down: the prompt's replay boundary and the shared-prefix
+    junction).  Positive: the block ending each multiple of ``retention`` tokens (every block
+    when the interval is at most one block), and those ending on ``boundaries``."""
+    if retention is None:
+        return [True] * (end - start)
+    mask = [False] * (end - start)
+    if retention:
+        per_segment = retention // block_size
+        if per_segment <= 1:
+            return [True] * (end - start)
+        mask = [(i + 1) % per_segment == 0 for i in range(start, end)]
+    for boundary in boundaries:
+        i = boundary // alignment * alignment // block_size - 1
+        if start <= i < end:
+            mask[i - start] = True
+    return mask
+
+
 def sparse_window_mask(
     start: int,
     end: int,
@@ -207,6 +250,8 @@ __all__ = [
     "chunk_hit",
     "full_hit",
     "replay_boundaries",
+    "sparse_state_mask",
     "sparse_window_mask",
+    "state_hit",
     "window_hit",
 ]

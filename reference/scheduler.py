@@ -11,11 +11,17 @@ processed position, and recurrent-state (Mamba) groups holding the block of the 
 state and the block each step leaves its state in.
 
 In a Mamba "align" shape (Mamba with prefix caching) under ``mamba_aligned_split``, prefill
-chunks end at Mamba block ends, where the states a prefix cache would keep are written
-(``_aligned``); the reference caches no Mamba states, so the differential stops where vLLM's
-Mamba prefix cache could change a step (testing/scheduler/machine.py ``SchedulerLockstep``).
+chunks end at Mamba block ends, where the states a prefix cache keeps are written
+(``_aligned``).  Under ``mamba_state_cache`` (hits at block ends only: no
+``Shape.prefix_match_unit``) the Mamba group caches those states like blocks (``_cache_blocks``,
+reference/prefix_cache.py ``sparse_state_mask``), a hit takes the last cached state at or below
+the full-attention hit (``state_hit``), a state cached in the same step is not hit in that step
+(``_adopt``), and a chunk stops at the junction where the two groups' hits part (``_aligned``).
+Hits inside a Mamba block are not modelled: such a shape caches nothing here, and the
+differential stops where vLLM's Mamba prefix cache could change a step
+(testing/scheduler/machine.py ``SchedulerLockstep``).
 
-With ``Shape.prefix_caching`` (attention groups only; a Mamba shape caches nothing here), full
+With ``Shape.prefix_caching`` (a Mamba shape as just said), full
 blocks are cached under their keys per group as they are computed (reference/prefix_cache.py),
 a request admitted with nothing computed starts at its longest hit (every group agreeing on
 one length, a multiple of the scheduler's block size, at most the prompt less one token), and
@@ -39,12 +45,15 @@ from kvspec.spec.window import blocks_for_tokens, ceil_div
 
 from .policies import REFERENCE_OWN, SchedulerPolicy
 from .prefix_cache import (
+    CacheKey,
     PrefixCache,
     block_key,
     chunk_hit,
     full_hit,
     replay_boundaries,
+    sparse_state_mask,
     sparse_window_mask,
+    state_hit,
     window_hit,
 )
 
@@ -157,8 +166,15 @@ class ReferenceScheduler:
             or (shape.num_spec_tokens > 0 and policy.caches_at_output_with_drafts.value)
         )
         self._output_cache_counts_chunks = policy.output_cache_counts_chunks_in_flight.value
-        # Mamba groups cache states at chunk ends the reference does not cut: no cache there.
-        self.cache = PrefixCache() if shape.prefix_caching and not shape.mamba else None
+        # A Mamba "align" group's states are cached where the release's cache is modelled
+        # (``mamba_state_cache``) and hits end at block ends; with hits inside a block (partial
+        # tails, copy-on-write) nothing is cached.
+        self.caches_mamba_states = (
+            self.mamba_split and policy.mamba_state_cache.value and shape.prefix_match_unit is None
+        )
+        self.cache = PrefixCache() if shape.prefix_caching and (not shape.mamba or self.caches_mamba_states) else None
+        # The keys the Mamba group cached in the step being planned: a hit on one waits a step.
+        self._states_cached_this_step: set[CacheKey] = set()
         # Hits are whole multiples of every group's block size (vLLM: the scheduler block size).
         self.alignment = shape.scheduler_block_size
         self.extra_kinds = frozenset({"cache_salt", "lora"}) if self.cache is not None else frozenset()
@@ -368,7 +384,8 @@ class ReferenceScheduler:
         the full group's blocks are cut to it.  An EAGLE drop takes one block off each group's
         run; with two groups, under ``eagle_looks_further``, each looks one block further first
         (up to the request's last full block under ``eagle_looks_past_hit_limit``, else up to
-        its tokens less one)."""
+        its tokens less one).  A Mamba group's hit is its last cached state at or below the full
+        group's hit (``state_hit``)."""
         if self.cache is None or req.computed:
             return NO_HIT
         groups = self.group_specs
@@ -389,7 +406,9 @@ class ReferenceScheduler:
         for gi, group in enumerate(groups[1:], start=1):
             limit = min(length + group.block_size, cap) if further else length
             lookup = self._lookup(req, gi)
-            if group.sliding_window is not None:
+            if group.state:
+                found = self._state_hit(lookup, limit // group.block_size, group)
+            elif group.sliding_window is not None:
                 found = window_hit(
                     lookup, limit // group.block_size, group.block_size, group.sliding_window, self.alignment, drop
                 )
@@ -400,10 +419,16 @@ class ReferenceScheduler:
             length = len(found) * group.block_size
             tables[gi] = tuple(found)
         tables[0] = tuple(blocks[: ceil_div(length, full.block_size)])
-        # A shared prefix the window group has not cached (yet): its tail is kept under a
-        # sparse retention (``_cache_blocks``), so the next request can hit it.
+        # A shared prefix the second group has not cached (yet): its tail (a Mamba group: its
+        # state) is kept under a sparse retention (``_cache_blocks``), so the next request can
+        # hit it; a Mamba prefill chunk stops there (``_aligned``).  vLLM 0.33.0
+        # kv_cache_manager.py:318-325, kept on the request (scheduler.py:1120-1126).
         req.junction = full_length if full_length > length else 0
         return Hit(length, tuple(tables)) if length else NO_HIT
+
+    def _state_hit(self, lookup: Callable[[int], int | None], max_blocks: int, group: GroupSpec) -> list[int | None]:
+        """A Mamba group's hit within ``max_blocks`` blocks (``state_hit``)."""
+        return state_hit(lookup, max_blocks, group.block_size, self.alignment)
 
     def _after_eagle_drop(self, length: int, full: GroupSpec) -> int:
         """A full-attention hit of ``length`` tokens less the block an EAGLE head drops (one
@@ -422,12 +447,18 @@ class ReferenceScheduler:
         table = hit.tables[gi] if hit.tables else ()
         skipped = self._skipped_blocks(hit.length, group)
         new = max(slots - max(skipped, len(table)), 0)
+        if group.state:
+            # One new block: the state the step leaves (0.33.0 single_type_kv_cache_manager.py
+            # :1785-1790 caps the count at one for a request holding none of its own yet).
+            new = min(new, 1)
         return new + sum(b is not None and self.refcounts[b] == 0 for b in table[skipped:])
 
     def _adopt(self, req: _Req, end: int, hit: Hit) -> None:
         """Admit ``req`` with ``hit``: all or nothing, its hit blocks (those its windows still
         read) taken from the free queue first, then new blocks up to ``end``."""
         slots = [self._slots_for(req, end, g) for g in self.group_specs]
+        if self._hits_state_cached_this_step(req, hit):
+            raise NoRoom
         if sum(self._hit_need(hit, n, gi) for gi, n in enumerate(slots)) > len(self.free):
             raise NoRoom
         for gi, (table, group) in enumerate(zip(req.tables, self.group_specs, strict=True)):
@@ -441,9 +472,23 @@ class ReferenceScheduler:
                     self.free.remove(block)
                 self.refcounts[block] += 1
             req.cached.append(len(table))
-        for table, n in zip(req.tables, slots, strict=True):
+        for table, group, n in zip(req.tables, self.group_specs, slots, strict=True):
+            if group.state and len(table) < n:
+                # Null slots up to the block the step leaves its state in (as ``_grow``).
+                table.extend([None] * (n - 1 - len(table)))
+                table.append(self._allocate())
             while len(table) < n:
                 table.append(self._allocate())
+
+    def _hits_state_cached_this_step(self, req: _Req, hit: Hit) -> bool:
+        """Whether ``hit``'s Mamba state was cached in the step being planned (by any request,
+        under the same key): its state is written by that step, so vLLM admits the request a
+        step later (0.33.0 single_type_kv_cache_manager.py:1704-1712 asks for more blocks than
+        the pool has; scheduler.py:1453-1461 then stops the admissions)."""
+        if not self.caches_mamba_states or not hit.length:
+            return False
+        key = block_key(req.tokens, hit.length, req.extra, self.hash_lookahead)
+        return key in self._states_cached_this_step
 
     def _cacheable(self, tokens: int, group: GroupSpec) -> int:
         """Tokens ``group`` caches the blocks of: under ``hybrid_caches_aligned``, with two groups,
@@ -477,11 +522,15 @@ class ReferenceScheduler:
                     start, full, group.block_size, group.sliding_window, self.alignment, self.drop_eagle_block,
                     *self._retention(req, group),
                 )
+            elif group.state:
+                mask = sparse_state_mask(start, full, group.block_size, self.alignment, *self._state_retention(req))
             for i, keep in zip(range(start, full), mask, strict=True):
                 block = table[i]
                 key = block_key(req.tokens, (i + 1) * group.block_size, req.extra, self.hash_lookahead)
                 if block is not None and keep and key is not None:
                     cache.insert(gi, key, block)
+                    if group.state:
+                        self._states_cached_this_step.add(key)
             req.cached[gi] = full
         self._cache_partial_tail(req, tokens, hashed)
 
@@ -524,6 +573,14 @@ class ReferenceScheduler:
                 boundaries += (req.junction - group.block_size,)
         return retention, boundaries
 
+    def _state_retention(self, req: _Req) -> tuple[int | None, tuple[int, ...]]:
+        """The retention a Mamba group caches its states by (``sparse_state_mask``) and the
+        positions it keeps the state at: the prompt's replay boundary and the request's junction
+        (vLLM 0.33.0 kv_cache_coordinator.py:358-381 and single_type_kv_cache_manager.py
+        :506-520; no EAGLE beside a Mamba group here)."""
+        boundaries = replay_boundaries(req.prompt, self.alignment, False)
+        return self.shape.retention_interval, boundaries + ((req.junction,) if req.junction else ())
+
     # ------------------------------------------------------------ a step
 
     def _tokens_for(self, req: _Req, budget: int) -> tuple[int, tuple[int, ...]]:
@@ -555,9 +612,10 @@ class ReferenceScheduler:
         """Under ``mamba_split``, the first ``n`` prefill tokens cut where a Mamba state must be
         written: a chunk that does not finish the prefill (the prompt, or a resumed request's
         tokens but the last) ends at a block end; none runs past the block end it starts inside,
-        nor past the last block end before the request's last token, nor (hits inside a block)
-        past the prompt's last hash-unit boundary before its last token.  0: not even one
-        block's end fits."""
+        nor past the last block end before the request's last token, nor past its lookup's
+        junction (floored to a block from the chunk's start), nor (hits inside a block) past the
+        prompt's last hash-unit boundary before its last token.  0: not even one block's end
+        fits."""
         start = req.computed
         prompt = len(req.tokens) - req.outputs
         prefill_end = max(prompt, len(req.tokens) - 1)
@@ -572,6 +630,11 @@ class ReferenceScheduler:
         stops = [last_cached]
         if start % size:
             stops.append(start + size - start % size)
+        if start < req.junction < end:
+            # The junction of its lookup, block-floored from the chunk's start, so the state
+            # there is cached for the requests sharing the prefix (0.33.0 scheduler.py:632-650;
+            # no shared-prefix checkpoint in kvspec's shapes).
+            stops.append(start + (req.junction - start) // size * size)
         unit = self.shape.prefix_match_unit
         if unit is not None:
             tail = (prompt - 1) // unit * unit
@@ -653,9 +716,12 @@ class ReferenceScheduler:
             return True
         tokens = min(len(req.tokens), self.shape.max_model_len)
         if hit.length:
-            need = sum(
-                self._hit_need(hit, self._admission_blocks(tokens, g), gi) for gi, g in enumerate(self.group_specs)
-            )
+            # A Mamba group's slots past its hit state, of which ``_hit_need`` counts one.
+            slots = [
+                blocks_for_tokens(tokens, g.block_size) if g.state else self._admission_blocks(tokens, g)
+                for g in self.group_specs
+            ]
+            need = sum(self._hit_need(hit, n, gi) for gi, n in enumerate(slots))
         else:
             need = sum(self._admission_blocks(tokens, g) for g in self.group_specs)
         return need <= len(self.free)
@@ -694,6 +760,7 @@ class ReferenceScheduler:
         self.waiting.insert(0, seq_id)
 
     def schedule(self) -> Plan:
+        self._states_cached_this_step.clear()  # 0.33.0 scheduler.py:746, new_step_starts
         budget = self.shape.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[int] = []

@@ -11,7 +11,7 @@ import attrs
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
-from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY
+from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, MAMBA_CACHE_ONLY, PREFIX_CACHE_ONLY
 from kvspec.reference.policies import (
     DECLARED,
     REFERENCE_OWN,
@@ -48,8 +48,13 @@ def test_reference_scheduler_agrees_with_itself_in_renaming_mode():
 
 
 def _caching(shape: Shape) -> bool:
-    # Mamba shapes cache nothing in the reference (it keeps no Mamba states).
-    return shape.prefix_caching and not shape.mamba
+    # Mamba shapes with hits inside a block cache nothing in the reference (it keeps no partial
+    # tails); those with hits at block ends cache their states (``mamba_state_cache``).
+    return shape.prefix_caching and not shape.mamba_partial_hits
+
+
+def _mamba_states(shape: Shape) -> bool:
+    return shape.mamba_cache_mode == "align" and not shape.mamba_partial_hits
 
 
 def test_comparison_runs_past_prefix_hits_to_the_end():
@@ -83,6 +88,24 @@ def test_a_prefix_cache_only_the_differential_past_hits_catches(name):
     assert not isinstance(found, SpecViolation | AssertionError), found
     assert found.release == variant.name and found.policy == REFERENCE_OWN.id, found
     assert any(s.op == "arrive" for s in found.trace) and len(found.trace) <= 24, found
+
+
+@pytest.mark.parametrize("name", sorted(MAMBA_CACHE_ONLY))
+def test_a_mamba_cache_only_the_differential_past_mamba_hits_catches(name):
+    """A broken Mamba prefix cache every invariant accepts (``mamba-hit-as-a-run``): the
+    invariants hold in every Mamba "align" shape whose hits end at block ends; the differential,
+    comparing past Mamba hits, reports a policy difference (not a violation) with a short trace."""
+    variant = MAMBA_CACHE_ONLY[name]
+    within = shapes().filter(_mamba_states)
+    run_state_machine_as_test(lambda: SchedulerMachine(variant, within), settings=_settings())
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(variant, within, differential=Mode.RENAMING), settings=_settings()
+        )
+    found = caught.value
+    assert not isinstance(found, SpecViolation | AssertionError), found
+    assert found.release == variant.name and found.policy == REFERENCE_OWN.id, found
+    assert sum(s.op == "arrive" for s in found.trace) >= 2 and len(found.trace) <= 24, found
 
 
 @pytest.mark.parametrize("name", sorted(DIFFERENTIAL_ONLY))
@@ -308,10 +331,12 @@ def test_a_waiting_request_whose_split_fits_no_block_end_is_not_admitted():
 
 
 def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
-    """Beside a target that caches Mamba states (vLLM), a Mamba "align" comparison ends before a
-    step in which a waiting request's tokens begin with a key the target caches (its domain
-    included), and after a step that cached a key beginning the tokens of a waiting request and
-    of another (the same-step Mamba hit vLLM defers), or a partial tail (hits inside a block)."""
+    """Beside a target that caches Mamba states (vLLM), a Mamba "align" comparison with hits
+    inside a block (whose cache the reference does not model) ends before a step in which a
+    waiting request's tokens begin with a key the target caches (its domain included), and
+    after a step that cached a key beginning the tokens of a waiting request and of another
+    (the same-step Mamba hit vLLM defers), or a partial tail.  With hits at block ends the
+    reference caches Mamba states itself (``mamba_state_cache``): nothing ends there."""
     from types import SimpleNamespace
 
     from kvspec.spec.prefix_hash import ExtraKeys, PrefixKey
@@ -320,11 +345,18 @@ def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
     shape = Shape(
         block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=2, prefix_caching=True,
         num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=16,
-        full_sequence_must_fit=False, max_tokens=1, mamba=True,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True, prefix_match_unit=1,
     )
     target = SimpleNamespace(name="cache-holder", config=SimpleNamespace(prefix_caching=True), keys=frozenset())
     target.cached_keys = lambda group: target.keys
+    modelled = ReferenceScheduler(attrs.evolve(shape, prefix_match_unit=None))
+    assert modelled.caches_mamba_states and modelled.cache is not None
+    modelled.add(0, [1, 2, 3, 4], 1)
+    target.keys = frozenset({PrefixKey((1, 2))})
+    assert not SchedulerLockstep(target, modelled)._mamba_cache_may_hit()
+    target.keys = frozenset()
     ref = ReferenceScheduler(shape)
+    assert not ref.caches_mamba_states and ref.cache is None
     lockstep = SchedulerLockstep(target, ref)
     ref.add(0, [1, 2, 3, 4], 1)
     assert not lockstep._mamba_cache_may_hit()
@@ -350,3 +382,96 @@ def test_mamba_align_comparison_ends_where_the_targets_cache_may_hit():
     assert not lockstep._partial_tail_cached(before=target.keys)
     # Beside the reference itself (no Mamba states kept on either side) nothing ends.
     assert not SchedulerLockstep(ReferenceScheduler(shape), ref)._mamba_cache_may_hit()
+
+
+def _mamba_cache_shape(**changes) -> Shape:
+    shape = Shape(
+        block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=8, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=64,
+        full_sequence_must_fit=False, max_tokens=1, mamba=True,
+    )
+    return attrs.evolve(shape, **changes)
+
+
+def _run(ref: ReferenceScheduler, steps: int = 20) -> list[list[tuple[int, int, int]]]:
+    """Steps until every request finishes: each step's (request, start, tokens)."""
+    out = []
+    for _ in range(steps):
+        if not ref.reqs:
+            break
+        plan = ref.schedule()
+        out.append([(s.seq_id, s.start, s.num_tokens) for s in plan.scheduled])
+        done = {s.seq_id: [0] for s in plan.scheduled if ref.reqs[s.seq_id].computed >= len(ref.reqs[s.seq_id].tokens)}
+        ref.update(plan, done)
+    return out
+
+
+def test_a_mamba_hit_is_the_last_cached_state_at_or_below_the_full_hit():
+    """0.33.0's Mamba "align" cache (``mamba_state_cache``): an 18-token prompt in chunks of 8
+    leaves states at 8 and 16 (none at 4 or 12, inside a chunk).  A request sharing 12 tokens
+    has a full-attention hit of 12 and a Mamba hit of 8 (the last cached state below 12), so
+    it starts at 8 with the full table cut to two blocks and the Mamba table [None, state];
+    its first chunk stops at the junction 12, where it leaves the state the next sibling hits.
+    Searched as a run from block 0 (``mamba-hit-as-a-run``) the hit is 0: no state at 4."""
+    ref = ReferenceScheduler(_mamba_cache_shape())
+    ref.add(0, list(range(18)), 1)
+    assert _run(ref)[:3] == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 2)]]
+    states = {key.chain[-1] + 1 for key, _ in ref.cache.entries(1)}
+    assert states == {8, 16}, states
+    ref.add(1, list(range(12)) + [90] * 8, 1)
+    plan = ref.schedule()
+    assert [(s.seq_id, s.start, s.num_tokens) for s in plan.scheduled] == [(1, 8, 4)], plan
+    full, mamba = ref.reqs[1].tables
+    state_at_8 = next(block for key, block in ref.cache.entries(1) if len(key.chain) == 8)
+    assert len(full) == 3 and mamba[:2] == [None, state_at_8], ref.reqs[1].tables
+    assert ref.reqs[1].junction == 12
+    run = MAMBA_CACHE_ONLY["mamba-hit-as-a-run"](_mamba_cache_shape())
+    run.add(0, list(range(18)), 1)
+    _run(run)
+    run.add(1, list(range(12)) + [90] * 8, 1)
+    assert [(s.start, s.num_tokens) for s in run.schedule().scheduled] == [(0, 8)]
+
+
+def test_a_mamba_state_cached_in_the_step_is_hit_a_step_later():
+    """Two requests sharing a 16-token prefix: when the first's chunk caches the state at 8 in
+    a step, the second (waiting behind it) is not admitted in that step at a hit on it (vLLM
+    0.33.0 defers it, single_type_kv_cache_manager.py:1704-1712), and starts at it a step
+    later."""
+    ref = ReferenceScheduler(_mamba_cache_shape(max_num_batched_tokens=16))
+    ref.add(0, list(range(17)), 1)
+    first = ref.schedule()
+    assert [(s.seq_id, s.start, s.num_tokens) for s in first.scheduled] == [(0, 0, 16)]
+    ref.update(first, {})
+    ref.add(1, [*range(16), 70, 71], 1)
+    ref.add(2, list(range(8)) + [80] * 9, 1)
+    # Request 0's last chunk caches nothing new; request 1 hits the state at 16 cached a step
+    # ago; request 2 finds none (no state at 8, inside the first chunk).
+    plan = ref.schedule()
+    assert [(s.seq_id, s.start) for s in plan.scheduled] == [(0, 16), (1, 16), (2, 0)], plan
+    ref2 = ReferenceScheduler(_mamba_cache_shape(max_num_batched_tokens=16))
+    ref2.add(0, list(range(9)), 1)
+    ref2.add(1, list(range(8)) + [60] * 4, 1)
+    # One step: request 0 computes 8 (caching the state at 8) and its last token is cut off;
+    # request 1 would hit that state in the same step: it is not admitted.
+    plan = ref2.schedule()
+    assert [(s.seq_id, s.start, s.num_tokens) for s in plan.scheduled] == [(0, 0, 8)], plan
+    ref2.update(plan, {})
+    plan = ref2.schedule()
+    assert [(s.seq_id, s.start) for s in plan.scheduled] == [(0, 8), (1, 8)], plan
+
+
+def test_sparse_mamba_retention_keeps_interval_and_reachable_states():
+    """``sparse_state_mask`` (0.33.0 ``MambaManager.reachable_block_mask``): dense keeps every
+    state; 0 only the blocks ending on the boundaries (aligned down); an interval of two
+    blocks the blocks ending each multiple of 8 tokens, and the boundaries."""
+    from kvspec.reference.prefix_cache import sparse_state_mask, state_hit
+
+    assert sparse_state_mask(0, 4, 4, 4, None) == [True] * 4
+    assert sparse_state_mask(0, 5, 4, 4, 0, (13,)) == [False, False, True, False, False]
+    assert sparse_state_mask(1, 5, 4, 4, 8, (13,)) == [True, True, True, False]
+    assert sparse_state_mask(0, 3, 4, 4, 4, ()) == [True] * 3
+    cached = {1: 11, 3: 13}
+    assert state_hit(cached.get, 5, 4, 4) == [None, None, None, 13]
+    assert state_hit(cached.get, 3, 4, 4) == [None, 11]
+    assert state_hit(cached.get, 3, 4, 8) == [None, 11]
+    assert state_hit({2: 12}.get, 3, 4, 8) == []

@@ -185,7 +185,7 @@ def _note(message: str) -> None:
     if currently_in_test_context():
         note(message)
 step_bytes = st.binary(min_size=4, max_size=4)
-MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (the reference caches no Mamba states)"
+MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (hits inside a block: the reference caches no Mamba states there)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
 KV_SEND_CACHED = "blocks held for a KV send beside partial tails (the reference keeps no partial-tail entries)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
@@ -317,12 +317,18 @@ class SchedulerLockstep:
 
     @property
     def _mamba_cache_unmodelled(self) -> bool:
-        """A Mamba "align" shape beside vLLM: its prefix cache keeps Mamba states, the
-        reference's none."""
-        return self.reference.shape.mamba_cache_mode == "align" and not isinstance(self.target, ReferenceScheduler)
+        """A Mamba "align" shape beside vLLM whose Mamba prefix cache the reference does not
+        model (``ReferenceScheduler.caches_mamba_states``: hits inside a Mamba block, or a policy
+        without ``mamba_state_cache``): vLLM's cache keeps Mamba states, the reference's none."""
+        return (
+            self.reference.shape.mamba_cache_mode == "align"
+            and not self.reference.caches_mamba_states
+            and not isinstance(self.target, ReferenceScheduler)
+        )
 
     def _mamba_cache_may_hit(self, before: frozenset | None = None) -> bool:
-        """In a Mamba "align" shape beside vLLM, whether a lookup may find something in vLLM's
+        """In a Mamba "align" shape beside vLLM whose Mamba cache is not modelled
+        (``_mamba_cache_unmodelled``), whether a lookup may find something in vLLM's
         prefix cache, which keeps Mamba states the reference does not: a hit, a full-attention
         hit the Mamba group lacks (which stops a chunk at the junction, 0.33.0
         scheduler.py:632-650), a Mamba hit on a block cached in the same step (which stops the
@@ -627,8 +633,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             shape.sparse_retention and not vllm_align and policy is not None and not policy.sparse_retention_tails.value
         ):
             # The policy declares no sparse retention of sliding-window groups, so the reference
-            # would retain densely.  A Mamba "align" comparison ends wherever vLLM's prefix cache
-            # may hit (``_mamba_cache_may_hit``), so what its retention keeps is never compared.
+            # would retain densely.  A Mamba "align" shape's retention is the policy's
+            # ``mamba_state_cache``; where that is not modelled the comparison ends wherever
+            # vLLM's prefix cache may hit (``_mamba_cache_may_hit``).
             self.diff_counts.not_run[f"sparse prefix-cache retention (not declared for {policy.id})"] += 1
         elif policy is not None:
             reference = reference_beside(target, shape, policy)

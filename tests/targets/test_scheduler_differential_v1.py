@@ -11,7 +11,12 @@ import logging
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
-from kvspec.reference.broken_scheduler import DIFFERENTIAL_ONLY, PREFIX_CACHE_ONLY, SPARSE_RETENTION_ONLY
+from kvspec.reference.broken_scheduler import (
+    DIFFERENTIAL_ONLY,
+    MAMBA_CACHE_ONLY,
+    PREFIX_CACHE_ONLY,
+    SPARSE_RETENTION_ONLY,
+)
 from kvspec.reference.policies import declared_for
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.scheduler.machine import DiffCounts, PolicyDifference, SchedulerMachine, shapes
@@ -62,8 +67,10 @@ def test_a_scheduler_only_the_differential_catches_fails_beside_vllm(adapter, mo
 
 
 def _caching(shape) -> bool:
-    # Beside vLLM, a Mamba "align" shape's comparison ends where vLLM's Mamba prefix cache may
-    # hit (the reference caches no Mamba states).
+    # Beside vLLM, a Mamba "align" shape with hits inside a block ends where vLLM's Mamba prefix
+    # cache may hit (the reference caches no Mamba states there); those with hits at block ends
+    # run to the end in ``test_mamba_prefix_cache_shapes_are_compared_to_the_end``, with the
+    # release's known findings (C5) stepped past.
     return shape.prefix_caching and not shape.mamba
 
 
@@ -124,9 +131,10 @@ def test_pipeline_shapes_are_compared_beside_vllm(adapter):
 
 def test_mamba_shapes_are_compared_beside_vllm(adapter):
     """vLLM's Mamba shapes run the differential: "none" mode (no prefix caching) to the end,
-    "align" mode with the block-aligned prefill split (``mamba_aligned_split``) until vLLM's
-    prefix cache holds a key a waiting request's tokens begin with, or a partial tail (hits
-    inside a block), where the comparison ends and says why."""
+    "align" mode with the block-aligned prefill split (``mamba_aligned_split``) and, where hits
+    end at block ends, its Mamba prefix cache (``mamba_state_cache``); with hits inside a block
+    until vLLM's prefix cache holds a key a waiting request's tokens begin with, or a partial
+    tail, where the comparison ends and says why."""
     from kvspec.testing.scheduler.machine import MAMBA_PARTIAL_TAIL, MAMBA_PREFIX_CACHE
 
     counts = DiffCounts()
@@ -156,6 +164,58 @@ def test_a_split_not_at_mamba_blocks_differs_from_vllm(adapter, monkeypatch):
     assert found.comparison == comparison and found.release == "0.33.0", found
 
 
+def _mamba_states(adapter):
+    """Mamba "align" shapes whose hits end at block ends, under every retention 0.33.0 offers."""
+    return shapes(retention=adapter.retention_offer()).filter(
+        lambda s: s.mamba_cache_mode == "align" and not s.mamba_partial_hits
+    )
+
+
+def test_mamba_prefix_cache_shapes_are_compared_to_the_end(adapter):
+    """Mamba "align" shapes whose hits end at block ends run the differential to the end, past
+    Mamba prefix hits (``mamba_state_cache``: the states cached, dense or sparse, the last cached
+    state at or below the full-attention hit, the same-step refusal, the junction stop).  What
+    ``kvspec check`` does with the release's known findings (C5 at the startup minimum under a
+    batch in flight) it does here: such an example is discarded."""
+    import vllm
+    from kvspec.testing.known import SHIPPED, load_known, step_past_known
+
+    step_past = step_past_known(load_known([SHIPPED]), "v1-scheduler", vllm.__version__)
+    counts = DiffCounts()
+    run_state_machine_as_test(
+        lambda: SchedulerMachine(
+            adapter, _mamba_states(adapter), differential=Mode.RENAMING, diff_counts=counts, step_past=step_past
+        ),
+        settings=settings(_settings(), max_examples=3 * EXAMPLES, suppress_health_check=list(HealthCheck)),
+    )
+    assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
+    assert counts.to_end == counts.examples and counts.hit_examples > 0, counts
+
+
+@pytest.mark.parametrize("name", sorted(MAMBA_CACHE_ONLY))
+def test_a_broken_mamba_cache_differs_from_vllm(adapter, monkeypatch, name):
+    """The reference replaced by ``mamba-hit-as-a-run`` (the Mamba hit a run of cached states
+    from block 0): vLLM hits the last cached state, which a chunk of several blocks leaves with
+    no states before it inside the chunk, and the differential reports it."""
+    _differs_beside_vllm(adapter, monkeypatch, MAMBA_CACHE_ONLY[name], _mamba_states(adapter))
+
+
+def _differs_beside_vllm(adapter, monkeypatch, variant, within) -> None:
+    """The reference replaced by ``variant``: over ``within``, vLLM 0.33.0 differs from it, as a
+    policy difference from 0.33.0's declared policy."""
+    import kvspec.testing.scheduler.machine as machine
+
+    monkeypatch.setattr(machine, "ReferenceScheduler", variant)
+    with pytest.raises(PolicyDifference) as caught:
+        run_state_machine_as_test(
+            lambda: SchedulerMachine(adapter, within, differential=Mode.RENAMING),
+            settings=settings(_settings(), max_examples=4 * EXAMPLES, suppress_health_check=list(HealthCheck)),
+        )
+    found = caught.value
+    assert found.release == "0.33.0", found
+    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+
+
 def _sparse_window(adapter):
     return shapes(retention=adapter.retention_offer()).filter(
         lambda s: s.sparse_retention and s.sliding_window is not None
@@ -178,17 +238,9 @@ def test_a_dense_cache_under_sparse_retention_differs_from_vllm(adapter, monkeyp
     """The reference replaced by ``dense-under-sparse-retention`` (every aligned tail cached
     whatever the retention): vLLM keeps fewer sliding-window blocks, and the differential
     reports it."""
-    import kvspec.testing.scheduler.machine as machine
-
-    monkeypatch.setattr(machine, "ReferenceScheduler", SPARSE_RETENTION_ONLY["dense-under-sparse-retention"])
-    with pytest.raises(PolicyDifference) as caught:
-        run_state_machine_as_test(
-            lambda: SchedulerMachine(adapter, _sparse_window(adapter), differential=Mode.RENAMING),
-            settings=settings(_settings(), max_examples=4 * EXAMPLES, suppress_health_check=list(HealthCheck)),
-        )
-    found = caught.value
-    assert found.release == "0.33.0", found
-    assert str(found).startswith("differs from vLLM 0.33.0's declared policy (v1-0.33.0)"), found
+    _differs_beside_vllm(
+        adapter, monkeypatch, SPARSE_RETENTION_ONLY["dense-under-sparse-retention"], _sparse_window(adapter)
+    )
 
 
 def _connector(adapter):
