@@ -187,7 +187,6 @@ def _note(message: str) -> None:
 step_bytes = st.binary(min_size=4, max_size=4)
 MAMBA_PREFIX_CACHE = "Mamba prefix cache may hit (hits inside a block: the reference caches no Mamba states there)"
 MAMBA_PARTIAL_TAIL = "Mamba partial tail cached (the reference takes no copy-on-write block)"
-KV_SEND_CACHED = "blocks held for a KV send beside partial tails (the reference keeps no partial-tail entries)"
 _ORDER = (Mode.OUTCOMES, Mode.COUNTS, Mode.RENAMING)
 
 
@@ -356,15 +355,6 @@ class SchedulerLockstep:
                 return True
         return False
 
-    @property
-    def _partial_tails(self) -> bool:
-        """Beside vLLM with prefix caching, whether a group's blocks are coarser than the hash
-        block (groups of different block sizes hash at their divisor): vLLM then caches a
-        prompt's partial tail block in that group (0.30.0 single_type_kv_cache_manager.py
-        :846-884, ``_cache_partial_tail_block``), which the reference does not."""
-        sizes = {g.block_size for g in self.reference.group_specs if g.state_blocks is None}
-        return self.caching and self._beside_vllm and len(sizes) > 1
-
     def _partial_tail_cached(self, before: frozenset) -> bool:
         """Whether the target cached, in the step, a key ending inside a Mamba block (hits
         inside a block): the prompt's partial tail, whose producer takes a copy-on-write block
@@ -415,17 +405,9 @@ class SchedulerLockstep:
     ) -> None:
         """The output and the worker's connector report (``sent``) to both: the reference
         holds a finished request's blocks until its send is reported, as vLLM defers their
-        free (reference/scheduler.py ``_finish``).  Beside vLLM with prefix caching, the
-        comparison ends once a send holds blocks: vLLM caches a prompt's partial tail block
-        where hashes are finer than the block (0.30.0 single_type_kv_cache_manager.py:857-884),
-        which the reference does not, so that block rejoins the free queue's tail as a cached
-        one where the reference puts it at the head; the deferred frees have been seen to make
-        that order decide a later hit (0.30.0 and 0.33.0, a sliding window of 1-token blocks
-        beside EAGLE drafts).  Groups of one block size cache no partial tail: compared on."""
+        free (reference/scheduler.py ``_finish``); a block holding a partial tail rejoins the
+        free queue as a cached one in both (reference/policies.py ``caches_partial_tails``)."""
         self.target.update(plan, sampled, drafts, **worker)
-        held = getattr(self.target, "held_for_sending", None)
-        if self.comparing and self._partial_tails and held is not None and held():
-            self._end(KV_SEND_CACHED)
         ref = self._pairs.pop(id(plan), None)
         if ref is not None and self.comparing:
             self.reference.update(ref, sampled, drafts, **worker)
