@@ -85,6 +85,8 @@ def test_the_reference_scheduler_holds_for_the_budget(tmp_path):
     assert summary["outcome"] == "no failure" and summary["verdicts"] == []
     assert summary["examples"] > 0 and sum(ex for ex, _ in summary["per_shape"].values()) >= summary["examples"]
     assert summary["per_worker"]["0"]["budget"]["examples_started"] > 0
+    # Every production shape `kvspec check` draws, the KV connector's included.
+    assert summary["per_shape"].get("kv-connector", [0])[0] > 0, summary["per_shape"]
 
 
 @pytest.mark.parametrize("failed", [False, True])
