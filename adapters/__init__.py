@@ -10,10 +10,19 @@ alternation, so each target venv gets a cache root of its own unless the user ch
 ``KVSPEC_VLLM_CACHE_ROOT`` marks a root kvspec chose: a process started from another interpreter
 (``kvspec check --vllm X`` re-executes in the release's venv) inherits the variable, and a root
 kvspec chose for the parent is replaced by this interpreter's own.
+
+A lean venv with a CPU build of torch has no triton (``targets/lean.py``).  vLLM then logs an
+error at import for its vendored ``triton_kernels`` (0.12.0-0.33.0
+vllm/model_executor/layers/fused_moe/config.py: ``logger.error("Failed to import Triton
+kernels ...")``) and torch a warning (torch/_library/triton.py); both describe kvspec's venv, not
+the code under test, and kvspec never runs a kernel.  Where triton is absent those two records,
+and only those, are dropped.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -24,3 +33,30 @@ CHOSEN_BY_KVSPEC_ENV = "KVSPEC_VLLM_CACHE_ROOT"
 
 if VLLM_CACHE_ENV not in os.environ or os.environ[VLLM_CACHE_ENV] == os.environ.get(CHOSEN_BY_KVSPEC_ENV):
     os.environ[VLLM_CACHE_ENV] = os.environ[CHOSEN_BY_KVSPEC_ENV] = str(Path(sys.prefix) / "vllm-cache")
+
+
+_ABSENT_TRITON_RECORDS = {
+    "vllm.model_executor.layers.fused_moe.config": "Failed to import Triton kernels",
+    "torch._library.triton": "Triton not available",
+}
+
+
+class _AbsentTritonFilter(logging.Filter):
+    """Drops the one record of its logger that says triton is missing."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _quiet_absent_triton() -> None:
+    if importlib.util.find_spec("triton") is not None:
+        return
+    for name, prefix in _ABSENT_TRITON_RECORDS.items():
+        logging.getLogger(name).addFilter(_AbsentTritonFilter(prefix))
+
+
+_quiet_absent_triton()
