@@ -403,9 +403,10 @@ def _ttc_seeds(p: dict[str, Any], machine_for) -> dict[str, Any]:
 # ---------------------------------------------------------------- the scheduler machine
 
 
-def _scheduler_shapes(key: str):
+def _scheduler_shapes(key: str, make: Any = None):
     """The shapes a scheduler case draws: ``tag:<SHAPE_TAGS entry>`` (a broken scheduler's
-    shape, as tests/test_scheduler_shapes.py draws it), ``any``, or a finding's shapes as its
+    shape, as tests/test_scheduler_shapes.py draws it) and ``any``, both with the retention
+    modes and KV connectors the scheduler ``make`` offers, as the machine's own default; or a finding's shapes as its
     pinned test in tests/targets/test_scheduler_v1.py draws them (V1-S4a: prefix caching and a
     window no longer than its group's block, in the shapes 0.9.1 has; V1-S2a: async
     scheduling with EAGLE drafts and a sliding window, no caching; C3, as
@@ -413,13 +414,14 @@ def _scheduler_shapes(key: str):
     beside B=2, EAGLE drafts past the block, the startup minimum)."""
     from hypothesis import strategies as st
     from kvspec.spec.groups import Shape
-    from kvspec.testing.scheduler.machine import shapes
+    from kvspec.testing.scheduler.machine import kv_connectors_of, retention_offer_of, shapes
 
+    offered = shapes(retention_offer_of(make), kv_connectors_of(make)) if make is not None else shapes()
     if key == "any":
-        return shapes()
+        return offered
     if key.startswith("tag:"):
         tag = key[len("tag:"):]
-        return shapes().filter(lambda s: tag in s.tags())
+        return offered.filter(lambda s: tag in s.tags())
     if key == "v1-s4a":
         return shapes().filter(
             lambda s: s.prefix_caching and s.sliding_window is not None
@@ -493,7 +495,7 @@ def ttc_scheduler(p: dict[str, Any]) -> dict[str, Any]:
     implementation, the shapes it draws, the invariants it watches, the differential or not."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     make = _scheduler_factory(p["scheduler"])
-    strat = _scheduler_shapes(p["shapes"])
+    strat = _scheduler_shapes(p["shapes"], make)
     focus = frozenset(p["focus"]) if p.get("focus") else None
     return _ttc_seeds(p, lambda mark: _timed_scheduler_machine(
         make, strat, focus, p.get("differential", False), mark))
