@@ -458,7 +458,8 @@ def _scheduler_factory(name: str):
     return lookup_scheduler(name).factory
 
 
-def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: dict[str, Any]):
+def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: dict[str, Any],
+                             step_past: Any = None):
     """A SchedulerMachine that notes when (and after how many examples) it first fails: a
     reported violation or a crash of the target, both raised through a rule or the
     invariant, both in flight when hypothesis calls teardown."""
@@ -471,7 +472,7 @@ def _timed_scheduler_machine(make, shapes_strategy, focus, differential, mark: d
 
     class Timed(SchedulerMachine):
         def __init__(self) -> None:
-            super().__init__(make, shapes_strategy, focus=focus, differential=mode)
+            super().__init__(make, shapes_strategy, focus=focus, differential=mode, step_past=step_past)
             mark["examples"] += 1
 
         def teardown(self):
@@ -497,8 +498,19 @@ def ttc_scheduler(p: dict[str, Any]) -> dict[str, Any]:
     make = _scheduler_factory(p["scheduler"])
     strat = _scheduler_shapes(p["shapes"], make)
     focus = frozenset(p["focus"]) if p.get("focus") else None
+    step_past = _scheduler_step_past(p["finding"], p["target"]) if p.get("finding") else None
     return _ttc_seeds(p, lambda mark: _timed_scheduler_machine(
-        make, strat, focus, p.get("differential", False), mark))
+        make, strat, focus, p.get("differential", False), mark, step_past))
+
+
+def _scheduler_step_past(finding: str, target: str):
+    """``kvspec check``'s step-past policy for the scheduler machine: every known finding of the
+    release's scheduler but ``finding`` (which need not have a fingerprint: V1-S4a is pinned by
+    its trace) stepped past, so the first failure the run ends on is ``finding`` or a new one."""
+    from kvspec.testing.known import SHIPPED, load_known, step_past_known
+
+    _, version = split_target(target)
+    return step_past_known([k for k in load_known([SHIPPED]) if k.id != finding], "v1-scheduler", version)
 
 
 def scale(p: dict[str, Any]) -> dict[str, Any]:
