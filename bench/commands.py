@@ -192,11 +192,11 @@ TTC_FINDINGS: dict[str, tuple[str, str, dict[str, Any], list[str]]] = {
 # Findings another known finding of the same configurations shadows (F1 fires on the
 # admission before F6's append; F14's livelock and F12 before F13's crash; C1 before F15; F11's
 # double free before F3 on the windowed swap draws; V1-e's usage before F-KV1 and V1-S4a from
-# construction on; F-KV3/F-KV10 before F-KV2 under multimodal draws):
+# construction on; F-KV9/F-KV10 (identifiers that coincide across kinds) before F-KV2 and F-KV3):
 # these cases step past every other known finding of the target, as `kvspec check`'s rounds
 # do (cli/search.py ``Sieve``), and a seed counts as found only when its first other failure
 # is the case's own finding.
-TTC_OTHERS_STEPPED_PAST = frozenset({"F3", "F6", "F13", "F15", "F-KV1", "F-KV2", "V1-S4a"})
+TTC_OTHERS_STEPPED_PAST = frozenset({"F3", "F6", "F13", "F15", "F-KV1", "F-KV2", "F-KV3", "V1-S4a"})
 # Findings on vLLM's own V1 scheduler (testing/scheduler/machine.py), as their pinned tests in
 # tests/targets/test_scheduler_v1.py draw them: label, the release whose venv runs it, the
 # scheduler implementation (testing/implementations.py ``lookup_scheduler``), the shapes
