@@ -81,7 +81,9 @@ LEFT_OUT: dict[str, str] = {
                 "pynvvideocodec",
                 "instanttensor",
                 "hf-xet",
-                "pycountry",
+                # not pycountry: the HF processors of multimodal models import it (transformers
+                # 5.x, vLLM 0.25.1+), and the scheduler's multimodal shape builds one
+                # (MultiModalBudget, adapters/v1_scheduler_mm.py)
                 "anthropic",
             ),
         ),
