@@ -15,6 +15,10 @@ each file was mapped to its distribution by the distributions' RECORDs.  A name 
 when no file of it was loaded on any traced release that installs it.  Then the same checks
 (same seeds: the same verdicts and counts) and ``tests/targets`` ran in the lean venvs.
 
+pycountry is kept although that trace never loaded it: beside a CPU torch, importing 0.20.1's
+scheduler stops at "The `language_code` module requires pycountry", and on 0.25.1+ the
+multimodal processors of an offline multimodal model import it.
+
 Distributions that were loaded stay even when vLLM tolerates their absence
 (triton: vLLM imports it when present; ray and mistral-common: 0.6.3 imports them;
 fastsafetensors: 0.33.0's weight_utils.py imports it under tests/targets), because leaving
@@ -23,11 +27,27 @@ them out changes which code vLLM runs.  Loaded CUDA libraries (libcublas, libcud
 
 The list is applied by name to any release: a name a release does not install is ignored.  A
 lean venv whose block managers or scheduler do not import is made full instead (provision.py).
+
+**A CPU build of torch.**  The rest of a lean venv's bulk is torch's CUDA build: PyPI's Linux
+torch requires the CUDA libraries (``nvidia-*``, ``cuda-*``) and triton, and loads several of
+them at import.  Where a CPU build of torch lies on this machine as a wheel (``cpu_torch_wheel``:
+``$KVSPEC_TORCH_WHEELS`` or pip's local ``find-links``; PyPI serves none), a lean venv installs it
+in place of the CUDA build and leaves out ``CUDA_TORCH_CLOSURE``: the CUDA libraries, triton,
+and the torch extensions built against the CUDA build (torchvision, torchaudio, torchcodec,
+xformers), which do not load beside a CPU torch.  Unlike ``LEFT_OUT`` this changes what vLLM's
+import runs (no triton: vLLM's placeholder; ``vllm._C`` is not loaded either way on this CPU);
+it leaves the code kvspec drives alone -- pure Python over lists and dicts, no tensor --, which
+is checked, not assumed: the venv's driven modules must import, and BENCHMARKS.md ("Lean
+targets") has the default checks and the in-target suite giving the same verdicts and the same
+operation counts in both venvs.  The wheel's version need not be the release's pin (one CPU
+build serves every release); the record says which was installed in place of what.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 from .lock import canonical
 
@@ -81,9 +101,6 @@ LEFT_OUT: dict[str, str] = {
                 "pynvvideocodec",
                 "instanttensor",
                 "hf-xet",
-                # not pycountry: the HF processors of multimodal models import it (transformers
-                # 5.x, vLLM 0.25.1+), and the scheduler's multimodal shape builds one
-                # (MultiModalBudget, adapters/v1_scheduler_mm.py)
                 "anthropic",
             ),
         ),
@@ -118,3 +135,58 @@ def lean_requirements(text: str, left_out: dict[str, str] | None = None) -> tupl
         if not skipping:
             kept.append(line)
     return "".join(kept), tuple(removed)
+
+
+# pynvml: vLLM's platform detection imports it to look for a GPU; it loads no CUDA library.
+_KEPT_FROM_CUDA_CLOSURE = frozenset({"nvidia-ml-py"})
+_CUDA_CLOSURE_PREFIXES = ("nvidia-", "cuda-")
+_CUDA_CLOSURE_NAMES = frozenset({"torch", "triton", "torchvision", "torchaudio", "torchcodec", "xformers"})
+CUDA_TORCH_REASON = "torch's CUDA build and what only it loads, replaced by a CPU build of torch (targets/lean.py)"
+
+
+def in_cuda_torch_closure(name: str) -> bool:
+    """Whether a distribution is torch's CUDA build, a CUDA library, triton, or an extension
+    built against the CUDA torch: what a CPU torch replaces or cannot load."""
+    name = canonical(name)
+    if name in _KEPT_FROM_CUDA_CLOSURE:
+        return False
+    return name in _CUDA_CLOSURE_NAMES or name.startswith(_CUDA_CLOSURE_PREFIXES)
+
+
+def cuda_torch_closure(text: str) -> dict[str, str]:
+    """The names of a resolution's pins in ``in_cuda_torch_closure``, each with its reason."""
+    names = (canonical(m.group(1)) for m in map(_PIN_LINE.match, text.splitlines()) if m)
+    return {name: CUDA_TORCH_REASON for name in names if in_cuda_torch_closure(name)}
+
+
+_CPU_TORCH = re.compile(r"^torch-(?P<version>[0-9][0-9.]*)\+cpu-(?P<py>cp[0-9]+)-(?P=py)-[A-Za-z0-9_.]+\.whl$")
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def wheel_dirs(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
+    """Where a CPU torch wheel is looked for: ``$KVSPEC_TORCH_WHEELS`` (``os.pathsep``-separated),
+    then pip's ``find-links`` (``$PIP_FIND_LINKS``, space-separated) where it is a local folder."""
+    env = os.environ if environ is None else environ
+    found = [*env.get("KVSPEC_TORCH_WHEELS", "").split(os.pathsep), *env.get("PIP_FIND_LINKS", "").split()]
+    return tuple(Path(d.removeprefix("file://")) for d in found if d and "://" not in d.removeprefix("file://"))
+
+
+def cpu_torch_wheel(
+    pinned: str | None, python_tag: str, dirs: tuple[Path, ...] | None = None
+) -> Path | None:
+    """A CPU build of torch for this Python (``python_tag``: ``cp311``), from ``wheel_dirs``:
+    the release's own pin (``pinned``) where one lies there, else the newest; None if none does."""
+    wheels: list[tuple[tuple[int, ...], Path]] = []
+    for folder in wheel_dirs() if dirs is None else dirs:
+        if folder.is_dir():
+            for path in folder.iterdir():
+                m = _CPU_TORCH.match(path.name)
+                if m and m.group("py") == python_tag:
+                    wheels.append((_version_key(m.group("version")), path))
+    if not wheels:
+        return None
+    exact = [path for key, path in wheels if pinned is not None and key == _version_key(pinned)]
+    return exact[0] if exact else max(wheels)[1]

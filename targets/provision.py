@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from .disk import provision_lock
-from .lean import lean_requirements, left_out_reason
+from .lean import CUDA_TORCH_REASON, cpu_torch_wheel, cuda_torch_closure, lean_requirements, left_out_reason
 from .lock import (
     KNOWN_PLACEHOLDERS,
     Flag,
@@ -449,6 +449,36 @@ def lean_resolution(version: str, lock: Path) -> tuple[Path, tuple[str, ...]]:
     return lean, tuple(f"{pin}: {left_out_reason(pin.split('==', 1)[0])}" for pin in removed)
 
 
+def cpu_lean_resolution(version: str, lean: Path) -> tuple[Path, dict[str, str]]:
+    """The lean resolution without torch's CUDA closure (``lean.cuda_torch_closure``), for a venv
+    that gets a CPU build of torch, and the names it leaves out."""
+    closure = cuda_torch_closure(lean.read_text())
+    text, _ = lean_requirements(lean.read_text(), closure)
+    cpu = lean.with_name(f"vllm-{version}.lean-cpu.txt")
+    cpu.write_text(text)
+    return cpu, closure
+
+
+def install_cpu_torch(t: Target, lean: Path, wheel: Path, progress: Progress) -> tuple[str, ...]:
+    """Install the lean resolution with ``wheel`` (a CPU build of torch) in place of torch's CUDA
+    closure; the pins left out for it, each with its reason."""
+    cpu, closure = cpu_lean_resolution(t.version, lean)
+    removed = [pin for name, pin in _pins(lean) if name in closure]
+    progress(f"CPU torch: {wheel.name} in place of {len(removed)} CUDA distributions (--full keeps them)")
+    _sync(t, cpu, progress)
+    _run(
+        _uv("pip", "install", "--compile-bytecode", "--no-deps", "--python", str(t.python), str(wheel)),
+        progress,
+        f"installing {wheel.name}",
+        timeout=INSTALL_TIMEOUT_S,
+    )
+    return tuple(f"{pin}: {closure[pin.split('==', 1)[0]]}: {wheel.name}" for pin in removed)
+
+
+def _pins(lock: Path) -> list[tuple[str, str]]:
+    return [(name, f"{name}=={version}") for name, (version, _) in parse_requirements_lock(lock.read_text()).items()]
+
+
 def _sync(t: Target, lock: Path, progress: Progress) -> None:
     pins = parse_requirements_lock(lock.read_text())
     progress(f"installing {len(pins)} pinned distributions from {lock}")
@@ -509,10 +539,34 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
             else:
                 lean, left_out = lean_resolution(version, lock)
                 progress(f"lean: leaving out {len(left_out)} distributions (--full keeps them)")
-                _sync(t, lean, progress)
+                pinned_torch = parse_requirements_lock(lean.read_text()).get("torch", (None,))[0]
+                python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+                wheel = cpu_torch_wheel(pinned_torch, python_tag) if pinned_torch else None
+                if wheel is None:
+                    progress(
+                        "lean: no CPU build of torch on this machine (a torch-X+cpu wheel in $KVSPEC_TORCH_WHEELS "
+                        "or pip's find-links): installing torch's CUDA build"
+                    )
+                    _sync(t, lean, progress)
+                else:
+                    left_out = (*left_out, *install_cpu_torch(t, lean, wheel, progress))
             install_kvspec(t, progress)
             write_stand_ins(t, progress)
-            if left_out is not None:
+            imported = False
+            if left_out is not None and any(CUDA_TORCH_REASON in why for why in left_out):
+                try:
+                    check_imports(t, progress, driven_modules(t))
+                except TargetError as error:
+                    progress(f"the lean venv with a CPU torch does not import what kvspec drives "
+                             f"({first_line(str(error))}); installing torch's CUDA build")
+                    _sync(t, lean, progress)
+                    (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
+                    install_kvspec(t, progress)
+                    write_stand_ins(t, progress)
+                    left_out = tuple(why for why in left_out if CUDA_TORCH_REASON not in why)
+                else:
+                    imported = True
+            if left_out is not None and not imported:
                 try:
                     check_imports(t, progress, driven_modules(t))
                 except TargetError as error:

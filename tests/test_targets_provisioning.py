@@ -13,7 +13,14 @@ import pytest
 from kvspec.cli.common import UsageError
 from kvspec.cli.target import venv_for_source
 from kvspec.targets import provision as prov
-from kvspec.targets.lean import LEFT_OUT, lean_requirements
+from kvspec.targets.lean import (
+    CUDA_TORCH_REASON,
+    LEFT_OUT,
+    cpu_torch_wheel,
+    cuda_torch_closure,
+    lean_requirements,
+    wheel_dirs,
+)
 from kvspec.targets.lock import (
     KNOWN_PLACEHOLDERS,
     Installed,
@@ -324,23 +331,28 @@ def test_lean_requirements_leave_out_pins_with_their_hashes():
     assert all(name == canonical(name) for name in LEFT_OUT)
 
 
-def _fake_provisioning(tmp_path, monkeypatch, *, lean_imports: bool) -> list[Path]:
+def _fake_provisioning(tmp_path, monkeypatch, *, lean_imports: bool, lock: str = _LOCK) -> list[Path]:
     """provision() with uv and the imports faked; the requirement files it installed."""
     monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(prov, "_pypi", lambda: {"releases": {"0.5.4": [{"upload_time": "2024-08-05T23:46:58"}]}})
     monkeypatch.setattr(prov, "check_disk", lambda t, **kw: None)
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)  # this machine's CPU torch wheel, if any
+    monkeypatch.setenv("KVSPEC_TORCH_WHEELS", str(tmp_path / "wheels"))
     synced: list[Path] = []
 
     def fake_run(cmd, progress, what, *, timeout, cwd=None):
         if cmd[1] == "venv":
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", cmd[-3]], check=True)
         if cmd[1:3] == ["pip", "compile"]:
-            Path(cmd[cmd.index("-o") + 1]).write_text(_LOCK)
+            Path(cmd[cmd.index("-o") + 1]).write_text(lock)
         if cmd[1:3] == ["pip", "sync"]:
             synced.append(Path(cmd[-3]))  # the file before --cache-dir DIR
+        if cmd[1:3] == ["pip", "install"]:
+            synced.append(Path(cmd[-3]))
 
     def fake_imports(t, progress, modules=None):
-        if modules is not None and not lean_imports:
+        cpu = any(p.name.startswith("torch-") for p in synced[-1:])
+        if modules is not None and (not lean_imports or (cpu and lean_imports == "cuda only")):
             raise TargetError("vLLM 0.5.4's block managers do not import: No module named 'xformers'")
 
     monkeypatch.setattr(prov, "_run", fake_run)
@@ -376,3 +388,75 @@ def test_a_lean_venv_that_does_not_import_what_kvspec_drives_is_made_full(tmp_pa
     record = read_record(t.venv)
     assert record is not None and not record.lean
     assert any("installing the full resolution" in s for s in said)
+
+
+_TORCH_LOCK = _LOCK + (
+    "nvidia-cublas-cu12==12.1.3.1 \\\n    --hash=sha256:" + "4" * 64 + "\n"
+    "nvidia-ml-py==12.560.30 \\\n    --hash=sha256:" + "5" * 64 + "\n"
+    "torch==2.4.0 \\\n    --hash=sha256:" + "6" * 64 + "\n"
+    "triton==3.0.0 \\\n    --hash=sha256:" + "7" * 64 + "\n"
+)
+
+
+def _wheel(folder: Path, version: str, py: str = "cp311") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"torch-{version}+cpu-{py}-{py}-manylinux_2_28_x86_64.whl"
+    path.write_bytes(b"")
+    return path
+
+
+def test_the_cuda_torch_closure_is_torch_its_cuda_libraries_and_triton_but_not_pynvml():
+    closure = cuda_torch_closure(_TORCH_LOCK)
+    assert set(closure) == {"nvidia-cublas-cu12", "torch", "triton", "xformers"}
+    assert all(why == CUDA_TORCH_REASON for why in closure.values())
+
+
+def test_a_cpu_torch_wheel_is_the_release_pin_where_one_lies_there_else_the_newest(tmp_path):
+    folder = tmp_path / "wheels"
+    older, newer = _wheel(folder, "2.4.0"), _wheel(folder, "2.13.0")
+    _wheel(folder, "2.14.0", py="cp312")  # another Python's wheel is never taken
+    (folder / "torch-2.15.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")  # a CUDA build
+    assert cpu_torch_wheel("2.4.0", "cp311", (folder,)) == older
+    assert cpu_torch_wheel("2.9.0", "cp311", (folder,)) == newer
+    assert cpu_torch_wheel("2.4.0", "cp310", (folder,)) is None
+    assert cpu_torch_wheel("2.4.0", "cp311", (tmp_path / "missing",)) is None
+
+
+def test_wheel_dirs_read_kvspec_torch_wheels_then_pips_local_find_links():
+    env = {"KVSPEC_TORCH_WHEELS": "/a:/b", "PIP_FIND_LINKS": "/opt/wheels https://example.org/simple file:///c"}
+    assert wheel_dirs(env) == (Path("/a"), Path("/b"), Path("/opt/wheels"), Path("/c"))
+    assert wheel_dirs({}) == ()
+
+
+def test_a_lean_venv_gets_a_cpu_torch_in_place_of_the_cuda_closure(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
+    wheel = _wheel(tmp_path / "wheels", "2.13.0")
+    t = prov.provision("0.5.4", progress=lambda msg: None)
+    cpu_lock = prov.lean_lock_path("0.5.4").with_name("vllm-0.5.4.lean-cpu.txt")
+    assert synced == [cpu_lock, wheel]
+    assert set(parse_requirements_lock(cpu_lock.read_text())) == {"numpy", "vllm", "nvidia-ml-py"}
+    record = read_record(t.venv)
+    assert record is not None and record.lean
+    cuda = [e for e in record.left_out if CUDA_TORCH_REASON in e]
+    assert [e.split(":", 1)[0] for e in cuda] == ["nvidia-cublas-cu12==12.1.3.1", "torch==2.4.0", "triton==3.0.0"]
+    assert all(wheel.name in e for e in cuda)
+
+
+def test_a_cpu_torch_venv_that_does_not_import_gets_the_cuda_build(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports="cuda only", lock=_TORCH_LOCK)
+    _wheel(tmp_path / "wheels", "2.13.0")
+    said: list[str] = []
+    t = prov.provision("0.5.4", progress=said.append)
+    assert synced[-1] == prov.lean_lock_path("0.5.4")
+    record = read_record(t.venv)
+    assert record is not None and record.lean
+    assert not any(CUDA_TORCH_REASON in e for e in record.left_out)
+    assert any("installing torch's CUDA build" in s for s in said)
+
+
+def test_without_a_cpu_torch_wheel_the_lean_venv_keeps_torchs_cuda_build(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
+    said: list[str] = []
+    prov.provision("0.5.4", progress=said.append)
+    assert synced == [prov.lean_lock_path("0.5.4")]
+    assert any("no CPU build of torch" in s for s in said)
