@@ -80,7 +80,8 @@ PIPELINE_STAGES = (2, 3)
 # exhaust the encoder budget and cache (both max(token budget, tokens per image)).
 MM_ITEM_TOKENS = (2, 3, 4, 6, 8, 12)
 # Images beyond the shared names: enough that a step's images outgrow the encoder budget.
-MORE_IMAGES = ("image2", "image3")
+MORE_IMAGES = tuple(f"image{i}" for i in range(2, 8))
+MM_PLACEHOLDER = 3  # the token a lengthened prompt's placeholders are (``mm_prompt``)
 OPENS_WITH_IMAGE = 0x40  # the placement byte's bit that places the first image anywhere (else at 0)
 
 
@@ -137,6 +138,17 @@ def mm_placements(raw: bytes, prompt_len: int, tokens_per_image: int) -> tuple[M
         images.append(MMFeature(names[(first + n) % len(names)], offset, tokens_per_image))
         offset += tokens_per_image + (pos >> 4) % 3
     return tuple(images)
+
+
+def mm_prompt(raw: bytes, prompt: tuple[int, ...], tokens_per_image: int, longest: int) -> tuple[int, ...]:
+    """A multimodal request's prompt: one that ``raw`` gives images (``mm_placements``) but that
+    is shorter than an image is lengthened to hold one, with the image's placeholder tokens (the
+    prompt of a BLIP-2 request holds its image's ``num_query_tokens`` placeholders,
+    blip2.py:488-494), where ``longest`` allows.  Without it most short prompts would carry no
+    image, and the encoder budget would be rarely reached."""
+    if raw[7] % 3 == 0 or len(prompt) >= tokens_per_image or tokens_per_image > longest:
+        return prompt
+    return (*prompt, *([MM_PLACEHOLDER] * (tokens_per_image - len(prompt))))
 
 
 @st.composite
@@ -734,6 +746,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt_from(
             raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
         )
+        if shape.multimodal:
+            prompt = mm_prompt(raw, prompt, shape.mm_item_tokens or 0, longest)
         max_tokens = 1 + raw[3] % shape.max_tokens
         # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by;
         # under rule ``eagle-prefix-hits``, the domain of the prompt it repeats (a hit is there).
