@@ -44,9 +44,17 @@ def test_reference_agrees_with_itself_in_the_multimodal_shape():
 
 def test_a_multimodal_shape_is_synchronous_without_drafts():
     plain = Shape(
-        block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=0, prefix_caching=False,
-        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=32,
-        full_sequence_must_fit=False, mm_item_tokens=4,
+        block_size=4,
+        swa_block_size=4,
+        sliding_window=None,
+        extra_blocks=0,
+        prefix_caching=False,
+        num_spec_tokens=0,
+        async_scheduling=False,
+        max_num_batched_tokens=8,
+        max_model_len=32,
+        full_sequence_must_fit=False,
+        mm_item_tokens=4,
     )
     assert plain.multimodal and "multimodal" in plain.tags() and plain.encoder_budget == 8
     assert attrs.evolve(plain, mm_item_tokens=12).encoder_budget == 12
@@ -57,9 +65,19 @@ def test_a_multimodal_shape_is_synchronous_without_drafts():
 
 def _image_shape(**kw) -> Shape:
     return Shape(
-        block_size=4, swa_block_size=4, sliding_window=None, extra_blocks=4, prefix_caching=False,
-        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=8, max_model_len=32,
-        full_sequence_must_fit=False, max_tokens=2, mm_item_tokens=4, **kw,
+        block_size=4,
+        swa_block_size=4,
+        sliding_window=None,
+        extra_blocks=4,
+        prefix_caching=False,
+        num_spec_tokens=0,
+        async_scheduling=False,
+        max_num_batched_tokens=8,
+        max_model_len=32,
+        full_sequence_must_fit=False,
+        max_tokens=2,
+        mm_item_tokens=4,
+        **kw,
     )
 
 

@@ -110,21 +110,30 @@ def _image_sizes(shape: Shape) -> list[int]:
     return sorted({n for n in sizes if n <= shape.max_model_len // 2})
 
 
-def multimodal_of(factory: Callable[..., Any]) -> bool:
-    """Whether the scheduler ``factory`` builds runs the multimodal shape: vLLM's adapter asks
-    its release (``VLLMV1SchedulerAdapter.multimodal_refusal``), the reference models the
-    encoder itself; any other runs none."""
+def multimodal_refusal_of(factory: Callable[..., Any]) -> str | None:
+    """Why the scheduler ``factory`` builds runs no multimodal shape (None: it runs it): vLLM's
+    adapter asks its release (``VLLMV1SchedulerAdapter.multimodal_refusal``), the reference
+    models the encoder itself; any other says nothing of images."""
     refusal = getattr(factory, "multimodal_refusal", None)
-    return refusal is not None and refusal() is None
+    if refusal is None:
+        return "the scheduler takes no images"
+    return refusal()
+
+
+def multimodal_of(factory: Callable[..., Any]) -> bool:
+    """Whether the scheduler ``factory`` builds runs the multimodal shape."""
+    return multimodal_refusal_of(factory) is None
 
 
 def mm_placements(raw: bytes, prompt_len: int, tokens_per_image: int) -> tuple[MMFeature, ...]:
     """A multimodal request's images from an admission's bytes 7-8 (``extra_from``'s): none,
     one or two, each ``tokens_per_image`` placeholder positions inside the prompt (the first at
-    its start for half the requests), the second after the first.  The identifiers are ``extra_from``'s few shared names (rule
-    ``shared-identifiers``: one image in many requests, so the encoder cache is read as well as
-    written) and ``MORE_IMAGES`` (so that images compete for the encoder), distinct within a request (releases hold an image a request repeats differently:
-    0.33.0 encoder_cache_manager.py:263-295 counts its occurrences, 0.12.0 does not)."""
+    its start for half the requests), the second after the first.  The identifiers are
+    ``extra_from``'s few shared names (rule ``shared-identifiers``: one image in many requests,
+    so the encoder cache is read as well as written) and ``MORE_IMAGES`` (so that images compete
+    for the encoder), distinct within a request (releases hold an image a request repeats
+    differently: 0.33.0 encoder_cache_manager.py:263-295 counts its occurrences, 0.12.0 does
+    not)."""
     mm_code, pos = raw[7], raw[8]
     names = (*identifiers("mm"), *MORE_IMAGES)
     # Half the requests open with their image, as BLIP-2 inserts it (blip2.py:488-494): the
