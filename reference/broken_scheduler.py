@@ -64,7 +64,7 @@ class ShortBudgetChunk(ReferenceScheduler):
 
     name = "short-budget-chunk"
 
-    def _schedule_one(self, req: _Req, budget: int, *planned: Any):
+    def _schedule_one(self, req: _Req, budget: int, *planned: Any, **decision: Any):
         remaining = req.known() - req.computed
         whole = budget == self.shape.max_num_batched_tokens  # the step's budget, not a remnant
         if whole and 1 < budget < remaining and req.outputs == 0:
@@ -72,7 +72,7 @@ class ShortBudgetChunk(ReferenceScheduler):
             start, req.computed = req.computed, req.computed + budget
             req.in_flight += budget
             return Scheduled(req.seq_id, start, budget, 0, ())
-        return super()._schedule_one(req, budget, *planned)
+        return super()._schedule_one(req, budget, *planned, **decision)
 
 
 class ExactFitReuse(ReferenceScheduler):
