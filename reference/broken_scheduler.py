@@ -266,7 +266,7 @@ class EncodesSharedImagesAgain(ReferenceScheduler):
     not by the image's identifier), so a request carrying an image another request's encoder
     output already holds encodes it again.  Every KV block is where it should be, so every
     invariant holds; the step schedules an encoder input vLLM's shared cache does not (0.33.0
-    encoder_cache_manager.py ``check_and_update_cache``, :92-125) and spends budget and cache
+    encoder_cache_manager.py ``check_and_update_cache``, :112-140) and spends budget and cache
     room on it.  Only the differential in a multimodal shape (``encoder inputs``) sees it."""
 
     name = "encodes-shared-images-again"
