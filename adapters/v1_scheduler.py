@@ -79,6 +79,16 @@ KV connector    ``Shape.kv_connector``: ``KVTransferConfig`` names the connector
                 an aborted one frees at once (pull_scheduler.py:235-244).  Only the scheduler
                 side is built: NIXL itself is not needed.  A release whose connector factory
                 lacks it refuses the shape (``kv_connectors_offered``).
+multimodal      ``Shape.mm_item_tokens``: the model is a tiny BLIP-2 kvspec writes
+                (adapters/v1_scheduler_mm.py), whose images are that many tokens, so the scheduler
+                builds an encoder budget and an encoder cache (0.33.0 scheduler.py:265-293) and
+                schedules each request's images (``_try_schedule_encoder_inputs``, :2018).
+                Requests carry ``mm_features`` (``MultiModalFeatureSpec`` with a
+                ``PlaceholderRange``, its identifier the image's), as adapters/v1.py builds them;
+                the plan reports the encoder inputs each step computes
+                (``SchedulerOutput.scheduled_encoder_inputs``, ``Plan.encoder_inputs``).  A
+                release that cannot build the model's processor refuses the shape
+                (``multimodal_refusal`` says why).
 sizing          ``extra_blocks=0``: the pool vLLM's own startup check accepts at its edge,
                 ``sum(cdiv(spec.max_memory_usage_bytes(cfg), spec.page_size_bytes))`` over the
                 groups plus the null block (``check_enough_kv_cache_memory`` and
@@ -129,6 +139,7 @@ from kvspec.spec.state import Device, PoolView, TableView
 from .recording import Recorder, real
 from .v1 import _build, _config_default, _load_vllm, _params
 from .v1_scheduler_cache import SchedulerCacheView
+from .v1_scheduler_mm import blip2_dir, root_cause
 
 RETENTION_FIELD = "prefix_cache_retention_interval"  # CacheConfig's and KVCacheConfig's field
 
@@ -221,6 +232,33 @@ def _tiny_model_dir() -> Path:
     return root
 
 
+_MM_PROBE: list[str | None] = []  # the probe's answer, once per process
+
+
+def _multimodal_refusal() -> str | None:
+    """``VLLMV1SchedulerAdapter.multimodal_refusal``: build the smallest multimodal shape."""
+    if not _MM_PROBE:
+        probe = Shape(
+            block_size=4,
+            swa_block_size=4,
+            sliding_window=None,
+            extra_blocks=0,
+            prefix_caching=False,
+            num_spec_tokens=0,
+            async_scheduling=False,
+            max_num_batched_tokens=8,
+            max_model_len=32,
+            full_sequence_must_fit=False,
+            mm_item_tokens=2,
+        )
+        try:
+            VLLMV1SchedulerAdapter(probe)
+            _MM_PROBE.append(None)
+        except ConfigError as err:
+            _MM_PROBE.append(str(err))
+    return _MM_PROBE[0]
+
+
 class SentInOrder(set):
     """The requests whose KV the worker reports sent in one output, iterated in the order
     reported.  vLLM frees their blocks in its iteration order of this set (0.33.0
@@ -246,7 +284,10 @@ class VLLMV1SchedulerAdapter:
         observation reads the real objects and is not written."""
         self.shape = shape
         self._rec = recorder
-        self._model_dir = str(_tiny_model_dir())
+        if shape.mm_item_tokens is not None:
+            self._model_dir = str(blip2_dir(shape.mm_item_tokens, TINY_MODEL, _write_if_changed))
+        else:
+            self._model_dir = str(_tiny_model_dir())
         if recorder is not None:
             recorder.alias(self._model_dir, "model_dir")  # the reproducer writes its own config.json
         self._v = v = _load_vllm()
@@ -333,18 +374,35 @@ class VLLMV1SchedulerAdapter:
         extra = {"block_size": B, "hash_block_size": self.hash_block_size}
         # ``scheduler`` is what the protocol calls (recorded when a recorder is given);
         # ``_sched`` is what observation reads, never recorded.
-        self.scheduler = self._construct(
-            cls,
-            "scheduler",
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=structured,
-            # The engine's default (``disable_log_stats`` off): ``update_from_output`` builds
-            # the scheduler stats, prefix-cache stats included (0.33.0 scheduler.py:3260-3300).
-            log_stats=True,
-            **{k: x for k, x in extra.items() if k in self._sched_params},
-        )
+        try:
+            self.scheduler = self._construct(
+                cls,
+                "scheduler",
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                structured_output_manager=structured,
+                # The engine's default (``disable_log_stats`` off): ``update_from_output`` builds
+                # the scheduler stats, prefix-cache stats included (0.33.0 scheduler.py:3260-3300).
+                log_stats=True,
+                **{k: x for k, x in extra.items() if k in self._sched_params},
+            )
+        except Exception as err:
+            if not shape.multimodal:
+                raise
+            # The encoder budget builds the model's HF processor (MultiModalBudget): a release
+            # that cannot (a missing dependency, a processor API it does not match) refuses.
+            cause = root_cause(err)
+            raise ConfigError(
+                f"vLLM {v.version}: the multimodal model's processor cannot be built "
+                f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+            ) from err
         self._sched = real(self.scheduler)
+        # The encoder compute budget and cache size (embeddings), which the reference runs with.
+        self.encoder_budget: int = getattr(self._sched, "max_num_encoder_input_tokens", 0)
+        encoder_cache = getattr(self._sched, "encoder_cache_manager", None)
+        self.encoder_cache_size: int = getattr(encoder_cache, "cache_size", 0)
+        if shape.multimodal and not self.encoder_budget:
+            raise ConfigError(f"vLLM {v.version} gives the multimodal model no encoder budget")
         if shape.pipeline_parallel > 1 and not getattr(self._sched, "use_pp", False):
             raise ConfigError(f"vLLM {v.version}'s scheduler does not see the pipeline")
         # Every request finished in an output has its KV sent (``do_remote_decode``, ``add``).
@@ -416,7 +474,8 @@ class VLLMV1SchedulerAdapter:
             c.ModelConfig,
             "model_config",
             model=self._model_dir,
-            skip_tokenizer_init=True,
+            # A multimodal model's processor needs its tokenizer (the image token's id).
+            skip_tokenizer_init=not shape.multimodal,
             max_model_len=shape.max_model_len,
             dtype="float16",
             seed=0,
@@ -609,6 +668,12 @@ class VLLMV1SchedulerAdapter:
         return tuple(name for name in KV_CONNECTORS if name in registry)
 
     @staticmethod
+    def multimodal_refusal() -> str | None:
+        """Why the installed release cannot run the multimodal shape (None: it can): a small
+        multimodal shape is built once per process, and its refusal read."""
+        return _multimodal_refusal()
+
+    @staticmethod
     def retention_offer() -> RetentionOffer:
         """The retentions the installed release lets a deployment choose, and the one its engine
         runs by default: ``CacheConfig``'s field and its default (0.33.0 config/cache.py:275)
@@ -781,7 +846,10 @@ class VLLMV1SchedulerAdapter:
         # The copy-on-write copies the worker runs before this step's forward (0.33.0
         # sched/output.py:309, scheduler.py:1698-1707; absent before).
         copies = tuple((c.src_block_id, c.dst_block_id) for c in getattr(so, "kv_cache_block_copies", None) or ())
-        return Plan(tuple(scheduled), preempted, finished, so, copies)
+        encoded = tuple(
+            sorted((self._seq_of[r], i) for r, inputs in (so.scheduled_encoder_inputs or {}).items() for i in inputs)
+        )
+        return Plan(tuple(scheduled), preempted, finished, so, copies, encoded)
 
     def update(
         self,

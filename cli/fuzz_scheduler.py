@@ -79,7 +79,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
     from kvspec.testing.guard import Guard, GuardTripped, Limits
     from kvspec.testing.implementations import lookup_scheduler
     from kvspec.testing.known import SHIPPED, load_known
-    from kvspec.testing.scheduler.machine import kv_connectors_of, retention_offer_of, shapes
+    from kvspec.testing.scheduler.machine import kv_connectors_of, multimodal_of, retention_offer_of, shapes
 
     from . import common
     from .fuzz import Campaign, open_database
@@ -112,7 +112,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
             impl = lookup_scheduler(campaign.impl)
             factory = impl.factory
             # read before the guard wraps it; every production shape ``kvspec check`` draws
-            strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory))
+            strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory), multimodal_of(factory))
             guarded = guard.wrap(factory)
             known = ([k for k in load_known([SHIPPED]) if k.concerns(SCHEDULER_IMPL, campaign.vllm_version)]
                      if impl.is_vllm else [])

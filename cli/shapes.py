@@ -45,6 +45,8 @@ from kvspec.testing.scheduler.machine import (
     PolicyDifference,
     SchedulerMachine,
     kv_connectors_of,
+    multimodal_of,
+    multimodal_refusal_of,
     retention_offer_of,
     shapes,
 )
@@ -97,6 +99,9 @@ class ShapesOutcome:
     seed: int | None = None
     # The KV connectors the target's release builds (``kv_connectors_of``); None: not read.
     kv_connectors: tuple[str, ...] | None = None
+    # Why the target's release cannot run the multimodal shape (``multimodal_refusal_of``):
+    # None, it can (or it was not asked).
+    multimodal_refusal: str | None = None
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/blockmanager/differential.py).
@@ -166,7 +171,7 @@ def run_shapes(
                 build,
                 shape_strategy
                 if shape_strategy is not None
-                else shapes(retention_offer_of(factory), kv_connectors_of(factory)),
+                else shapes(retention_offer_of(factory), kv_connectors_of(factory), multimodal_of(factory)),
                 counts=outcome.counts,
                 focus=frozenset(focus) if focus else None,
                 differential=DIFFERENTIAL_MODE,
@@ -269,6 +274,7 @@ def print_shapes(o: ShapesOutcome) -> None:
             out.print(f"  {tag:<20} [yellow]no example ran in this shape[/]")
     print_cache_counts(o)
     print_kv_connector(o)
+    print_multimodal(o)
     print_differential(o)
     if o.rejected:
         out.print(f"  shapes the target refused: {escape(o.rejected[0])}", markup=True)
@@ -378,6 +384,26 @@ def print_kv_connector(o: ShapesOutcome) -> None:
         out.print("  [yellow]KV connector: no example drew one in this run[/]")
 
 
+def print_multimodal(o: ShapesOutcome) -> None:
+    """The multimodal shapes: examples that drew images, the encoder inputs their steps
+    scheduled and the requests they belong to, what the differential compared of them; or why
+    the release runs none."""
+    drew = o.counts.examples.get("multimodal", 0)
+    c, d = o.counts.cache, o.differential
+    if drew:
+        stops = ", ".join(f"{n} by the encoder {k}" for k, n in sorted(d.encoder_stops.items()) if n) or "none"
+        out.print(
+            f"  multimodal: {drew} examples drew images; {c['encoder_inputs']} encoder inputs scheduled in "
+            f"{c['encoder_steps']} steps for {c['encoder_requests']} requests; {d.encoder_inputs} compared "
+            f"with the reference in {d.mm_examples_to_end} of {d.mm_examples} examples compared to the end; "
+            f"steps an image cut short: {stops}"
+        )
+    elif o.multimodal_refusal is not None:
+        out.print(f"  [yellow]multimodal: none drawn[/]: {escape(o.multimodal_refusal)}")
+    elif o.examples:
+        out.print("  [yellow]multimodal: no example drew images in this run[/]")
+
+
 def print_cache_counts(o: ShapesOutcome) -> None:
     """The prefix cache as tenants and routers see it: domains drawn, partial tails, events
     (``SchedulerDriver.cache_counts``).  A kind the run never produced is named."""
@@ -406,9 +432,9 @@ def print_cache_counts(o: ShapesOutcome) -> None:
         out.print(f"  [yellow]prefix cache: none of {', '.join(missing)} in this run[/]")
     if not c["mm"] and o.examples:
         out.print(
-            "  [yellow]multimodal placements not drawn under the scheduler[/]: the offline tiny model "
-            "is text-only (no encoder budget, adapters/v1_scheduler_cache.py); the block-manager "
-            "search above draws them"
+            "  [yellow]multimodal placements not drawn under the scheduler[/]: only the multimodal shape "
+            "draws them (a tiny BLIP-2, adapters/v1_scheduler_mm.py); the block-manager search above "
+            "draws them too"
         )
     # EAGLE's dropped last hit block (the hit-completeness policy's freedom), where the
     # scheduler drops it (testing/scheduler/driver.py ``_count_hits``).
@@ -428,6 +454,12 @@ def shapes_json(o: ShapesOutcome) -> dict[str, Any]:
         "seconds": round(o.seconds, 2),
         "prefix_cache": dict(sorted(o.counts.cache.items())),
         "kv_connectors_offered": None if o.kv_connectors is None else list(o.kv_connectors),
+        "multimodal_refusal": o.multimodal_refusal,
+        "encoder": {
+            "inputs_scheduled": o.counts.cache.get("encoder_inputs", 0),
+            "inputs_compared": o.differential.encoder_inputs,
+            "stops": dict(sorted(o.differential.encoder_stops.items())),
+        },
         "differential": {
             "mode": DIFFERENTIAL_MODE.value,
             "examples": o.differential.examples,
@@ -570,7 +602,8 @@ def run_v1_shapes(
         return None
     # Read off the adapter before the guard wraps it: the retentions its release offers.
     connectors = kv_connectors_of(factory)
-    strategy = shapes(retention_offer_of(factory), connectors)
+    refusal = multimodal_refusal_of(factory)
+    strategy = shapes(retention_offer_of(factory), connectors, refusal is None)
     if guard is not None:
         factory = guard.wrap(factory)
     run = run_scheduler_search(
@@ -588,6 +621,7 @@ def run_v1_shapes(
     )
     run.implementation_name = guard.implementation_name if guard is not None else None
     run.summary.kv_connectors = connectors
+    run.summary.multimodal_refusal = refusal
     print_shapes(run.summary)
     if not run.search.found:
         print_known(run.search)

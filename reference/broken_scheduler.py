@@ -15,6 +15,7 @@ import attrs
 from kvspec.spec.groups import GroupSpec, Scheduled, Shape
 from kvspec.spec.window import first_needed_position
 
+from .encoder_cache import EncoderCache
 from .policies import Comparison
 from .prefix_cache import full_hit
 from .scheduler import ReferenceScheduler, _Req
@@ -63,7 +64,7 @@ class ShortBudgetChunk(ReferenceScheduler):
 
     name = "short-budget-chunk"
 
-    def _schedule_one(self, req: _Req, budget: int, *planned: Any):
+    def _schedule_one(self, req: _Req, budget: int, *planned: Any, **decision: Any):
         remaining = req.known() - req.computed
         whole = budget == self.shape.max_num_batched_tokens  # the step's budget, not a remnant
         if whole and 1 < budget < remaining and req.outputs == 0:
@@ -71,7 +72,7 @@ class ShortBudgetChunk(ReferenceScheduler):
             start, req.computed = req.computed, req.computed + budget
             req.in_flight += budget
             return Scheduled(req.seq_id, start, budget, 0, ())
-        return super()._schedule_one(req, budget, *planned)
+        return super()._schedule_one(req, budget, *planned, **decision)
 
 
 class ExactFitReuse(ReferenceScheduler):
@@ -246,6 +247,36 @@ class RecomputesInFlight(ReferenceScheduler):
         return super()._tokens_for(req, budget)
 
 
+class PerRequestEncoderCache(EncoderCache):
+    """An encoder cache keyed by request and image: a request finds only the outputs it encoded
+    itself, never another request's output of the same image."""
+
+    def touch(self, seq: int, index: int, identifier: str) -> bool:
+        return super().touch(seq, index, f"{seq}/{identifier}")
+
+    def allocate(self, seq: int, index: int, identifier: str, embeds: int) -> None:
+        super().allocate(seq, index, f"{seq}/{identifier}", embeds)
+
+    def release(self, seq: int, index: int, identifier: str) -> None:
+        super().release(seq, index, f"{seq}/{identifier}")
+
+
+class EncodesSharedImagesAgain(ReferenceScheduler):
+    """Multimodal: the encoder cache is not shared between requests (keyed by request and image,
+    not by the image's identifier), so a request carrying an image another request's encoder
+    output already holds encodes it again.  Every KV block is where it should be, so every
+    invariant holds; the step schedules an encoder input vLLM's shared cache does not (0.33.0
+    encoder_cache_manager.py ``check_and_update_cache``, :112-140) and spends budget and cache
+    room on it.  Only the differential in a multimodal shape (``encoder inputs``) sees it."""
+
+    name = "encodes-shared-images-again"
+
+    def __init__(self, shape: Shape, **kwargs: Any) -> None:
+        super().__init__(shape, **kwargs)
+        if self.encoder is not None:
+            self.encoder = PerRequestEncoderCache(self.encoder.capacity)
+
+
 @attrs.frozen
 class BrokenScheduler:
     cls: type[ReferenceScheduler]
@@ -395,6 +426,13 @@ MAMBA_CACHE_ONLY: dict[str, type[ReferenceScheduler]] = {MambaHitAsARun.name: Ma
 """Broken Mamba prefix caches only the differential past a Mamba hit catches, in the Mamba
 "align" shapes whose hits end at block ends (the reference's ``mamba_state_cache``)."""
 
+MULTIMODAL_ONLY: dict[str, tuple[type[ReferenceScheduler], Comparison]] = {
+    EncodesSharedImagesAgain.name: (EncodesSharedImagesAgain, Comparison.ENCODER_INPUTS),
+}
+"""Broken encoder schedulers only the differential in a multimodal shape catches
+(tests/test_scheduler_multimodal.py), with what it compares when it finds them: without images
+they are the reference."""
+
 SPARSE_RETENTION_ONLY: dict[str, type[ReferenceScheduler]] = {DenseUnderSparseRetention.name: DenseUnderSparseRetention}
 """Broken sliding-window prefix caches only the differential in a sparse-retention shape
 catches (tests/test_scheduler_retention.py): in a dense shape they are the reference."""
@@ -403,6 +441,7 @@ __all__ = [
     "BROKEN_SCHEDULERS",
     "DIFFERENTIAL_ONLY",
     "MAMBA_CACHE_ONLY",
+    "MULTIMODAL_ONLY",
     "PREFIX_CACHE_ONLY",
     "SPARSE_RETENTION_ONLY",
     "BrokenScheduler",

@@ -36,6 +36,7 @@ class Comparison(StrEnum):
     HELD_BLOCKS = "held blocks"  # counts: per (request, KV-cache group)
     TABLE_LAYOUT = "(table length, dropped slots)"  # renaming: per (request, group)
     SHARED_SLOTS = "shared slots"  # renaming: per group, up to renaming block ids
+    ENCODER_INPUTS = "encoder inputs"  # outcomes: the (request, image) pairs a step encodes
 
 
 @attrs.frozen
@@ -169,6 +170,10 @@ class SchedulerPolicy:
     # here (hits are multiples of the scheduler's block size), but the block counts as cached:
     # freed, it joins the free queue's tail, not its head (False: no partial tails).
     caches_partial_tails: Choice
+    # In a multimodal shape: a waiting request whose first image the encoder budget or cache
+    # cannot take now (its step would compute no token) is passed over, and the admissions go
+    # on with the requests behind it (False: the admissions stop for the step).
+    encoder_blocked_admission_passes: Choice
     not_compared: tuple[Omission, ...] = ()
 
     @property
@@ -205,6 +210,7 @@ class SchedulerPolicy:
             "waits_for_stale_output": self.waits_for_stale_output,
             "padding_waits_for_budget": self.padding_waits_for_budget,
             "caches_partial_tails": self.caches_partial_tails,
+            "encoder_blocked_admission_passes": self.encoder_blocked_admission_passes,
         }
 
     def span(self) -> str:
@@ -260,6 +266,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         producer_drops_stale_output=Choice(False, f"{_SCHED}:749-780"),
         # The waiting loop resumes a preempted request with no regard to its output in flight.
         waits_for_stale_output=Choice(False, f"{_SCHED}:418-440"),
+        # ``if num_new_tokens == 0: break`` after _try_schedule_encoder_inputs.
+        encoder_blocked_admission_passes=Choice(False, f"{_SCHED}:547-549"),
     ),
     SchedulerPolicy(
         "v1-0.20.1",
@@ -298,6 +306,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         producer_drops_stale_output=Choice(False, f"{_SCHED}:965-990"),
         # The waiting loop resumes a preempted request with no regard to its output in flight.
         waits_for_stale_output=Choice(False, f"{_SCHED}:576-600"),
+        encoder_blocked_admission_passes=Choice(False, f"{_SCHED}:709-711"),
     ),
     SchedulerPolicy(
         "v1-0.30.0",
@@ -344,6 +353,7 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         producer_drops_stale_output=Choice(True, f"{_SCHED}:786-791"),
         # A deliverable stale output in flight skips the request (``skip_request``).
         waits_for_stale_output=Choice(True, f"{_SCHED}:886-895"),
+        encoder_blocked_admission_passes=Choice(False, f"{_SCHED}:1127-1129"),
     ),
     SchedulerPolicy(
         "v1-0.33.0",
@@ -392,6 +402,8 @@ DECLARED: tuple[SchedulerPolicy, ...] = (
         producer_drops_stale_output=Choice(True, f"{_SCHED}:972-976"),
         # A deliverable stale output in flight skips the request (``skip_request``).
         waits_for_stale_output=Choice(True, f"{_SCHED}:1084-1089"),
+        # ``skip_request`` (requeued, the loop goes on) after _try_schedule_encoder_inputs.
+        encoder_blocked_admission_passes=Choice(True, f"{_SCHED}:1393-1398"),
     ),
 )
 """The declared policies, by release.  No two entries cover one release (``validate``, run

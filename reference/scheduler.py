@@ -30,6 +30,18 @@ takes, a freed block goes to its tail (an uncached one to its head under ``uncac
 a hit takes its blocks back out of it.  A second group's sliding-window blocks are cached as the
 shape's ``retention_interval`` says (``_cache_blocks``, reference/prefix_cache.py
 ``sparse_window_mask``): densely, or sparsely, keeping the tails a later request can resume at.
+
+In a multimodal shape (``Shape.mm_item_tokens``) a request's images are encoded in the step whose
+tokens first reach them, against the step's encoder compute budget and the encoder cache
+(reference/encoder_cache.py): an image already cached is read, not encoded; one that the budget
+or the cache cannot take stops the step's tokens just before it (none, when the step starts
+inside it), as vLLM's ``_try_schedule_encoder_inputs`` does (0.33.0
+vllm/v1/core/sched/scheduler.py:2018-2215; 0.12.0 :861-990).  The outputs are allocated once the
+step's KV slots are, a request not admitted after all stops reading the images it touched
+(``free``, :1458-1461), a preempted or finished one reads none, and after a step's output every
+image whose positions are all computed is released (``_free_encoder_inputs``, :2828-2858;
+0.12.0 frees at the end of ``schedule()`` itself, :790-797, which for a synchronous scheduler
+is the same point: nothing runs between a step's plan and its output).
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys
 from kvspec.spec.state import Device, PoolView, TableView
 from kvspec.spec.window import blocks_for_tokens, ceil_div
 
+from .encoder_cache import EncoderCache
 from .policies import REFERENCE_OWN, SchedulerPolicy
 from .prefix_cache import (
     CacheKey,
@@ -114,6 +127,8 @@ class ReferenceScheduler:
         policy: SchedulerPolicy = REFERENCE_OWN,
         drop_eagle_block: bool | None = None,
         hash_lookahead: int | None = None,
+        encoder_budget: int | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         """``num_blocks``, ``max_num_seqs`` (running requests at most) and
         ``num_lookahead_tokens`` are those of a target the reference runs beside (the
@@ -127,7 +142,9 @@ class ReferenceScheduler:
         release's).  ``drop_eagle_block`` (every prefix hit loses its last block to the EAGLE
         head) and ``hash_lookahead`` (tokens after a block its key also covers) are the
         target's configuration, as ``num_lookahead_tokens``; alone, as 0.33.0 configures an
-        EAGLE head (``Shape.lookahead_hashes`` chooses)."""
+        EAGLE head (``Shape.lookahead_hashes`` chooses).  ``encoder_budget`` and
+        ``encoder_cache_size`` (embeddings) are the target's too; alone, the shape's
+        (``Shape.encoder_budget``)."""
         self.shape = shape
         self.group_specs: tuple[GroupSpec, ...] = shape.groups()
         self.minimum_blocks = self._minimum(shape)
@@ -178,6 +195,19 @@ class ReferenceScheduler:
         # Hits are whole multiples of every group's block size (vLLM: the scheduler block size).
         self.alignment = shape.scheduler_block_size
         self.extra_kinds = frozenset({"cache_salt", "lora"}) if self.cache is not None else frozenset()
+        # A multimodal shape: images are encoded against the encoder budget and cache.
+        self.encoder_budget = shape.encoder_budget if encoder_budget is None else encoder_budget
+        cache_size = shape.encoder_budget if encoder_cache_size is None else encoder_cache_size
+        self.encoder = EncoderCache(cache_size) if shape.multimodal else None
+        if self.encoder is not None:
+            self.extra_kinds |= {"mm"}
+        self.encoder_passes_blocked = policy.encoder_blocked_admission_passes.value
+        self._encoder_left = self.encoder_budget  # the budget left in the step being planned
+        self._encoder_blocked = False  # the last request tried: its images stopped its step
+        self._encoded: list[tuple[int, int]] = []  # (request, image) encoded in the step
+        self._decision: tuple[int, tuple[int, ...], list[int], int] = (0, (), [], 0)
+        # Steps in which an image stopped a request's tokens short: the budget, or the cache.
+        self.encoder_stops: dict[str, int] = {"budget": 0, "cache": 0}
         self.free: list[int] = list(range(self.num_blocks))
         self.refcounts: dict[int, int] = dict.fromkeys(self.free, 0)
         self.epochs: dict[int, int] = dict.fromkeys(self.free, 0)
@@ -221,6 +251,12 @@ class ReferenceScheduler:
         request's blocks are held until its KV is reported sent."""
         return KV_CONNECTORS
 
+    @staticmethod
+    def multimodal_refusal() -> str | None:
+        """The reference models the encoder budget and cache itself: it runs the multimodal
+        shape (None: nothing refuses it)."""
+        return None
+
     def held_for_sending(self) -> tuple[int, ...]:
         """The finished requests whose blocks a KV send holds."""
         return tuple(self.held)
@@ -243,6 +279,7 @@ class ReferenceScheduler:
         req = self.reqs.pop(seq_id, None)
         if req is None:
             return
+        self._stop_reading(req)
         if send:
             self._hold_for_send(req)
         else:
@@ -674,14 +711,35 @@ class ReferenceScheduler:
         budget: int,
         planned: tuple[int, tuple[int, ...]] | None = None,
         hit: Hit = NO_HIT,
+        decided: tuple[int, tuple[int, ...], list[int], int] | None = None,
+        admit: bool = False,
     ) -> Scheduled | None:
+        """The request's step: its tokens (``planned``, else ``_tokens_for``), cut by its
+        images (``_encoder_inputs``), its slots grown (``NoRoom``: they do not fit).  The
+        decision, tokens and images, is kept in ``_decision``: a retry after a preemption
+        passes it back as ``decided``, since vLLM decides once and then preempts until the
+        slots fit (0.33.0 scheduler.py:865-940).  ``admit``: a waiting request's
+        ``scheduler_reserve_full_isl`` gate is checked here, after its images (vLLM's
+        ``allocate_slots`` checks it, scheduler.py:1433-1461), and not admitted it stops
+        reading the images it touched."""
         fresh = req.computed == 0
         req.computed += hit.length
+        self._encoder_blocked = False
         try:
-            n, drafts = self._tokens_for(req, budget) if planned is None else planned
+            if decided is None:
+                n, drafts = self._tokens_for(req, budget) if planned is None else planned
+                chosen, left = [], self._encoder_left
+                if n >= 1 and self.encoder is not None and req.extra.mm:
+                    n, chosen, left = self._encoder_inputs(req, n)
+                    self._encoder_blocked = n < 1
+                decided = (n, drafts, chosen, left)
+            self._decision = decided
+            n, drafts, chosen, left = decided
             if n < 1:
                 req.computed -= hit.length
                 return None
+            if admit and not self._admissible(req, hit):
+                raise NoRoom
             lookahead = 0 if fresh and not self.lookahead_at_admission else self.num_lookahead_tokens
             # Slots beyond max_model_len are never reserved, lookahead included (vLLM caps the
             # tokens needing a slot there: kv_cache_manager.py:272-275 in 0.12.0, :551-553 in 0.33.0).
@@ -690,7 +748,15 @@ class ReferenceScheduler:
         except NoRoom:
             req.computed -= hit.length
             req.hit = None
+            if admit:
+                self._stop_reading(req)
             raise
+        if self.encoder is not None:
+            for i in chosen:
+                image = req.extra.mm[i]
+                self.encoder.allocate(req.seq_id, i, image.identifier, image.length)
+            self._encoder_left = left
+            self._encoded.extend((req.seq_id, i) for i in chosen)
         self.hits += hit.length > 0
         # Only the tokens the request knows are cached, not drafts or placeholders.
         self._cache_blocks(req, min(req.computed + n, len(req.tokens)))
@@ -703,6 +769,49 @@ class ReferenceScheduler:
             req.placeholders += 1 + len(drafts) if self.shape.async_scheduling else 0
         req.drafts = []
         return Scheduled(req.seq_id, start, n, len(drafts), drafts)
+
+    def _encoder_inputs(self, req: _Req, n: int) -> tuple[int, list[int], int]:
+        """The images the request's next ``n`` tokens reach that must be encoded in the step,
+        the tokens left once an image the encoder cannot take stops them, and the step's
+        encoder budget left after the images chosen (vLLM's ``_try_schedule_encoder_inputs``,
+        0.33.0 scheduler.py:2018-2215).  An image is reached when its positions overlap the
+        step's; one already cached is read from the cache (``touch``); one the budget or the
+        cache cannot hold stops the step just before it, or gives it no tokens when it starts
+        inside the image (a prefix hit past its start: the image is encoded whole)."""
+        cache = self.encoder
+        assert cache is not None
+        start, end = req.computed, req.computed + n
+        left, pending, chosen = self._encoder_left, 0, []
+        for i, image in enumerate(req.extra.mm):
+            if image.end <= start:
+                continue
+            if image.offset >= end:
+                break
+            if cache.touch(req.seq_id, i, image.identifier):
+                continue
+            if not cache.fits(image.length, left, pending):
+                self.encoder_stops["budget" if image.length > left else "cache"] += 1
+                return (min(n, image.offset - start) if start < image.offset else 0), chosen, left
+            pending += image.length
+            left -= image.length
+            chosen.append(i)
+        return n, chosen, left
+
+    def _stop_reading(self, req: _Req) -> None:
+        """The request reads none of its images' encoder outputs any longer (vLLM's
+        ``EncoderCacheManager.free``: at a preemption, a finish, an admission that failed)."""
+        if self.encoder is not None and req.extra.mm:
+            self.encoder.release_all(req.seq_id, {i: f.identifier for i, f in enumerate(req.extra.mm)})
+
+    def _release_computed_images(self, req: _Req) -> None:
+        """After a step's output: the request stops reading every image whose positions are
+        all computed (vLLM's ``_free_encoder_inputs``, 0.33.0 scheduler.py:2828-2858)."""
+        if self.encoder is None or not req.extra.mm:
+            return
+        for i in sorted(self.encoder.reads(req.seq_id)):
+            image = req.extra.mm[i]
+            if image.end <= req.computed:
+                self.encoder.release(req.seq_id, i, image.identifier)
 
     def _admissible(self, req: _Req, hit: Hit = NO_HIT) -> bool:
         """``full_sequence_must_fit`` (``scheduler_reserve_full_isl``): a waiting request is
@@ -750,6 +859,7 @@ class ReferenceScheduler:
     def _preempt(self, seq_id: int) -> None:
         req = self.reqs[seq_id]
         self._release(req)
+        self._stop_reading(req)
         req.stale += req.in_flight
         req.computed = req.in_flight = req.placeholders = 0
         req.drafts = []
@@ -761,6 +871,8 @@ class ReferenceScheduler:
 
     def schedule(self) -> Plan:
         self._states_cached_this_step.clear()  # 0.33.0 scheduler.py:746, new_step_starts
+        self._encoder_left = self.encoder_budget
+        self._encoded = []
         budget = self.shape.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[int] = []
@@ -770,11 +882,13 @@ class ReferenceScheduler:
                 continue
             req = self.reqs[seq_id]
             was_prefill_chunk = req.prefill_chunk
+            decided = None
             while True:
                 try:
-                    s = self._schedule_one(req, budget)
+                    s = self._schedule_one(req, budget, decided=decided)
                     break
                 except NoRoom:
+                    decided = self._decision
                     victim = self.running[-1]
                     self._preempt(victim)
                     preempted.append(victim)
@@ -794,14 +908,19 @@ class ReferenceScheduler:
                 continue
             hit = self._find_hit(req)
             padded = None if prefill_scheduled else self._padded(req, budget, running_scheduled, hit.length)
-            if padded == (0, ()) or not self._admissible(req, hit):
+            # With images the gate follows them (``_schedule_one``'s ``admit``).
+            images = self.encoder is not None
+            if padded == (0, ()) or (not images and not self._admissible(req, hit)):
                 break
             try:
-                s = self._schedule_one(req, budget, padded, hit)
+                s = self._schedule_one(req, budget, padded, hit, admit=images)
             except NoRoom:
                 break
+            if s is None and self._encoder_blocked and self.encoder_passes_blocked:
+                at += 1  # its image waits for the encoder: the requests behind it go on
+                continue
             if s is None:
-                break  # nothing fits the budget (a Mamba split to no whole block)
+                break  # nothing fits the budget (a Mamba split to no whole block), or an image
             self.waiting.pop(at)
             req.running = True
             self.running.append(req.seq_id)
@@ -809,7 +928,8 @@ class ReferenceScheduler:
             budget -= s.num_tokens
         self._step += 1
         lives = {s.seq_id: self.reqs[s.seq_id].preemptions for s in scheduled}
-        return Plan(tuple(scheduled), tuple(preempted), (), handle=(self._step, lives))
+        encoded = tuple(sorted(self._encoded))
+        return Plan(tuple(scheduled), tuple(preempted), (), handle=(self._step, lives), encoder_inputs=encoded)
 
     def update(
         self,
@@ -833,6 +953,7 @@ class ReferenceScheduler:
                     self._deliver(req, new)
                 continue
             req.in_flight -= s.num_tokens
+            self._release_computed_images(req)
             if not new:
                 continue
             rejected = s.drafts - (len(new) - 1)

@@ -117,6 +117,7 @@ SHAPE_TAGS = (
     "full-isl-off",
     "startup-min",
     "kv-connector",
+    "multimodal",
 )
 """The production shapes a scheduler-driven run counts operations in (``Shape.tags``)."""
 
@@ -219,6 +220,18 @@ class Shape:
                       blocks stay held until the worker reports its KV sent
                       (``request_finished`` answers delay_free_blocks, 0.33.0
                       nixl/pull_scheduler.py:191-270, sched/scheduler.py:3040-3060, 3579-3582).
+    mm_item_tokens    a multimodal model (a vision encoder feeding the language model): every
+                      image a request carries fills this many placeholder positions of its prompt
+                      (a BLIP-2 image is ``num_query_tokens`` of them, 0.33.0
+                      model_executor/models/blip2.py:434-436), and the scheduler schedules each
+                      image's encoder input against the encoder compute budget and the encoder
+                      cache, both ``max(max_num_batched_tokens, mm_item_tokens)`` embeddings
+                      (``compute_mm_encoder_budget``, v1/core/encoder_cache_manager.py:333-378;
+                      SchedulerConfig sets both to the token budget, config/scheduler.py:306-307).
+                      A synchronous scheduler without drafts, pipeline, Mamba group or KV connector
+                      (when an encoder output is freed depends on the output placeholders and
+                      drafts in flight, which releases count differently: scheduler.py:2828-2850
+                      against 0.20.1's :1660-1676).  None: a text-only model (no encoder budget).
     """
 
     block_size: int
@@ -240,6 +253,7 @@ class Shape:
     retention_interval: int | None = None
     kv_connector: str | None = None
     pipeline_parallel: int = 1
+    mm_item_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.pipeline_parallel < 1:
@@ -256,6 +270,18 @@ class Shape:
                                      and self.block_size % unit == 0):
             raise ValueError("a prefix match unit is a proper divisor of the block size of a Mamba shape "
                              "with prefix caching")
+        if self.mm_item_tokens is not None and (
+            self.mm_item_tokens < 1
+            or self.async_scheduling
+            or self.num_spec_tokens
+            or self.pipeline_parallel > 1
+            or self.mamba
+            or self.kv_connector is not None
+        ):
+            raise ValueError(
+                "a multimodal shape has images of at least one token and runs the synchronous "
+                "scheduler without drafts, pipeline, Mamba group or KV connector"
+            )
 
     @property
     def sparse_retention(self) -> bool:
@@ -266,6 +292,19 @@ class Shape:
             and self.prefix_caching
             and (self.sliding_window is not None or self.mamba)
         )
+
+    @property
+    def multimodal(self) -> bool:
+        """Requests may carry images, encoded against an encoder budget (``mm_item_tokens``)."""
+        return self.mm_item_tokens is not None
+
+    @property
+    def encoder_budget(self) -> int:
+        """The encoder compute budget and the encoder cache size of a multimodal shape, in
+        embeddings: the token budget, or one image where that is larger (0 without images)."""
+        if self.mm_item_tokens is None:
+            return 0
+        return max(self.max_num_batched_tokens, self.mm_item_tokens)
 
     @property
     def mamba_partial_hits(self) -> bool:
@@ -354,6 +393,8 @@ class Shape:
             out.append("startup-min")
         if self.kv_connector is not None:
             out.append("kv-connector")
+        if self.multimodal:
+            out.append("multimodal")
         return tuple(out)
 
     def describe(self) -> str:
@@ -384,6 +425,8 @@ class Shape:
             parts.append(f"retention={retained}")
         if self.kv_connector is not None:
             parts.append(f"connector={self.kv_connector}")
+        if self.multimodal:
+            parts.append(f"multimodal({self.mm_item_tokens} tokens/image)")
         return " ".join(parts)
 
 
@@ -416,6 +459,7 @@ class Plan:
     finished: tuple[int, ...]
     handle: Any = attrs.field(eq=False, repr=False)
     copies: tuple[tuple[int, int], ...] = ()
+    encoder_inputs: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen

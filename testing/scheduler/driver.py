@@ -163,6 +163,7 @@ class SchedulerDriver:
         self.state: HybridState = target.observe()
         self.operations = 0
         self.counts: Counter = Counter()  # drafts, rejected, preempted, chunked, ...
+        self.encoded_seqs: set[int] = set()  # requests an image of which a step encoded
         # The exception a target call raised (the run stops there: no teardown on a state the
         # target left half-updated, whose checks would only hide the crash).
         self.crashed: BaseException | None = None
@@ -227,6 +228,11 @@ class SchedulerDriver:
                 )
                 self.recent_starts.pop(seq_id, None)
         self._count_hits(plan, prior)
+        # The images the step encodes (a multimodal shape), and the requests they belong to.
+        encoded = getattr(plan, "encoder_inputs", ())
+        self.counts["encoder_inputs"] += len(encoded)
+        self.counts["encoder_steps"] += bool(encoded)
+        self.encoded_seqs.update(seq for seq, _ in encoded)
         self._observe()
         sampled, drafts = self._execute(plan, accept, tokens)
         self.in_flight.append((plan, sampled, drafts))
@@ -557,8 +563,11 @@ class SchedulerDriver:
             "block_copies",
             "sends_deferred",
             "sends_reported",
+            "encoder_inputs",
+            "encoder_steps",
         ):
             out[key] = self.counts[key]
+        out["encoder_requests"] = len(self.encoded_seqs)
         return out
 
     def _count_partials(self, before: HybridState, after: HybridState) -> None:

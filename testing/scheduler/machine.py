@@ -53,12 +53,19 @@ from kvspec.reference.scheduler import ReferenceScheduler
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.groups import DENSE_ONLY, HybridState, Plan, RetentionOffer, Shape
 from kvspec.spec.invariants import Violation
+from kvspec.spec.prefix_hash import MMFeature
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
 from kvspec.testing.blockmanager.machine import CONTINUE, StepPast
 from kvspec.testing.blockmanager.strategies import admission_bytes, extended_index, extra_from, prompt_from
 from kvspec.testing.divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
-from kvspec.testing.generator_rules import block_relative, eagle_caches, eagle_repeated_blocks, spare_blocks
+from kvspec.testing.generator_rules import (
+    block_relative,
+    eagle_caches,
+    eagle_repeated_blocks,
+    identifiers,
+    spare_blocks,
+)
 from kvspec.testing.generator_rules import token as rule_token
 from kvspec.testing.scheduler.driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from kvspec.testing.scheduler.progress import drain
@@ -68,6 +75,14 @@ from kvspec.testing.scheduler.progress import drain
 RETENTION_PERIODS = (1, 2, 4)
 # Pipeline stages a pipeline-parallel shape is drawn with: two and three batches in flight.
 PIPELINE_STAGES = (2, 3)
+# Tokens per image a multimodal shape is drawn with (the tiny BLIP-2's ``num_query_tokens``):
+# below, at and above the block sizes and the smaller token budgets, so that one image or two
+# exhaust the encoder budget and cache (both max(token budget, tokens per image)).
+MM_ITEM_TOKENS = (2, 3, 4, 6, 8, 12)
+# Images beyond the shared names: enough that a step's images outgrow the encoder budget.
+MORE_IMAGES = tuple(f"image{i}" for i in range(2, 8))
+MM_PLACEHOLDER = 3  # the token a lengthened prompt's placeholders are (``mm_prompt``)
+OPENS_WITH_IMAGE = 0x40  # the placement byte's bit that places the first image anywhere (else at 0)
 
 
 def retention_offer_of(factory: Callable[..., Any]) -> RetentionOffer:
@@ -86,8 +101,72 @@ def kv_connectors_of(factory: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(offered()) if offered is not None else ()
 
 
+def _image_sizes(shape: Shape) -> list[int]:
+    """The tokens per image a multimodal shape draws from: ``MM_ITEM_TOKENS``, and two sizes
+    relative to the token budget (half of it and a token more: two images outgrow the encoder
+    budget; a token past it: the budget is one image), those that fit half the context."""
+    budget = shape.max_num_batched_tokens
+    sizes = (*MM_ITEM_TOKENS, budget // 2 + 1, budget + 1)
+    return sorted({n for n in sizes if n <= shape.max_model_len // 2})
+
+
+def multimodal_refusal_of(factory: Callable[..., Any]) -> str | None:
+    """Why the scheduler ``factory`` builds runs no multimodal shape (None: it runs it): vLLM's
+    adapter asks its release (``VLLMV1SchedulerAdapter.multimodal_refusal``), the reference
+    models the encoder itself; any other says nothing of images."""
+    refusal = getattr(factory, "multimodal_refusal", None)
+    if refusal is None:
+        return "the scheduler takes no images"
+    return refusal()
+
+
+def multimodal_of(factory: Callable[..., Any]) -> bool:
+    """Whether the scheduler ``factory`` builds runs the multimodal shape."""
+    return multimodal_refusal_of(factory) is None
+
+
+def mm_placements(raw: bytes, prompt_len: int, tokens_per_image: int) -> tuple[MMFeature, ...]:
+    """A multimodal request's images from an admission's bytes 7-8 (``extra_from``'s): none,
+    one or two, each ``tokens_per_image`` placeholder positions inside the prompt (the first at
+    its start for half the requests), the second after the first.  The identifiers are
+    ``extra_from``'s few shared names (rule ``shared-identifiers``: one image in many requests,
+    so the encoder cache is read as well as written) and ``MORE_IMAGES`` (so that images compete
+    for the encoder), distinct within a request (releases hold an image a request repeats
+    differently: 0.33.0 encoder_cache_manager.py:263-295 counts its occurrences, 0.12.0 does
+    not)."""
+    mm_code, pos = raw[7], raw[8]
+    names = (*identifiers("mm"), *MORE_IMAGES)
+    # Half the requests open with their image, as BLIP-2 inserts it (blip2.py:488-494): the
+    # admissions of one step then each reach an image at once.
+    offset = pos % prompt_len if prompt_len and pos & OPENS_WITH_IMAGE else 0
+    images: list[MMFeature] = []
+    first = (mm_code // 3) % len(names)
+    for n in range(mm_code % 3):
+        if offset + tokens_per_image > prompt_len:
+            break
+        images.append(MMFeature(names[(first + n) % len(names)], offset, tokens_per_image))
+        offset += tokens_per_image + (pos >> 4) % 3
+    return tuple(images)
+
+
+def mm_prompt(raw: bytes, prompt: tuple[int, ...], tokens_per_image: int, longest: int) -> tuple[int, ...]:
+    """A multimodal request's prompt: one that ``raw`` gives images (``mm_placements``) but that
+    is shorter than an image is lengthened to hold one, with the image's placeholder tokens (the
+    prompt of a BLIP-2 request holds its image's ``num_query_tokens`` placeholders,
+    blip2.py:488-494), where ``longest`` allows.  Without it most short prompts would carry no
+    image, and the encoder budget would be rarely reached."""
+    if raw[7] % 3 == 0 or len(prompt) >= tokens_per_image or tokens_per_image > longest:
+        return prompt
+    return (*prompt, *([MM_PLACEHOLDER] * (tokens_per_image - len(prompt))))
+
+
 @st.composite
-def shapes(draw, retention: RetentionOffer = DENSE_ONLY, connectors: tuple[str, ...] = ()) -> Shape:
+def shapes(
+    draw,
+    retention: RetentionOffer = DENSE_ONLY,
+    connectors: tuple[str, ...] = (),
+    multimodal: bool = False,
+) -> Shape:
     """Production shapes, most of them hybrid, following the generator rules
     (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
     the second group's block size (``block_relative``), the pool's spare blocks by
@@ -104,7 +183,12 @@ def shapes(draw, retention: RetentionOffer = DENSE_ONLY, connectors: tuple[str, 
 
     ``connectors``: the KV connectors the target's release builds (``kv_connectors_of``); a
     quarter of the shapes without a Mamba group take one, drawn last.  None offered: nothing is drawn, so the other
-    shapes draw as they did before."""
+    shapes draw as they did before.
+
+    ``multimodal``: the target runs the multimodal shape (``multimodal_of``); a quarter of the
+    shapes without a Mamba group or a connector then carry images of ``MM_ITEM_TOKENS`` tokens,
+    under the synchronous scheduler without drafts or pipeline (``Shape.mm_item_tokens``),
+    drawn after everything else."""
     B = draw(st.sampled_from([2, 4, 8]))
     swa_B = draw(st.sampled_from([d for d in (1, 2, 4, 8) if B % d == 0]))
     hybrid = draw(st.integers(0, 3)) != 0
@@ -174,6 +258,15 @@ def shapes(draw, retention: RetentionOffer = DENSE_ONLY, connectors: tuple[str, 
     # from a verdict that does not need it.
     if connectors and not shape.mamba and draw(st.integers(0, 3)) == 3:
         shape = attrs.evolve(shape, kv_connector=draw(st.sampled_from(connectors)))
+    if multimodal and not shape.mamba and shape.kv_connector is None and draw(st.integers(0, 3)) == 3:
+        shape = attrs.evolve(
+            shape,
+            async_scheduling=False,
+            num_spec_tokens=0,
+            eagle=False,
+            pipeline_parallel=1,
+            mm_item_tokens=draw(st.sampled_from(_image_sizes(shape))),
+        )
     return shape
 
 
@@ -237,6 +330,12 @@ class DiffCounts:
     hit_examples: int = 0  # examples with such an admission
     hit_examples_to_end: int = 0  # ... and compared to their end
     not_run: Counter = attrs.Factory(Counter)  # examples run without the differential, by why
+    encoder_inputs: int = 0  # encoder inputs scheduled in the steps compared (multimodal shapes)
+    mm_examples: int = 0  # examples of a multimodal shape run in lockstep
+    mm_examples_to_end: int = 0  # ... and compared to their end
+    # Images that stopped a request's step short in the steps compared, by what was short
+    # (the encoder budget, the encoder cache).
+    encoder_stops: Counter = attrs.Factory(Counter)
     policy: SchedulerPolicy | None = None  # the declared policy the reference followed
     undeclared: str | None = None  # the target's release, when no policy is declared for it
 
@@ -258,6 +357,11 @@ class DiffCounts:
         self.hit_examples_to_end += hits > 0 and lockstep.ended is None
         if lockstep.ended is not None:
             self.ended[lockstep.ended] += 1
+        self.encoder_inputs += lockstep.encoder_inputs
+        if lockstep.reference.shape.multimodal:
+            self.mm_examples += 1
+            self.mm_examples_to_end += lockstep.ended is None
+            self.encoder_stops.update(getattr(lockstep.reference, "encoder_stops", {}))
 
 
 def _running_cap(target: Any) -> int | None:
@@ -289,6 +393,7 @@ class SchedulerLockstep:
         self.ended: str | None = None  # why the comparison ended, if it did
         self.steps = 0
         self.states = 0
+        self.encoder_inputs = 0  # encoder inputs (request, image) the steps compared scheduled
         self.difference: PolicyDifference | None = None
         self.allowed: list[tuple[Mismatch, Divergence]] = []
         self._pairs: dict[int, Plan] = {}  # id(target plan) -> the reference's plan of that step
@@ -366,11 +471,11 @@ class SchedulerLockstep:
     def add(self, seq_id: int, tokens: Sequence[int], max_tokens: int, *extra: Any) -> None:
         # A request's domain (``extra``) keys its blocks in both prefix caches (LoRA counts
         # against max_loras only under a LoRA config, which the scheduler adapter builds none
-        # of).  Multimodal inputs are scheduled against the encoder budget (vllm/v1/core/sched/
-        # scheduler.py _try_schedule_encoder_inputs), which the reference does not model: the
-        # comparison ends there.
+        # of).  Its images are scheduled against the encoder budget and cache (vllm/v1/core/
+        # sched/scheduler.py _try_schedule_encoder_inputs), which the reference models in a
+        # multimodal shape (``Shape.mm_item_tokens``); in any other the comparison ends there.
         self.target.add(seq_id, tokens, max_tokens, *extra)
-        if self.comparing and any(getattr(e, "mm", ()) for e in extra):
+        if self.comparing and self.reference.encoder is None and any(getattr(e, "mm", ()) for e in extra):
             self._end("multimodal request")
         if self.comparing:
             self.reference.add(seq_id, tokens, max_tokens, *extra)
@@ -460,6 +565,11 @@ class SchedulerLockstep:
         if list(plan.preempted) != list(ref.preempted):
             self._differ(Mode.OUTCOMES, Comparison.PREEMPTED, None, list(plan.preempted), list(ref.preempted))
             return
+        if plan.encoder_inputs != ref.encoder_inputs:
+            got_enc, want_enc = list(plan.encoder_inputs), list(ref.encoder_inputs)
+            self._differ(Mode.OUTCOMES, Comparison.ENCODER_INPUTS, None, got_enc, want_enc)
+            return
+        self.encoder_inputs += len(plan.encoder_inputs)
         theirs = {s.seq_id: s for s in ref.scheduled}
         for s in plan.scheduled:
             r = theirs[s.seq_id]
@@ -539,8 +649,8 @@ def policy_beside(target: SchedulerTarget) -> SchedulerPolicy | None:
 
 
 def reference_beside(target: SchedulerTarget, shape: Shape, policy: SchedulerPolicy) -> ReferenceScheduler:
-    """The reference scheduler on the target's pool, running-request cap, lookahead slots and
-    EAGLE hit drop (or hash lookahead), following ``policy``."""
+    """The reference scheduler on the target's pool, running-request cap, lookahead slots,
+    EAGLE hit drop (or hash lookahead) and encoder budget and cache, following ``policy``."""
     return ReferenceScheduler(
         shape,
         num_blocks=target.num_blocks,
@@ -549,6 +659,8 @@ def reference_beside(target: SchedulerTarget, shape: Shape, policy: SchedulerPol
         policy=policy,
         drop_eagle_block=getattr(target, "drops_eagle_block", None),
         hash_lookahead=getattr(getattr(target, "scheduler", None), "num_hash_lookahead_tokens", None),
+        encoder_budget=getattr(target, "encoder_budget", None) if shape.multimodal else None,
+        encoder_cache_size=getattr(target, "encoder_cache_size", None) if shape.multimodal else None,
     )
 
 
@@ -575,7 +687,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.lockstep: SchedulerLockstep | None = None
         self.factory = factory
         if shape_strategy is None:
-            shape_strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory))
+            shape_strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory), multimodal_of(factory))
         self.shape_strategy = shape_strategy
         self.counts = counts if counts is not None else ShapeCounts()
         self.focus = focus
@@ -643,10 +755,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt_from(
             raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
         )
+        if shape.multimodal:
+            prompt = mm_prompt(raw, prompt, shape.mm_item_tokens or 0, longest)
         max_tokens = 1 + raw[3] % shape.max_tokens
         # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by;
         # under rule ``eagle-prefix-hits``, the domain of the prompt it repeats (a hit is there).
-        extra = extra_from(raw, len(prompt), B, getattr(self.d.target, "extra_kinds", frozenset()))
+        kinds = getattr(self.d.target, "extra_kinds", frozenset())
+        if shape.multimodal:
+            # Images of the model's size (``mm_placements``), not the block manager's.
+            kinds = kinds - {"mm"}
+        extra = extra_from(raw, len(prompt), B, kinds)
+        if shape.multimodal and (images := mm_placements(raw, len(prompt), shape.mm_item_tokens or 0)):
+            extra = attrs.evolve(extra, mm=images)
         if repeat and self.prompts:
             # Its salt and adapter; media placements are the new prompt's own.
             base = self.domains[extended_index(raw, self.prompts, B, repeat)]
