@@ -26,10 +26,6 @@ from kvspec.testing.scheduler.machine import reference_beside, retention_offer_o
 from .conftest import VLLM, requires_vllm
 
 on_v1 = requires_vllm("0.12.0", pin="0.33.0")
-# Before 0.19.1 an image's identifier is a bare extra key (FINDINGS F-KV10, 0.12.0
-# kv_cache_utils.py:434): the shape's images named like a LoRA adapter or a salt reach it through
-# the scheduler, a verdict no scheduler known finding labels yet (F-KV10 is the block manager's).
-from_0_19 = requires_vllm("0.19.1", pin="0.33.0")
 SHAPE = Shape(
     block_size=4,
     swa_block_size=4,
@@ -119,11 +115,12 @@ def test_a_shared_image_is_encoded_once(adapter):
     assert first[0][1] == ((0, 0),) and first[1][1] == ((0, 0), (1, 0)), first
 
 
-@from_0_19
+@on_v1
 def test_the_differential_holds_in_the_multimodal_shape(adapter):
     """``kvspec check``'s scheduler search narrowed to the multimodal shape: every verdict is a
-    known finding of the release (F-KV9/scheduler before 0.33.0: a LoRA name and an equal salt
-    keyed alike, which the shape's salts and adapters reach), and where a policy is declared
+    known finding of the release (F-KV9/scheduler before 0.31.0: a LoRA name and an equal salt
+    keyed alike, which the shape's salts and adapters reach; F-KV10/scheduler on 0.12.0: an
+    image named like either), and where a policy is declared
     every example is compared to its end with encoder inputs among what is compared."""
     from kvspec.cli.shapes import SCHEDULER_IMPL, run_scheduler_search
     from kvspec.testing.known import SHIPPED, load_known
