@@ -437,7 +437,10 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
         (COLLISION, LORA_SALT, "0.30.0", "F-KV9/scheduler"),
         (COLLISION, LORA_SALT, "0.31.0", None),
-        (COLLISION, MM_SALT, "0.12.0", None),
+        (COLLISION, MM_SALT, "0.12.0", "F-KV10/scheduler"),
+        (COLLISION, ("lora", "mm"), "0.12.0", "F-KV10/scheduler"),
+        (COLLISION, MM_SALT, "0.19.1", None),
+        (COLLISION, MM_SALT, "0.10.1.1", None),
     ],
 )
 def test_a_collision_between_domains_is_labelled_by_the_domains_it_confused(form, domains, version, label):
