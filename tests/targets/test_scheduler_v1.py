@@ -19,7 +19,13 @@ from kvspec.spec.groups import SHAPE_TAGS, Shape
 from kvspec.testing import SpecViolation
 from kvspec.testing.known import SHIPPED, load_known, step_past_known
 from kvspec.testing.scheduler.driver import SchedulerDriver, ShapeCounts
-from kvspec.testing.scheduler.machine import SchedulerMachine, kv_connectors_of, retention_offer_of, shapes
+from kvspec.testing.scheduler.machine import (
+    SchedulerMachine,
+    kv_connectors_of,
+    multimodal_refusal_of,
+    retention_offer_of,
+    shapes,
+)
 
 from .conftest import requires_vllm
 
@@ -90,9 +96,10 @@ def test_scheduler_holds_every_invariant_in_shape(adapter, tag):
     import vllm
 
     counts = ShapeCounts()
-    # The release's own offers: a shape tag (the KV connector, a sparse retention) can only be
+    # The release's own offers: a shape tag (the KV connector, a sparse retention, images) can only be
     # drawn where the strategy is told the target builds it.
-    within = shapes(retention_offer_of(adapter), kv_connectors_of(adapter)).filter(lambda s: tag in s.tags())
+    offers = (retention_offer_of(adapter), kv_connectors_of(adapter), multimodal_refusal_of(adapter) is None)
+    within = shapes(*offers).filter(lambda s: tag in s.tags())
     # What ``kvspec check`` does with the release's known findings (FINDINGS.md, e.g. C5 in a
     # Mamba shape at the startup minimum): an example whose every failure is one is discarded.
     step_past = step_past_known(load_known([SHIPPED]), "v1-scheduler", vllm.__version__)
