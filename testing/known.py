@@ -33,6 +33,7 @@ from kvspec.spec.groups import Shape
 from kvspec.spec.violation import Violation
 from kvspec.targets.registry import release_key
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation, TraceStep
+from kvspec.testing.blockmanager.machine import CONTINUE
 from kvspec.testing.scheduler.driver import SchedulerDriver
 from kvspec.testing.scheduler.machine import PolicyDifference
 
@@ -451,14 +452,23 @@ def label_failures(
 
 def step_past_known(known: Iterable[KnownFinding], impl: str, version: str | None):
     """A machine's step-past policy over the known findings of ``impl`` on ``version``: an
-    example whose every failure is one of them is discarded (what ``kvspec check`` and ``kvspec
-    fuzz`` do); None when no finding concerns that target."""
+    example whose every failure is one of them is gone on past when each of them is ``go_on``
+    (a violation that leaves the target consistent) and discarded otherwise (what ``kvspec
+    fuzz`` and the in-target tests do); None when no finding concerns that target."""
     mine = [k for k in known if k.concerns(impl, version)]
     if not mine:
         return None
 
-    def policy(error: BaseException, driver: Any) -> bool:
+    def policy(error: BaseException, driver: Any) -> bool | str:
         labelled = label_failures(mine, error, driver.config, driver.trace, shape_of(driver))
-        return all(k is not None for _, k in labelled)
+        found = [k for _, k in labelled]
+        if any(k is None for k in found):
+            return False
+        # A finding that leaves the target consistent (go_on, e.g. V1-e, which shows at every
+        # state of its releases) is gone on past, as ``kvspec check``'s Sieve does: discarding
+        # the example would discard every example of those releases.  Never after a crash.
+        if isinstance(error, SpecViolation) and all(k.go_on for k in found):
+            return CONTINUE
+        return True
 
     return policy

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -187,6 +188,39 @@ def test_a_violation_stepped_past_by_going_on_lets_the_example_continue():
     assert went_on and max(went_on) > min(went_on)  # later operations of one run were checked too
     with pytest.raises(SpecViolation):
         run_state_machine_as_test(machine(lambda error, driver: False), settings=budget)
+
+
+def test_step_past_known_goes_on_past_a_go_on_finding_and_discards_the_others():
+    """``kvspec fuzz`` and the in-target tests step past known findings with ``step_past_known``:
+    a go_on finding (one that shows at every state, like V1-e) is gone on past -- discarding
+    would discard every example of its releases -- a finding without go_on is discarded, and a
+    failure no finding names ends the example."""
+    from kvspec.testing.blockmanager.machine import CONTINUE
+    from kvspec.testing.known import step_past_known
+
+    g = KnownFinding("G", "g", ("window-bound",), ("admit",), go_on=True)
+    a = KnownFinding(
+        "A", "a", ("admission-soundness",), ("admit",), kind=("ok-then-failed",), alongside=("no-leak",)
+    )
+    assert step_past_known([g, a], "reference", None) is not None
+    from types import SimpleNamespace
+
+    from kvspec.spec.invariants import Violation
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.blockmanager.driver import TraceStep
+
+    config = Config(block_size=2, num_blocks=4, sliding_window=2)
+    driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
+
+    def judged(known, *violations):
+        error = SpecViolation([Violation(*v) for v in violations], driver.trace)
+        return step_past_known(known, "reference", None)(error, driver)
+
+    assert judged([g, a], KNOWN_G) == CONTINUE
+    assert judged([g, a], KNOWN_A) is True
+    assert judged([g, a], KNOWN_G, KNOWN_A) is True  # not every one goes on: discarded
+    assert judged([g, a], KNOWN_G, UNKNOWN) is False
+    assert step_past_known([attrs.evolve(g, impl=("v1",))], "reference", None) is None
 
 
 def test_masks_behind_are_the_smallest_feature_sets_no_fired_finding_survives():
