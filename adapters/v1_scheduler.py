@@ -259,6 +259,16 @@ def _multimodal_refusal() -> str | None:
     return _MM_PROBE[0]
 
 
+def _supports_hma() -> type | None:
+    """The release's ``SupportsHMA`` (the connectors that keep the hybrid KV cache manager,
+    0.12.0 kv_connector/v1/base.py:79); None before it (0.10.1.1: none does)."""
+    try:
+        base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    except ImportError:
+        return None
+    return getattr(base, "SupportsHMA", None)
+
+
 class SentInOrder(set):
     """The requests whose KV the worker reports sent in one output, iterated in the order
     reported.  vLLM frees their blocks in its iteration order of this set (0.33.0
@@ -361,6 +371,10 @@ class VLLMV1SchedulerAdapter:
                 cls = importlib.import_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
             except ImportError as err:
                 raise ConfigError(f"vLLM {v.version} has no AsyncScheduler") from err
+        if shape.kv_connector is not None and len(kcg) > 1 and _supports_hma() is None:
+            # Before SupportsHMA (0.10.1.1) vLLM turns the hybrid manager off under any connector
+            # (config/__init__.py:3661-3663) and its Scheduler asserts one group (scheduler.py:83).
+            raise ConfigError(self._hybrid_connector_refused(shape.kv_connector))
         try:
             structured = _build(so_mod.StructuredOutputManager, recorder, "structured", vllm_config=vllm_config)
         except (OSError, TypeError, ValueError) as err:
@@ -637,16 +651,13 @@ class VLLMV1SchedulerAdapter:
         and its scheduler asserts one group when a request finishes (0.12.0
         sched/scheduler.py:1508-1513).  A hybrid shape with such a connector is one vLLM never
         builds: refused."""
-        try:
-            base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
-        except ImportError:
-            base = None
-        supports = getattr(base, "SupportsHMA", None)
+        supports = _supports_hma()
         if supports is None or not isinstance(self._sched.connector, supports):
-            raise ConfigError(
-                f"vLLM {self._v.version}: {connector} does not support the hybrid KV cache manager, "
-                "which vLLM turns off under it (a hybrid shape with it is never built)"
-            )
+            raise ConfigError(self._hybrid_connector_refused(connector))
+
+    def _hybrid_connector_refused(self, connector: str) -> str:
+        return (f"vLLM {self._v.version}: {connector} does not support the hybrid KV cache manager, "
+                "which vLLM turns off under it (a hybrid shape with it is never built)")
 
     @staticmethod
     def kv_connectors_offered() -> tuple[str, ...]:

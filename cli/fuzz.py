@@ -375,8 +375,9 @@ def cmd_fuzz(args: argparse.Namespace, argv: list[str]) -> int:
         took = f"{got['seconds']:.1f} s" if got["seconds"] is not None else "still running at the end"
         out.print(f"  worker {i}: {got['examples']} examples, {got['operations']} operations, {took}", markup=False)
     if failure is None:
-        if not examples:
-            out.print("[red]no example ran[/]: nothing is claimed")
+        if not examples or not operations:
+            out.print("[red]no example ran[/]: nothing is claimed" if not examples else
+                      "[red]no operation ran[/]: every example ended before its first operation; nothing is claimed")
             (folder / "summary.json").write_text(json.dumps({**summary, "outcome": "nothing ran"}))
             return EXIT_FOUND
         out.print("[green]no failure[/] (stopped on time)")

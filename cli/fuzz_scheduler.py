@@ -43,6 +43,7 @@ SCHEDULER_SEARCH = "scheduler"  # ``Campaign.search`` of a scheduler campaign
 EXAMPLES_PER_SEARCH = 100  # per round of one search; the clock and the stop flag cut it sooner
 JOIN_SECONDS = 30.0  # a worker may be shrinking, or drawing a report, when the campaign stops
 ENDS_CAMPAIGN = (*STOPPED_BY_TARGET, KVSPEC_ERROR)
+NO_OPERATION = "every example ended before its first operation (discarded, or failed at its first check)"
 
 
 @attrs.define
@@ -347,14 +348,20 @@ def _summarise(args: argparse.Namespace, campaign: Any, folder: Path, latest: di
             out.print(f"  report: {v['report']}", markup=False, soft_wrap=True)
             out.print(f"  replay: kvspec replay {v['report']}{hint}", markup=False, soft_wrap=True)
         outcome, code = "found", EXIT_FOUND
+        if not operations:  # the verdicts above are all it met: it searched nothing behind them
+            out.print(f"[red]no operation ran[/]: {NO_OPERATION}; nothing is claimed beyond the verdicts above")
     elif not examples:
         out.print("[red]no example ran[/]: nothing is claimed")
         outcome, code = ("worker error", EXIT_USAGE) if failures else ("nothing ran", EXIT_FOUND)
+    elif not operations:
+        out.print(f"[red]no operation ran[/]: {NO_OPERATION}; nothing is claimed")
+        outcome, code = "nothing ran", EXIT_FOUND
     elif failures:
         outcome, code = "worker error", EXIT_FOUND  # part of the campaign did not run
     else:
         out.print("[green]no verdict[/] (stopped on time)")
         outcome, code = "no failure", EXIT_OK
+    summary["nothing_ran"] = not operations  # no operation ran, whatever the outcome
     (folder / "summary.json").write_text(json.dumps({**summary, "outcome": outcome}, indent=1) + "\n")
     out.print(f"summary: {folder / 'summary.json'}; worker logs: {folder}/worker-N.log", markup=False,
               soft_wrap=True)

@@ -324,7 +324,8 @@ def search_rounds(
     whether its time budget is spent (then no further round starts; the first always runs).
 
     A campaign's searches (cli/fuzz.py) pass what earlier searches ``reported`` (identities:
-    stepped past as repeats, never reported again) and the known findings to ``hunt``: ids not
+    stepped past as repeats, never reported again; a ``go_on`` known finding by going on, as
+    exploring steps past it) and the known findings to ``hunt``: ids not
     stepped past while exploring, so that a known finding ends the round that first meets it
     and is shrunk there, labelled by its id, instead of being stepped past and searched for
     again (which a rare finding would not survive); ``on_found`` is called with each verdict as
@@ -335,7 +336,11 @@ def search_rounds(
 
     def one_round(stepped_past: Sequence[KnownFinding], tag: str, mask: Mask) -> tuple[Any, Sieve]:
         reported = earlier | frozenset(f.identity for f in search.found)
-        sieve = Sieve(reported, known, frozenset(k.id for k in stepped_past))
+        # A go_on finding reported already (a hunted one, by an earlier round or search) is
+        # stepped past by going on, as exploring steps past it: as a repeat it would discard
+        # every example it shows in, and V1-e shows at every state of its releases.
+        again = [k for k in known if k.go_on and k.id in reported]
+        sieve = Sieve(reported, known, frozenset(k.id for k in [*stepped_past, *again]))
         outcome = run_round(sieve, mask, tag)
         search.rounds.append(outcome)
         search.round_masks.append(mask)
@@ -380,7 +385,9 @@ def search_rounds(
         return search
     # Each known finding that fired, found again and shrunk with the others stepped past,
     # under the mask where it fired first.
-    for ident in [k.id for k in known if search.fired[k.id] and k.id not in earlier]:
+    # (not one this search reported already: a hunted go_on finding fires once it is reported)
+    refind = [k.id for k in known if search.fired[k.id] and k.id not in earlier and not _reported(search, k.id)]
+    for ident in refind:
         others = [k for k in known if k.id != ident]
         for attempt in range(RETRIES_PER_KNOWN):
             if len(search.found) >= max_violations:

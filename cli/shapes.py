@@ -180,7 +180,9 @@ def run_shapes(
             )
 
         def start(self, shape: Shape) -> None:
-            last["current"] = shape  # the shape of the example running (a trip's setting)
+            # The shape of the example running (a trip's setting), and no trace yet: a target
+            # that crashes (or hangs) in construction ran nothing, whatever earlier examples ran.
+            last.update(current=shape, shape=shape, trace=[])
             super().start(shape)
 
         def teardown(self):

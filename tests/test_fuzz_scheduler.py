@@ -138,3 +138,70 @@ def test_a_campaign_search_hunts_the_known_findings_and_steps_past_what_it_repor
     assert [f.known.id for f in search.found] == ["A"] and heard == search.found
     assert {"A", "B"} <= rounds[1].reported
     assert len(rounds) == 2 and not search.missed  # B is not searched for again
+
+
+def _usage_counts_a_null_block():
+    """kvspec's reference scheduler reporting its usage as vLLM 0.9.1/0.10.1.1's BlockPool does
+    (V1-e: the null block counted in use, ``(used + 1) / (N + 1)``): ``conservation`` fails at
+    every state, from construction on, and the state is otherwise sound."""
+    import attrs
+    from kvspec.reference.scheduler import ReferenceScheduler
+
+    class NullBlockUsage(ReferenceScheduler):
+        def observe(self):
+            state = super().observe()
+            pool = state.pool
+            used = len(pool.ids) - len(pool.free) - len(pool.evictable)
+            return attrs.evolve(state, pool=attrs.evolve(pool, usage=(used + 1) / (len(pool.ids) + 1)))
+
+    return NullBlockUsage
+
+
+def test_a_campaign_searches_behind_a_go_on_finding_it_reported():
+    """A go_on known finding that shows at every state (V1-e/scheduler on 0.9.1 and 0.10.1.1) is
+    hunted, reported once, and then gone on past as ``kvspec check`` goes on past it: the
+    campaign's later rounds and searches run operations.  Discarded as a repeat, every example
+    ended at its first check and a 60 s campaign on 0.9.1 ran "131 examples, 0 operations"."""
+    from kvspec.cli.shapes import run_scheduler_search
+    from kvspec.testing.known import KnownFinding
+    from kvspec.testing.scheduler.machine import shapes
+
+    usage = KnownFinding("U", "usage counts the null block", ("conservation",),
+                         ("teardown", "arrive", "abort", "step", "drain"), kind=("wrong-usage",), go_on=True)
+    factory = _usage_counts_a_null_block()
+    budget = {"shape_strategy": shapes(), "profile": "dev", "examples": 20, "steps": None, "focus": None}
+    heard: list[Any] = []
+    # The campaign's first search: the round that meets U reports it (shrunk: no operation);
+    # the rounds after it go on past it.
+    first = run_scheduler_search(factory, known=[usage], hunt=["U"], on_found=heard.append, seed=3, **budget)
+    assert [f.identity for f in first.search.found] == ["U"] == [f.identity for f in heard]
+    assert len(first.search.rounds) >= 2 and first.search.rounds[-1].operations > 0
+    assert not first.search.missed and first.search.stopped is None
+    # A later search of the same worker: U reported before, searched behind.
+    later = run_scheduler_search(factory, known=[usage], hunt=["U"], reported=["U"], seed=4, **budget)
+    assert later.search.found == [] and later.summary.status == "holds", later.summary.status
+    assert later.summary.operations > later.summary.examples > 0
+    assert sum(later.summary.counts.operations.values()) > 0
+
+
+def test_a_campaign_that_ran_no_operation_says_so(tmp_path):
+    """Examples that all ended before their first operation are no search: never a clean run
+    ("nothing ran", exit 1), and beside a verdict the summary says so too."""
+    from kvspec.cli.common import out
+
+    campaign = Campaign("reference-scheduler", None, {}, None, SCHEDULER_SEARCH, 40, str(tmp_path / "db"))
+    latest = {0: {"worker": 0, "kind": "done", "examples": 131, "operations": 0, "seconds": 60.0}}
+    with out.capture() as captured:
+        code = _summarise(argparse.Namespace(workers=1), campaign, tmp_path, latest, {}, [], 60.0, 60.0,
+                          "the time limit", "")
+    assert code == EXIT_FOUND and "no operation ran" in captured.get()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "nothing ran" and summary["nothing_ran"]
+    verdict = {"identity": "V1-e/scheduler", "fingerprint": "conservation in teardown",
+               "known_finding": "V1-e/scheduler", "kind": "invariant", "worker": 0, "seconds": 50.0,
+               "campaign_examples_then": 3, "shape": None, "report": "r.json", "also": []}
+    with out.capture() as captured:
+        code = _summarise(argparse.Namespace(workers=1), campaign, tmp_path, latest, {"V1-e/scheduler": verdict},
+                          [], 60.0, 60.0, "the time limit", "")
+    assert code == EXIT_FOUND and "no operation ran" in captured.get()
+    assert json.loads((tmp_path / "summary.json").read_text())["nothing_ran"]
