@@ -42,13 +42,15 @@ import attrs
 
 from .config import Config
 from .events import CacheEvent
-from .invariants import Violation, check_world
+from .invariants import INVARIANTS, Violation, check_world
 from .kv_memory import STATE_SLOT, readback_faults, state_of, state_readback_faults
 from .prefix_hash import PrefixKey
 from .state import Device, KVState, PoolView, SeqModel, Status, TableView, World
 from .window import blocks_for_tokens, blocks_touched, first_needed_position
 
 POOL_INVARIANTS = ("refcount-exact", "conservation", "no-leak")
+# The per-position readings a recurrent-state group's own checks (``state_faults``) replace.
+PER_POSITION = ("kv-readback", "prefix-cache-consistency")
 """The invariants about the one shared pool, checked with all groups' tables together."""
 
 
@@ -562,17 +564,23 @@ def check_hybrid(
     out.extend(attrs.evolve(v, message=f"shared pool: {v.message}") for v in judge("pool", whole, POOL_INVARIANTS))
     for i, g in enumerate(state.groups):
         world = group_world(config, state, i, seqs, memory)
-        found = judge(f"group {i}", world, None)
         chunk = g.spec.attention_chunk_size
+        # The readings a group's own checks replace are not evaluated at all: evaluated and
+        # dropped, they would build a violation per attended position at every check of a
+        # chunked-local or Mamba group.  A chunked-local group's config has no sliding window, so
+        # kv-readback would read every position back (full attention); its chunk is what its
+        # layers attend.  A state block holds one state, not a KV per position: the
+        # per-position readings of kv-readback and prefix-cache-consistency are the state
+        # group's own.
+        replaced = (PER_POSITION if g.spec.state else ()) + (("kv-readback",) if chunk is not None else ())
+        only = None
+        if replaced:
+            only = [inv.id for inv in INVARIANTS.values() if inv.kind == "state" and inv.id not in replaced]
+        found = judge(f"group {i}", world, only)
         if chunk is not None:
-            # The group's config has no sliding window, so check_world read every position
-            # back (full attention); its chunk is what its layers attend.
-            found = [v for v in found if v.invariant != "kv-readback"] + list(chunk_faults(world, chunk))
+            found = [*found, *chunk_faults(world, chunk)]
         if g.spec.state:
-            # A state block holds one state, not a KV per position: the per-position readings
-            # of kv-readback and prefix-cache-consistency are the state group's own.
-            per_position = ("kv-readback", "prefix-cache-consistency")
-            found = [v for v in found if v.invariant not in per_position] + list(state_faults(world, g.spec))
+            found = [*found, *state_faults(world, g.spec)]
         out.extend(v.in_group(g.spec.name) for v in found)
     return out
 
