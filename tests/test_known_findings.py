@@ -491,3 +491,55 @@ def test_a_collision_between_domains_is_labelled_by_the_domains_it_confused(form
     ((fp, found),) = label_failures(known, error, Config(block_size=2, num_blocks=4, prefix_caching=True))
     assert fp.invariant == invariant
     assert (found.id if found else None) == label
+
+
+# A crash in 0.9.1's cache_full_blocks under vLLM's Scheduler (FINDINGS V1-S4a) and a block freed
+# under a pending KV send at an abort (V1-S6), beside their neighbours.
+CACHE_FULL_BLOCKS = Fingerprint(CRASH, "step", "AssertionError", "vllm/v1/core/block_pool.py:cache_full_blocks")
+FREED_AT_ABORT = Fingerprint("kv-readback", "abort")
+FREED_IN_STEP = Fingerprint("kv-readback", "step")
+SENDING = ("freed-while-sending",)
+
+
+def _shape(**kw):
+    from kvspec.spec.groups import Shape
+
+    base = dict(
+        block_size=2, swa_block_size=2, sliding_window=2, extra_blocks=0, prefix_caching=True,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=False, max_tokens=2,
+    )
+    return Shape(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "impl, version, fp, kinds, shape, caching, label",
+    [
+        # The window group nulls the block the next hash chains from: 0.9.1 under the Scheduler ...
+        ("v1-scheduler", "0.9.1", CACHE_FULL_BLOCKS, (), _shape(), True, "V1-S4a"),
+        # ... not without prefix caching or without a window group ...
+        ("v1-scheduler", "0.9.1", CACHE_FULL_BLOCKS, (), _shape(prefix_caching=False), False, None),
+        ("v1-scheduler", "0.9.1", CACHE_FULL_BLOCKS, (), _shape(sliding_window=None), True, None),
+        # ... nor in the same function from 0.10.1.1 (V1-S2b's other assert there) ...
+        ("v1-scheduler", "0.10.1.1", CACHE_FULL_BLOCKS, (), _shape(), True, "V1-S2b"),
+        # ... and the block manager's form of the same assert is V1-b.
+        ("v1", "0.9.1", CACHE_FULL_BLOCKS, (), None, True, "V1-b"),
+        # An abort that frees the blocks a deferred KV send reads: 0.10.1.1-0.10.2 ...
+        ("v1-scheduler", "0.10.1.1", FREED_AT_ABORT, SENDING, _shape(kv_connector="NixlConnector"), False, "V1-S6"),
+        # ... not once finish_requests skips finished requests (0.12.0) ...
+        ("v1-scheduler", "0.12.0", FREED_AT_ABORT, SENDING, _shape(kv_connector="NixlConnector"), False, None),
+        # ... nor a free at the finish itself (a step), nor another kv-readback fault at an abort.
+        ("v1-scheduler", "0.10.1.1", FREED_IN_STEP, SENDING, _shape(), False, None),
+        ("v1-scheduler", "0.10.1.1", FREED_AT_ABORT, ("no-slot",), _shape(), False, None),
+    ],
+)
+def test_a_null_parent_hash_and_an_abort_under_a_send_are_labelled_in_their_releases(
+    impl, version, fp, kinds, shape, caching, label
+):
+    from kvspec.testing.known import Evidence, which_known
+
+    known = [k for k in load_known([SHIPPED]) if k.concerns(impl, version)]
+    evidence = Evidence(crash="AssertionError: ") if fp.invariant == CRASH else Evidence(kinds=frozenset(kinds))
+    config = Config(block_size=2, num_blocks=8, sliding_window=2, prefix_caching=caching)
+    found = which_known(known, fp, evidence, config, {fp.operation, "arrive"}, shape)
+    assert (found.id if found else None) == label
