@@ -299,8 +299,9 @@ def ttc(p: dict[str, Any]) -> dict[str, Any]:
 def _sieve_for(finding: str, target: str):
     """``kvspec check``'s step-past policy with every known finding of ``target`` but
     ``finding`` stepped past: the first other failure is the run's (cli/search.py ``Sieve``).
-    A finding pinned by its trace alone (F-KV3) has no fingerprint: every known one is stepped
-    past, and the row shows the failure each seed ended on."""
+    A finding pinned by its trace alone, with no fingerprint, would have every known one stepped
+    past, and the row would show the failure each seed ended on (F-KV3 had none until
+    2026-12-03: its form was labelled F-KV10 and stepped past, so its row could not be found)."""
     from kvspec.cli.search import Sieve
     from kvspec.testing.known import SHIPPED, load_known
 

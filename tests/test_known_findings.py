@@ -464,8 +464,10 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (ISOLATION, ("lora", "mm"), "0.19.1", None),
         (ISOLATION, ("cache_salt", "lora", "mm"), "0.12.0", "F-KV10"),  # e.g. lora a + image b, image a + salt b
         (ISOLATION, ("lora",), "0.12.0", None),
-        # One identifier at two offsets in the block (0.12.0 keys no offset; 0.19.1 does).
-        (ISOLATION, ("mm",), "0.12.0", "F-KV10"),
+        # One identifier at two offsets in the block (0.9.1-0.12.0 key no offset; 0.19.1 does):
+        # F-KV3, not F-KV10 (no two kinds confused), so a search for one does not step past the other.
+        (ISOLATION, ("mm",), "0.9.1", "F-KV3"),
+        (ISOLATION, ("mm",), "0.12.0", "F-KV3"),
         (ISOLATION, ("mm",), "0.19.1", None),
         # vLLM's own Scheduler: one hash for the same tokens in two domains.
         (COLLISION, LORA_SALT, "0.12.0", "F-KV9/scheduler"),
@@ -473,12 +475,13 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (COLLISION, LORA_SALT, "0.31.0", None),
         (COLLISION, MM_SALT, "0.12.0", "F-KV10/scheduler"),
         (COLLISION, ("lora", "mm"), "0.12.0", "F-KV10/scheduler"),
+        (COLLISION, ("mm",), "0.12.0", "F-KV3/scheduler"),
         (COLLISION, MM_SALT, "0.19.1", None),
         (COLLISION, MM_SALT, "0.10.1.1", None),
     ],
 )
 def test_a_collision_between_domains_is_labelled_by_the_domains_it_confused(form, domains, version, label):
-    """F-KV9 and F-KV10 are one kind of violation told apart by the extra keys it confused (a
+    """F-KV9, F-KV10 and F-KV3 are one kind of violation told apart by the extra keys it confused (a
     fact, ``Violation.domains``), each inside the releases its bisect measured."""
     from kvspec.spec.violation import Violation
     from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep

@@ -80,6 +80,11 @@ class SpecViolation(AssertionError):
         super().__init__("\n".join(lines))
 
 
+# The invariants that say the target's own block accounting agrees with its block tables.
+# A focused run reads them after a failed operation even when it does not watch them
+# (``Driver.accounting_broken``).
+ACCOUNTING = frozenset({"refcount-exact", "conservation"})
+
 _TRACE_ARG = {"seq_id": "seq", "parent_id": "parent", "child_id": "child"}
 
 
@@ -187,6 +192,11 @@ class Driver:
         self.impl = _Target(impl)
         self.config: Config = impl.config
         self.crash: Crash | None = None  # set when the implementation crashed (then abandoned)
+        # The first unwatched violation of the target's block accounting (``ACCOUNTING``) that
+        # an operation failing after its own check said yes left behind, if a focused check met
+        # one: the machine abandons the example there (``check``).
+        self.accounting_broken: Violation | None = None
+        self._failed_after_yes = False  # such a failure since the last check
         self.focus = frozenset(focus) if focus is not None else None
         if self.focus is not None:
             unknown = self.focus - set(INVARIANTS)
@@ -405,7 +415,18 @@ class Driver:
             self._clean = None if state_found else clean
             found = found + state_found
         self.checked.update(INVARIANTS)
+        failed_after_yes, self._failed_after_yes = self._failed_after_yes, False
         if self.focus is not None:
+            # vLLM's schedulers do not catch an allocation that fails after their own check said
+            # yes: the engine stops there.  A focused run that does not watch admission-soundness
+            # goes on past it (C1 lies past F6's failed append, which leaves the accounting
+            # whole), but not when the failure also broke the target's accounting (F12's
+            # swap_out, not rolled back, leaves CPU block ids in a GPU table): what it meets
+            # next is that failure's consequence, a crash on a block id no pool owns.
+            if failed_after_yes and self.accounting_broken is None:
+                self.accounting_broken = next(
+                    (v for v in found if v.invariant in ACCOUNTING and v.invariant not in self.focus), None
+                )
             found = [v for v in found if v.invariant in self.focus]
         return found
 
@@ -501,6 +522,7 @@ class Driver:
         spec computes it needs, when known; ``device``: the pool it allocates from): judged by
         ``admission-soundness``."""
         after = self.impl.observe()
+        self._failed_after_yes |= answer_ok and error is not None
         first_needed = {
             sid: first_needed_block(m.num_computed, self.config.sliding_window, self.config.block_size)
             for sid, m in self.seqs.items()

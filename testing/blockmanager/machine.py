@@ -103,6 +103,9 @@ class RunStats:
     # Admissions per kind of extra key ("cache_salt", "lora", "mm"), and KV-cache events seen.
     extras: dict[str, int] = attrs.Factory(dict)
     events: int = 0
+    # Examples a focused run abandoned because a failed operation broke the target's unwatched
+    # block accounting (``Driver.accounting_broken``).
+    abandoned: int = 0
     # Allowed divergences a differential run used, by ID (testing/divergences.py).
     divergences: dict[str, int] = attrs.Factory(dict)
 
@@ -382,6 +385,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             error = SpecViolation(found, self.d.trace)
             if not self._failing(error):
                 raise error
+        if self.d.accounting_broken is not None:
+            # Outside the focus, an operation that failed after its own check said yes broke
+            # the target's block accounting (Driver.check): the example ends here without a
+            # verdict; searching on would only meet consequences (after F12's failed swap_out,
+            # a crash on a block id the GPU pool does not own).
+            self.stats.abandoned += 1
+            reject()
 
     def _failing(self, error: BaseException) -> bool:
         """A failure: the step-past policy may discard the example instead, or (True) let it
