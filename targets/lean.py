@@ -3,8 +3,9 @@
 A release's resolution installs what vLLM needs to serve a model on a GPU: attention and GEMM
 kernels, kernel compilers, CUDA toolkit pieces, serving and tool-calling clients.  kvspec
 imports only vLLM's block managers and its V1 scheduler, on the CPU.  A lean venv is the same
-dated, hashed resolution minus the distributions in ``LEFT_OUT``; ``kvspec provision --full``
-installs all of it.
+dated, hashed resolution minus the distributions in ``LEFT_OUT`` and minus the files of kept
+distributions ``prunable_files`` names ("Files inside kept distributions" below); ``kvspec
+provision --full`` installs all of it.
 
 How the list was made (``python -m bench.lean_trace``; BENCHMARKS.md, "Lean targets", has the
 commands and figures): every process of ``kvspec check --vllm 0.33.0 --examples 20``, of the
