@@ -513,6 +513,10 @@ def print_installed(t: Target) -> None:
     if record.lean:
         names = ", ".join(entry.split(":", 1)[0] for entry in record.left_out)
         out.print(f"  left out (targets/lean.py): {names or 'nothing this release installs'}", markup=False)
+    if record.pruned:
+        files = ", ".join(entry.split(" (", 1)[0] for entry in record.pruned[:3])
+        more = f" + {len(record.pruned) - 3} more" if len(record.pruned) > 3 else ""
+        out.print(f"  files removed, never loaded (targets/lean.py): {files}{more}", markup=False)
     out.print(f"  installed versions and hashes: {record_path(t.venv)}", markup=False)
     if record.lockfile:
         out.print(f"  dated resolution with hashes: {record.lockfile}", markup=False)

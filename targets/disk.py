@@ -208,3 +208,48 @@ def _pointers_to(ids: set[str]) -> list[Path]:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def entry_holding(path: Path, relative: str, root: Path | None = None) -> Path | None:
+    """The cache archive entry (an unpacked wheel) whose file ``relative`` (its path inside the
+    wheel, as inside site-packages) is ``path`` -- the same inode: a venv's hard link; None if
+    none is (uv copied the file, or the venv wrote it)."""
+    st = os.lstat(path)
+    if st.st_nlink < 2:
+        return None
+    archive = (root or cache_dir()) / ARCHIVE
+    for entry in sorted(archive.iterdir()) if archive.is_dir() else ():
+        try:
+            other = os.lstat(entry / relative)
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return entry
+    return None
+
+
+def detach(path: Path, relative: str) -> tuple[Path, ...]:
+    """Remove the cache entry holding ``path`` (``entry_holding``) and the cache pointers and
+    links naming it, so that the venv's link is the only one left of each of its files and removing a file from the venv
+    frees its bytes; what was removed.  uv downloads that wheel again if a later resolution asks
+    for it.  Other venvs' links to the entry's files keep those files whole."""
+    entry = entry_holding(path, relative)
+    if entry is None:
+        return ()
+    pointers = [*_pointers_to({entry.name}), *_links_to(entry)]
+    shutil.rmtree(entry, ignore_errors=True)
+    for pointer in pointers:
+        pointer.unlink(missing_ok=True)
+    return (entry, *pointers)
+
+
+def _links_to(entry: Path) -> list[Path]:
+    """The cache's symbolic links to an archive entry (uv names an unpacked wheel by one)."""
+    root = cache_dir() / POINTERS
+    found = []
+    for folder, dirs, names in os.walk(root) if root.is_dir() else ():
+        for name in [*dirs, *names]:
+            path = Path(folder) / name
+            if path.is_symlink() and Path(os.readlink(path)).name == entry.name:
+                found.append(path)
+    return sorted(found)

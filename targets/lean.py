@@ -3,8 +3,9 @@
 A release's resolution installs what vLLM needs to serve a model on a GPU: attention and GEMM
 kernels, kernel compilers, CUDA toolkit pieces, serving and tool-calling clients.  kvspec
 imports only vLLM's block managers and its V1 scheduler, on the CPU.  A lean venv is the same
-dated, hashed resolution minus the distributions in ``LEFT_OUT``; ``kvspec provision --full``
-installs all of it.
+dated, hashed resolution minus the distributions in ``LEFT_OUT`` and minus the files of kept
+distributions ``prunable_files`` names ("Files inside kept distributions" below); ``kvspec
+provision --full`` installs all of it.
 
 How the list was made (``python -m bench.lean_trace``; BENCHMARKS.md, "Lean targets", has the
 commands and figures): every process of ``kvspec check --vllm 0.33.0 --examples 20``, of the
@@ -96,6 +97,11 @@ LEFT_OUT: dict[str, str] = {
             ("numba", "llvmlite"),
         ),
         (
+            # ray[cgraph] requires it (0.12.0's resolution); only ray's NCCL collectives import it
+            "CUDA arrays for ray's GPU channels (ray.util.collective, ray.experimental.channel)",
+            ("cupy-cuda12x", "cupy-cuda11x"),
+        ),
+        (
             "media decoding, model loading and serving-side clients",
             (
                 "pynvvideocodec",
@@ -174,9 +180,7 @@ def wheel_dirs(environ: dict[str, str] | None = None) -> tuple[Path, ...]:
     return tuple(Path(d.removeprefix("file://")) for d in found if d and "://" not in d.removeprefix("file://"))
 
 
-def cpu_torch_wheel(
-    pinned: str | None, python_tag: str, dirs: tuple[Path, ...] | None = None
-) -> Path | None:
+def cpu_torch_wheel(pinned: str | None, python_tag: str, dirs: tuple[Path, ...] | None = None) -> Path | None:
     """A CPU build of torch for this Python (``python_tag``: ``cp311``), from ``wheel_dirs``:
     the release's own pin (``pinned``) where one lies there, else the newest; None if none does."""
     wheels: list[tuple[tuple[int, ...], Path]] = []
@@ -190,3 +194,151 @@ def cpu_torch_wheel(
         return None
     exact = [path for key, path in wheels if pinned is not None and key == _version_key(pinned)]
     return exact[0] if exact else max(wheels)[1]
+
+
+# ------------------------------------------------------------------------------ pruned files
+#
+# Files inside kept distributions (issue 24).  A venv beside a CPU torch still holds vLLM's own
+# wheel whole, and most of its bytes are compiled CUDA extensions (0.33.0: 633 of 799 MiB; 0.12.0:
+# 1,081 of 1,097 MiB).  Each links torch's CUDA libraries (``DT_NEEDED`` libtorch_cuda.so /
+# libc10_cuda.so, read from the file itself), which a CPU build of torch does not ship, so the
+# dynamic loader cannot load it in that venv whatever vLLM's code asks; ``bench.lean_trace`` on
+# ``kvspec check --vllm 0.33.0 / 0.12.0 --seed 1`` and the pinned-finding target tests mapped none
+# of them.  A venv that keeps torch's CUDA build (0.6.3: its extensions load there and stay)
+# instead holds CUDA libraries no shared object of it links -- cuDNN's engine and op libraries,
+# which libcudnn.so.9 dlopens for a cuDNN call on a GPU (973 MiB), NVBLAS, cuSOLVER-Mg, CUPTI's
+# profiler hosts -- and triton's GPU assembler tools; the trace of a default ``kvspec check
+# --vllm 0.6.3`` mapped none of them.  ``PRUNED_VLLM_FILES`` names what vLLM's wheel ships that
+# no process kvspec drives executes or reads.  These files are removed from the venv
+# (``provision.prune_unloaded``) after their wheel's uv cache entry is detached from it
+# (``disk.detach``): a venv hard-links uv's cache, so removing a venv's link alone would free
+# nothing.  The record lists each removed file (``kvspec-lock.json``, "pruned"); ``--full``
+# removes nothing.
+
+# Shipped only by torch's CUDA build (torch/lib); a CPU build has neither.
+CUDA_TORCH_SONAMES = frozenset({"libtorch_cuda.so", "libc10_cuda.so"})
+UNLOADABLE_REASON = (
+    "compiled CUDA extension linking {needs}, which a CPU build of torch does not ship: "
+    "the loader cannot load it in this venv (targets/lean.py)"
+)
+# (pattern relative to site-packages, reason): what vLLM's wheel ships that no kvspec process runs.
+PRUNED_VLLM_FILES: tuple[tuple[str, str], ...] = (
+    (
+        "vllm/vllm-rs",
+        "vLLM's Rust serving front end, a program `vllm serve` starts (VLLM_RUST_FRONTEND_PATH); "
+        "kvspec imports vLLM and starts no server",
+    ),
+    *(
+        (
+            f"vllm/**/*{suffix}",
+            "C++/CUDA kernel source or header, read only by a CUDA compiler (DeepGEMM's and "
+            "CUTLASS' kernel JIT on a GPU)",
+        )
+        for suffix in (".h", ".hpp", ".cuh", ".cu", ".inl")
+    ),
+)
+
+
+def elf_needed(path: Path) -> tuple[str, ...] | None:
+    """The ``DT_NEEDED`` entries of a 64-bit little-endian ELF file (the libraries the loader must
+    find before the file loads); None if the file is not one or has no dynamic section."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None
+            (shoff,) = struct.unpack_from("<Q", head, 0x28)
+            shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+            f.seek(shoff)
+            table = f.read(shentsize * shnum)
+            sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+            for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+                if kind != 6:  # SHT_DYNAMIC
+                    continue
+                f.seek(offset)
+                dynamic = f.read(size)
+                strtab = sections[link]
+                f.seek(strtab[4])
+                strings = f.read(strtab[5])
+                names = []
+                for i in range(0, len(dynamic) - 15, entsize or 16):
+                    tag, value = struct.unpack_from("<qQ", dynamic, i)
+                    if tag == 0:  # DT_NULL
+                        break
+                    if tag == 1:  # DT_NEEDED
+                        names.append(strings[value : strings.index(b"\0", value)].decode())
+                return tuple(names)
+    except (OSError, struct.error, IndexError, ValueError):
+        return None
+    return None
+
+
+def has_cuda_torch(site: Path) -> bool:
+    """Whether a site-packages holds any of ``CUDA_TORCH_SONAMES`` (torch's CUDA build)."""
+    return any(next(site.glob(f"torch/lib/{name}*"), None) is not None for name in CUDA_TORCH_SONAMES)
+
+
+# Beside torch's CUDA build (0.6.3's fallback), what no process kvspec drives maps or runs.
+CUDA_VENV_PRUNED_FILES: tuple[tuple[str, str], ...] = (
+    (
+        "triton/backends/nvidia/bin/*",
+        "CUDA assembler and disassembler programs (ptxas, nvdisasm, cuobjdump) triton runs only "
+        "when it compiles a kernel for a GPU",
+    ),
+)
+UNLINKED_REASON = (
+    "CUDA library no shared object of the venv outside nvidia/ links (DT_NEEDED, directly or "
+    "through another CUDA library): loaded only by dlopen when its CUDA operation runs on a GPU "
+    "(cuDNN's engine and op libraries, NVBLAS); never mapped by a default check (targets/lean.py)"
+)
+
+
+def _shared_objects(site: Path) -> list[Path]:
+    return [p for p in site.rglob("*.so*") if p.is_file() and not p.is_symlink() and ".so" in p.name]
+
+
+def unlinked_cuda_libraries(site: Path) -> list[Path]:
+    """The files under ``nvidia/*/lib`` that no shared object of the venv outside ``nvidia/``
+    needs, directly or through other CUDA libraries: what the dynamic loader never maps when torch
+    and vLLM load, and only a ``dlopen`` by name on a GPU does."""
+    objects = _shared_objects(site)
+    cuda = [p for p in objects if p.relative_to(site).parts[0] == "nvidia"]
+    by_name: dict[str, list[Path]] = {}
+    for path in cuda:
+        by_name.setdefault(path.name, []).append(path)
+    linked: set[Path] = set()
+    todo = [p for p in objects if p.relative_to(site).parts[0] != "nvidia"]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in elf_needed(path) or ():
+            for lib in by_name.get(name, ()):
+                linked.add(lib)
+                todo.append(lib)
+    return sorted(p for p in cuda if p not in linked and elf_needed(p) is not None)
+
+
+def prunable_files(site: Path) -> list[tuple[Path, str]]:
+    """The files of a lean venv's distributions that no kvspec process loads, each with its reason:
+    beside a CPU torch, vLLM's extensions needing torch's CUDA libraries; beside torch's CUDA build,
+    the CUDA libraries nothing links and triton's GPU tools; either way ``PRUNED_VLLM_FILES``."""
+    found: dict[Path, str] = {}
+    cuda_torch = has_cuda_torch(site)
+    if (site / "vllm").is_dir() and not cuda_torch:
+        for path in sorted((site / "vllm").rglob("*.so")):
+            needs = sorted(CUDA_TORCH_SONAMES & set(elf_needed(path) or ()))
+            if needs and not path.is_symlink():
+                found[path] = UNLOADABLE_REASON.format(needs=", ".join(needs))
+    if cuda_torch and (site / "nvidia").is_dir():
+        found.update((path, UNLINKED_REASON) for path in unlinked_cuda_libraries(site))
+    patterns = [*PRUNED_VLLM_FILES, *(CUDA_VENV_PRUNED_FILES if cuda_torch else ())]
+    for pattern, reason in patterns:
+        for path in sorted(site.glob(pattern)):
+            if path.is_file() and not path.is_symlink():
+                found.setdefault(path, f"{reason} (targets/lean.py)")
+    return sorted(found.items())

@@ -110,6 +110,9 @@ class LockRecord:
     # ``left_out`` names each pin it did not install, with the reason.
     lean: bool = False
     left_out: tuple[str, ...] = ()
+    # Files a lean venv removed from installed distributions (``provision.prune_unloaded``), each
+    # with its size and reason.
+    pruned: tuple[str, ...] = ()
 
     def version_of(self, name: str) -> str | None:
         want = canonical(name)
@@ -135,6 +138,7 @@ class LockRecord:
             "lockfile": self.lockfile,
             "lean": self.lean,
             "left_out": list(self.left_out),
+            "pruned": list(self.pruned),
             "flags": [str(f) for f in self.flags()],
             "packages": [attrs.asdict(p) for p in self.packages],
         }
@@ -163,6 +167,7 @@ class LockRecord:
             packages=packages,
             lean=bool(data.get("lean", False)),
             left_out=tuple(data.get("left_out", ())),
+            pruned=tuple(data.get("pruned", ())),
         )
 
 

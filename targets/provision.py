@@ -34,8 +34,15 @@ from typing import Any
 
 import attrs
 
-from .disk import provision_lock
-from .lean import CUDA_TORCH_REASON, cpu_torch_wheel, cuda_torch_closure, lean_requirements, left_out_reason
+from .disk import detach, provision_lock
+from .lean import (
+    CUDA_TORCH_REASON,
+    cpu_torch_wheel,
+    cuda_torch_closure,
+    lean_requirements,
+    left_out_reason,
+    prunable_files,
+)
 from .lock import (
     KNOWN_PLACEHOLDERS,
     Flag,
@@ -309,9 +316,16 @@ def kvspec_closure(venv: Path) -> set[str]:
 
 
 def make_record(
-    t: Target, *, method: str, cutoff: str | None, dropped: tuple[str, ...], left_out: tuple[str, ...] | None = None
+    t: Target,
+    *,
+    method: str,
+    cutoff: str | None,
+    dropped: tuple[str, ...],
+    left_out: tuple[str, ...] | None = None,
+    pruned: tuple[str, ...] = (),
 ) -> LockRecord:
-    """``left_out``: the pins a lean venv did not install, each with its reason (None: a full venv)."""
+    """``left_out``: the pins a lean venv did not install, each with its reason (None: a full venv);
+    ``pruned``: the files ``prune_unloaded`` removed, each with its size and reason."""
     lock = lock_path(t.version)
     return LockRecord(
         vllm=t.version,
@@ -323,6 +337,7 @@ def make_record(
         packages=scan(t.venv),
         lean=left_out is not None,
         left_out=left_out or (),
+        pruned=pruned,
     )
 
 
@@ -490,6 +505,38 @@ def _sync(t: Target, lock: Path, progress: Progress) -> None:
     )
 
 
+def prune_unloaded(t: Target, progress: Progress) -> tuple[str, ...]:
+    """Remove from a lean venv the files of its distributions that no kvspec process loads
+    (``lean.prunable_files``: beside a CPU torch, vLLM's CUDA extensions; beside torch's CUDA
+    build, the CUDA libraries nothing links), after detaching each one's uv cache entry from the
+    venv (``disk.detach``) so that their bytes are freed; each removed file (the smaller ones
+    counted per reason) with its size and reason."""
+    site = next(iter(sorted(t.venv.glob("lib/python*/site-packages"))))
+    files = prunable_files(site)
+    detached: list[str] = []
+    by_reason: dict[str, list[tuple[Path, int]]] = {}
+    for path, reason in files:
+        st = path.lstat()
+        if st.st_nlink > 1:  # still linked from uv's cache: detach that wheel's entry first
+            gone = detach(path, str(path.relative_to(site)))
+            detached += [f"{gone[0].name} ({path.relative_to(site).parts[0]})"] if gone else []
+        by_reason.setdefault(reason, []).append((path, st.st_size))
+        path.unlink()
+    removed = []  # each file of 1 MiB or more by name, the rest counted per reason
+    for reason, group in by_reason.items():
+        removed += [f"{path.relative_to(site)} ({n / 2**20:.1f} MiB): {reason}" for path, n in group if n >= 2**20]
+        small = [(path, n) for path, n in group if n < 2**20]
+        if small:
+            kinds = " ".join(sorted({path.suffix or path.name for path, _ in small}))
+            size = sum(n for _, n in small)
+            removed.append(f"{len(small)} smaller files ({kinds}; {size / 2**20:.1f} MiB): {reason}")
+    if files:
+        total = sum(n for group in by_reason.values() for _, n in group)
+        where = f"uv cache entries detached: {', '.join(detached)}" if detached else "nothing linked from uv's cache"
+        progress(f"lean: removed {len(files)} files no kvspec process loads, {total / 2**20:.0f} MiB ({where})")
+    return tuple(removed)
+
+
 # The V1 scheduler adapter's vLLM modules (adapters/v1_scheduler.py).
 V1_SCHEDULER_MODULES = ("vllm.v1.core.sched.scheduler", "vllm.v1.outputs", "vllm.v1.structured_output")
 
@@ -497,7 +544,6 @@ V1_SCHEDULER_MODULES = ("vllm.v1.core.sched.scheduler", "vllm.v1.outputs", "vllm
 def driven_modules(t: Target) -> tuple[str, ...]:
     """What a lean venv must import: the block-manager modules, and on V1 the scheduler."""
     return (*release_modules(t.version), *(V1_SCHEDULER_MODULES if t.engine == "v1" else ()))
-
 
 
 def provision(version: str, progress: Progress = print, *, engine: str | None = None, full: bool = False) -> Target:
@@ -534,6 +580,7 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
             _run(_uv("venv", "--python", sys.executable, str(t.venv)), progress, "creating the venv", timeout=300)
             lock, dropped = resolve(t, cutoff, progress)
             left_out: tuple[str, ...] | None = None
+            pruned: tuple[str, ...] = ()
             if full:
                 _sync(t, lock, progress)
             else:
@@ -557,8 +604,10 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
                 try:
                     check_imports(t, progress, driven_modules(t))
                 except TargetError as error:
-                    progress(f"the lean venv with a CPU torch does not import what kvspec drives "
-                             f"({first_line(str(error))}); installing torch's CUDA build")
+                    progress(
+                        f"the lean venv with a CPU torch does not import what kvspec drives "
+                        f"({first_line(str(error))}); installing torch's CUDA build"
+                    )
                     _sync(t, lean, progress)
                     (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
                     install_kvspec(t, progress)
@@ -570,16 +619,22 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
                 try:
                     check_imports(t, progress, driven_modules(t))
                 except TargetError as error:
-                    progress(f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
-                             "installing the full resolution")
+                    progress(
+                        f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
+                        "installing the full resolution"
+                    )
                     _sync(t, lock, progress)  # removes kvspec and the stand-ins: not in the resolution
                     (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
                     install_kvspec(t, progress)
                     write_stand_ins(t, progress)
                     left_out = None
+            if left_out is not None:
+                pruned = prune_unloaded(t, progress)
             bytecode_marker(t).write_text("uv pip sync --compile-bytecode\n")
-            check_imports(t, progress)
-            record = make_record(t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped, left_out=left_out)
+            check_imports(t, progress, driven_modules(t) if pruned else None)
+            record = make_record(
+                t, method="uv, dated", cutoff=_stamp(cutoff), dropped=dropped, left_out=left_out, pruned=pruned
+            )
             write_record(t.venv, record)
         except BaseException:
             shutil.rmtree(t.venv, ignore_errors=True)

@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 from kvspec.cli.common import UsageError
 from kvspec.cli.target import venv_for_source
+from kvspec.targets import disk
 from kvspec.targets import provision as prov
 from kvspec.targets.lean import (
     CUDA_TORCH_REASON,
     LEFT_OUT,
     cpu_torch_wheel,
     cuda_torch_closure,
+    elf_needed,
     lean_requirements,
+    prunable_files,
     wheel_dirs,
 )
 from kvspec.targets.lock import (
@@ -93,10 +96,15 @@ def test_managers_per_release(version, legacy, v1):
         assert all(m.startswith("vllm.core.") for m in t.modules)
     if v1:
         assert target(version).engine == "v1"  # the engine such releases run by default
-    assert set(prov.release_modules(version)) == {
-        *target(version, "legacy").modules,
-        *(target(version, "v1").modules if v1 else ()),
-    } if legacy else set(target(version).modules)
+    assert (
+        set(prov.release_modules(version))
+        == {
+            *target(version, "legacy").modules,
+            *(target(version, "v1").modules if v1 else ()),
+        }
+        if legacy
+        else set(target(version).modules)
+    )
 
 
 def test_release_order_and_refusals():
@@ -460,3 +468,159 @@ def test_without_a_cpu_torch_wheel_the_lean_venv_keeps_torchs_cuda_build(tmp_pat
     prov.provision("0.5.4", progress=said.append)
     assert synced == [prov.lean_lock_path("0.5.4")]
     assert any("no CPU build of torch" in s for s in said)
+
+
+# ------------------------------------------------------------------------------ pruned vLLM files
+
+
+def _elf(path: Path, needed: list[str]) -> Path:
+    """A minimal 64-bit little-endian ELF file whose dynamic section needs ``needed``."""
+    import struct
+
+    strings = b"\0" + b"".join(n.encode() + b"\0" for n in needed)
+    offsets = [1 + sum(len(n) + 1 for n in needed[:i]) for i in range(len(needed))]
+    dynamic = b"".join(struct.pack("<qQ", 1, o) for o in offsets) + struct.pack("<qQ", 0, 0)
+    str_off = 64
+    dyn_off = str_off + len(strings)
+    sh_off = dyn_off + len(dynamic)
+    sections = [
+        struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, str_off, len(strings), 0, 0, 1, 0),  # SHT_STRTAB
+        struct.pack("<IIQQQQIIQQ", 0, 6, 0, 0, dyn_off, len(dynamic), 1, 0, 8, 16),  # SHT_DYNAMIC
+    ]
+    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    header = ident + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, sh_off, 0, 64, 0, 0, 64, len(sections), 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header + strings + dynamic + b"".join(sections))
+    return path
+
+
+def test_elf_needed_reads_the_libraries_a_shared_object_links(tmp_path):
+    so = _elf(tmp_path / "_C.abi3.so", ["libtorch.so", "libtorch_cuda.so", "libc.so.6"])
+    assert elf_needed(so) == ("libtorch.so", "libtorch_cuda.so", "libc.so.6")
+    assert elf_needed(_elf(tmp_path / "static.so", [])) == ()
+    (tmp_path / "text.so").write_text("not an ELF file\n")
+    assert elf_needed(tmp_path / "text.so") is None
+    assert elf_needed(tmp_path / "missing.so") is None
+
+
+def _vllm_site(root: Path, *, cuda_torch: bool) -> Path:
+    site = root / "lib" / "python3.11" / "site-packages"
+    (site / "torch" / "lib").mkdir(parents=True)
+    (site / "torch" / "lib" / "libtorch_cpu.so").write_bytes(b"")
+    if cuda_torch:
+        (site / "torch" / "lib" / "libtorch_cuda.so").write_bytes(b"")
+    (site / "vllm" / "third_party" / "deep_gemm" / "include").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    _elf(site / "vllm" / "_C.abi3.so", ["libtorch.so", "libtorch_cuda.so"])
+    _elf(site / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.abi3.so", ["libc10_cuda.so"])
+    _elf(site / "vllm" / "cpu_only.abi3.so", ["libtorch_cpu.so", "libc.so.6"])  # loadable: kept
+    (site / "vllm" / "vllm-rs").write_bytes(b"\x7fELF")
+    (site / "vllm" / "third_party" / "deep_gemm" / "include" / "gemm.cuh").write_text("//")
+    (site / "vllm" / "csrc.h").write_text("//")
+    return site
+
+
+# What _vllm_site holds that goes whatever the build of torch: the Rust front end, kernel headers.
+_NEVER_RUN = {"vllm/vllm-rs", "vllm/third_party/deep_gemm/include/gemm.cuh", "vllm/csrc.h"}
+
+
+def _prunable(site: Path) -> dict[str, str]:
+    return {str(p.relative_to(site)): why for p, why in prunable_files(site)}
+
+
+def test_beside_a_cpu_torch_the_cuda_extensions_rust_front_end_and_kernel_headers_are_prunable(tmp_path):
+    site = _vllm_site(tmp_path, cuda_torch=False)
+    found = _prunable(site)
+    assert set(found) == {"vllm/_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", *_NEVER_RUN}
+    assert (
+        "libtorch_cuda.so" in found["vllm/_C.abi3.so"]
+        and "libc10_cuda.so" in found["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"]
+    )
+    assert "Rust" in found["vllm/vllm-rs"] and "CUDA compiler" in found["vllm/csrc.h"]
+
+
+def test_beside_torchs_cuda_build_the_extensions_stay(tmp_path):
+    site = _vllm_site(tmp_path, cuda_torch=True)
+    assert set(_prunable(site)) == _NEVER_RUN
+    assert prunable_files(tmp_path / "nowhere") == []
+
+
+def test_pruning_detaches_vllms_cache_entry_then_frees_the_files(tmp_path, monkeypatch):
+    """The venv hard-links vLLM's unpacked wheel from the cache, as uv does: pruning removes the
+    entry (and the pointer and link naming it), then the files, so their bytes are freed; the rest
+    of vLLM stays, now the venv's only copy."""
+    monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
+    entry = tmp_path / "uv-cache" / disk.ARCHIVE / "VLLMentry"
+    wheel = _vllm_site(tmp_path / "wheel", cuda_torch=False)
+    (entry).mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(wheel / "vllm"), str(entry / "vllm")], check=True)
+    pointers = tmp_path / "uv-cache" / disk.POINTERS / "pypi" / "vllm"
+    pointers.mkdir(parents=True)
+    (pointers / "0.33.0-cp38-abi3.msgpack").write_bytes(b"\xa9VLLMentry")
+    (pointers / "0.33.0-cp38-abi3").symlink_to(Path("../../..") / disk.ARCHIVE / "VLLMentry")
+    other = tmp_path / "uv-cache" / disk.ARCHIVE / "OTHERentry"
+    (other / "numpy").mkdir(parents=True)
+    (other / "numpy" / "__init__.py").write_text("")
+    t = Target("0.33.0", "v1", ("v1",), path=tmp_path / "venv")
+    site = _vllm_site(t.venv, cuda_torch=False)
+    for f in entry.rglob("*"):
+        if f.is_file():
+            dest = site / f.relative_to(entry)
+            dest.unlink()
+            dest.hardlink_to(f)
+    said: list[str] = []
+    pruned = prov.prune_unloaded(t, said.append)
+    assert not entry.exists() and other.exists()
+    assert not (pointers / "0.33.0-cp38-abi3.msgpack").exists() and not (pointers / "0.33.0-cp38-abi3").is_symlink()
+    assert not (site / "vllm" / "_C.abi3.so").exists() and not (site / "vllm" / "vllm-rs").exists()
+    assert (site / "vllm" / "cpu_only.abi3.so").stat().st_nlink == 1  # kept, the venv's own now
+    assert (site / "vllm" / "__init__.py").exists()
+    assert any(line.startswith("2 smaller files (.cuh .h; ") for line in pruned)
+    assert sum("compiled CUDA extension" in line for line in pruned) == 2  # one line per reason
+    assert "detached" in said[-1]
+    assert prov.prune_unloaded(t, said.append) == ()  # nothing left to prune
+
+
+def test_a_cpu_torch_venv_records_what_was_pruned_and_imports_after(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
+    _wheel(tmp_path / "wheels", "2.13.0")
+    imported: list[tuple[str, ...] | None] = []
+    checked = prov.check_imports
+    monkeypatch.setattr(
+        prov,
+        "check_imports",
+        lambda t, progress, modules=None: imported.append(modules) or checked(t, progress, modules),
+    )
+    monkeypatch.setattr(prov, "prune_unloaded", lambda t, progress: ("vllm/_C.abi3.so (400.0 MiB): why",))
+    t = prov.provision("0.5.4", progress=lambda msg: None)
+    record = read_record(t.venv)
+    assert record is not None and record.pruned == ("vllm/_C.abi3.so (400.0 MiB): why",)
+    assert imported[-1] == prov.driven_modules(t)  # what kvspec drives imports after the pruning
+    assert synced
+
+
+def test_a_full_venv_is_not_pruned(tmp_path, monkeypatch):
+    _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
+    _wheel(tmp_path / "wheels", "2.13.0")
+    monkeypatch.setattr(prov, "prune_unloaded", lambda t, progress: pytest.fail("pruned a full venv"))
+    t = prov.provision("0.5.4", progress=lambda msg: None, full=True)
+    record = read_record(t.venv)
+    assert record is not None and record.pruned == ()
+
+
+def test_beside_torchs_cuda_build_the_cuda_libraries_nothing_links_and_tritons_tools_are_prunable(tmp_path):
+    """0.6.3's fallback: what torch's libraries link (directly or through another CUDA library)
+    stays; cuDNN's sub-libraries, which libcudnn.so.9 only dlopens, and triton's ptxas go."""
+    site = _vllm_site(tmp_path, cuda_torch=True)
+    _elf(site / "torch" / "lib" / "libtorch_cuda.so", ["libcudnn.so.9", "libcusparse.so.12"])
+    _elf(site / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9", ["libc.so.6"])
+    _elf(site / "nvidia" / "cudnn" / "lib" / "libcudnn_ops.so.9", ["libcudnn.so.9"])
+    _elf(site / "nvidia" / "cusparse" / "lib" / "libcusparse.so.12", ["libnvJitLink.so.12"])
+    _elf(site / "nvidia" / "nvjitlink" / "lib" / "libnvJitLink.so.12", [])
+    (site / "nvidia" / "cudnn" / "lib" / "__init__.py").write_text("")
+    (site / "triton" / "backends" / "nvidia" / "bin").mkdir(parents=True)
+    (site / "triton" / "backends" / "nvidia" / "bin" / "ptxas").write_bytes(b"\x7fELF")
+    found = _prunable(site)
+    assert set(found) == {"nvidia/cudnn/lib/libcudnn_ops.so.9", "triton/backends/nvidia/bin/ptxas", *_NEVER_RUN}
+    assert "dlopen" in found["nvidia/cudnn/lib/libcudnn_ops.so.9"]
