@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.groups import Shape
-from kvspec.spec.invariants import INVARIANTS
+from kvspec.spec.invariants import INVARIANTS, Violation
 from kvspec.testing.artifacts.report import (
     ReportError,
     build_report,
@@ -34,7 +35,16 @@ from kvspec.testing.blockmanager.driver import TraceStep
 from kvspec.testing.blockmanager.machine import RunStats
 from kvspec.testing.guard import Guard, GuardTripped, Limits
 from kvspec.testing.implementations import lookup_scheduler
-from kvspec.testing.known import SHIPPED, Fingerprint, KnownFinding, KnownFindingsError, load_known
+from kvspec.testing.known import (
+    SHIPPED,
+    Fingerprint,
+    GoPast,
+    KnownFinding,
+    KnownFindingsError,
+    go_past_known,
+    load_known,
+    own_findings,
+)
 from kvspec.testing.reach import Measurement
 from kvspec.testing.scheduler.replay import in_context, scheduler_session
 from rich.markup import escape
@@ -510,7 +520,7 @@ def report_outcome(
         out.print(f"[yellow]no standalone reproducer[/]: {escape(reason)}")
         repro_info = {"status": "not-available", "reason": reason, "path": None}
     else:
-        repro_info = write_reproducer(args, o, here, impl, out_dir)
+        repro_info = write_reproducer(args, o, here, impl, out_dir, annotate)
     report = build_report(
         outcome=o.status,
         impl=impl,
@@ -576,16 +586,35 @@ def output_dir(args: argparse.Namespace, impl: str) -> Path:
 
 
 def write_reproducer(
-    args: argparse.Namespace, o: Outcome, here: VllmHere | None, impl: str, out_dir: Path
+    args: argparse.Namespace,
+    o: Outcome,
+    here: VllmHere | None,
+    impl: str,
+    out_dir: Path,
+    found: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the standalone reproducer if one can be made *and* it fails on this target."""
+    """Write the standalone reproducer if one can be made *and* it fails on this target.  Its
+    re-run goes past the target's go_on known findings other than ``found``'s (``found_json``:
+    the violation's fingerprint and known finding), as the search did, and the file checks the
+    violation's own facts, not theirs."""
     assert o.config is not None
     meta = {
         "kvspec_version": kvspec.__version__,
         "vllm_version": here.version if here else None,
         "focus": list(o.focus) if o.focus is not None else None,
     }
-    return keep_reproducer(args, generate(impl, o.config, o.trace, o.violations, meta), out_dir)
+    fp = (found or {}).get("fingerprint")
+    known = known_for(args, impl, here)
+    own = own_findings(
+        known,
+        Fingerprint(**fp) if fp else None,
+        o.violations,
+        o.config,
+        o.trace,
+        recorded=((found or {}).get("known_finding"),),
+    )
+    go_past = go_past_known(known, impl, here.version if here else None, own)
+    return keep_reproducer(args, generate(impl, o.config, o.trace, o.violations, meta, go_past), out_dir)
 
 
 def keep_reproducer(args: argparse.Namespace, made: Reproducer | NotReproducible, out_dir: Path) -> dict[str, Any]:
@@ -692,15 +721,18 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         return resolved
     here, impl = resolved
     guard = Guard(limits_from(args, report.get("limits")))
+    known_impl = own_scheduler or (SCHEDULER_IMPL if scheduler else impl)
+    go_past = replay_go_past(args, report, trace, config if not scheduler else None,
+                             config if scheduler else None, known_impl, here)
     if own_scheduler is not None:
         impl = own_scheduler
         guarded = guard.wrap(lookup_scheduler(own_scheduler).factory)
         mode = report.get("differential_mode")
-        session = scheduler_session(config, Mode(mode) if mode else None)
+        session = scheduler_session(config, Mode(mode) if mode else None, go_past)
     elif scheduler:
         guarded = guard.wrap(scheduler_factory())
         mode = report.get("differential_mode")
-        session = scheduler_session(config, Mode(mode) if mode else None)
+        session = scheduler_session(config, Mode(mode) if mode else None, go_past)
     else:
         guarded = guard.wrap(factory_for(impl))
 
@@ -714,9 +746,9 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         with guard.armed():
             result = (
                 # The scheduler machine notes what it does through hypothesis: in a test's context.
-                in_context(lambda: rerun(quiet, config, trace, focus=focus, session=session))
+                in_context(lambda: rerun(quiet, config, trace, focus=focus, session=session, go_past=go_past))
                 if scheduler
-                else rerun(quiet, config, trace, focus=focus)
+                else rerun(quiet, config, trace, focus=focus, go_past=go_past)
             )
     except (ConfigError, Unsupported) as error:
         raise UsageError(
@@ -735,6 +767,33 @@ def cmd_replay(args: argparse.Namespace, argv: list[str]) -> int:
         table.add_row(str(i), escape(_op_text(new)), escape(old.outcome), shown)
     out.print(table)
     return replay_verdict(report, trace, result, same_code(recorded, target_json(here, impl)))
+
+
+def replay_go_past(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    trace: list[TraceStep],
+    config: Config | None,
+    shape: Shape | None,
+    impl: str,
+    here: VllmHere | None,
+) -> GoPast | None:
+    """What a replay goes past, as the search that made the report did: the ``go_on`` known
+    findings of the target (``--no-known``: none; ``--known FILE``: more) other than the report's
+    own finding (what its run labelled it, and what its own violations match now)."""
+    mine = known_for(args, impl, here)
+    verdict = report.get("verdict") or {}
+    recorded_fp = report.get("fingerprint") or verdict.get("fingerprint")
+    try:
+        violations = [Violation.from_json(v) for v in report.get("violations") or []]
+        fp = Fingerprint(**recorded_fp) if isinstance(recorded_fp, dict) else None
+    except TypeError as error:
+        raise UsageError(f"{args.report}: {error}", "the report is damaged") from None
+    if fp is None and violations:
+        fp = Fingerprint(violations[0].invariant, trace[-1].op if trace else "teardown")
+    own = own_findings(mine, fp, violations, config, trace, shape,
+                       (report.get("known_finding"), verdict.get("known_finding")))
+    return go_past_known(mine, impl, here.version if here is not None else None, own)
 
 
 def _op_text(step: TraceStep) -> str:

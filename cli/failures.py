@@ -28,6 +28,7 @@ from kvspec.testing.guard import (
     crash_traceback,
     raised_in_kvspec,
 )
+from kvspec.testing.known import GoPast
 from rich.markup import escape
 
 from .common import EXIT_FOUND, EXIT_KVSPEC_ERROR, EXIT_OK, UsageError, out
@@ -92,10 +93,13 @@ def guard_of_outcome(o: Any) -> str | None:
 # ------------------------------------------------------------------------------ filling an outcome
 
 
-def fill_failure(outcome: Any, error: BaseException, factory: Callable[[Config], Any]) -> None:
+def fill_failure(
+    outcome: Any, error: BaseException, factory: Callable[[Config], Any], go_past: GoPast | None = None
+) -> None:
     """Complete an outcome that ended in ``error``: the message, the crash (call, exception,
     target file:line) and traceback, the trace and configuration a trip carries, and for a
-    nondeterministic target the step it answered differently (re-running the trace)."""
+    nondeterministic target the step it answered differently (re-running the trace, going past
+    what ``go_past`` goes past, as the search did)."""
     guard = guard_of(factory)
     failure = guard.failure if guard is not None else None
     outcome.exception = error
@@ -130,7 +134,7 @@ def fill_failure(outcome: Any, error: BaseException, factory: Callable[[Config],
     if isinstance(error, Flaky) and outcome.config is not None:
         focus = outcome.focus
         outcome.difference = name_nondeterminism(
-            factory, outcome.config, outcome.trace, outcome.violations, focus=focus
+            factory, outcome.config, outcome.trace, outcome.violations, focus=focus, go_past=go_past
         )
 
 
@@ -321,6 +325,12 @@ def replay_verdict(
     recorded_ids = {v["invariant"] for v in report.get("violations", [])}
     difference = first_difference(trace, result.trace)
     unchanged = {True: "on the same code", None: "on code whose identity the report does not record"}
+    if result.gone_past:
+        gone = ", ".join(f"{k} ({n} check{'s' if n != 1 else ''})" for k, n in result.gone_past.items())
+        _say(
+            f"went past known finding(s) {escape(gone)}: go_on findings of this target, not the "
+            "report's own, as the search did (--no-known stops at them)"
+        )
     if result.crash is not None and result.error is not None and raised_in_kvspec(result.error):
         step = result.crash_step or 0
         at = f"step {step} ({result.crash.call})" if step else _outside(result.crash.call)

@@ -238,6 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("report", metavar="REPORT.json")
     _target_args(p)
     p.add_argument("--invariant", action="append", metavar="ID", help="check only this invariant")
+    p.add_argument(
+        "--known",
+        action="append",
+        metavar="FILE",
+        help="a known-findings file whose go_on findings the replay also goes past (repeatable)",
+    )
+    p.add_argument(
+        "--no-known",
+        action="store_true",
+        help="stop at the first violation, even one the search went past (a go_on known finding "
+        "of the target, such as V1-e; by default the replay goes past those, not the report's own)",
+    )
     add_limit_args(p)
 
     p = sub.add_parser("explain", help="an invariant: statement, spec source, vLLM code, proofs")

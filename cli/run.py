@@ -394,7 +394,8 @@ def run_machine(
     except Flaky as error:  # a failure that did not fail again: the target is nondeterministic
         outcome.status = "nondeterministic"
         outcome.config = tally.last_config
-        fill_failure(outcome, error, factory)
+        go_past = getattr(step_past, "go_past", None)  # a search round's Sieve: what it went past
+        fill_failure(outcome, error, factory, go_past() if go_past is not None else None)
     except Exception as error:  # the target crashed under a valid protocol, or kvspec's own code raised
         outcome.status = KVSPEC_ERROR if raised_in_kvspec(error) else "error"
         outcome.trace = list(tally.last_trace)

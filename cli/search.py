@@ -45,7 +45,7 @@ from kvspec.spec.config import Config
 from kvspec.testing import Features
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation
 from kvspec.testing.blockmanager.machine import CONTINUE
-from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, KnownFinding, label_failures, shape_of
+from kvspec.testing.known import DIFFERS, FEATURES, Fingerprint, GoPast, KnownFinding, label_failures, shape_of
 from rich.markup import escape
 from rich.table import Table
 
@@ -190,6 +190,12 @@ class Sieve:
             return True
         self.target, self.last = _identity(*fresh), fresh[0]
         return False
+
+
+    def go_past(self) -> GoPast:
+        """What a re-run of this round's traces goes past (naming a nondeterministic target's
+        step, cli/failures.py): the go_on findings the round steps past, and nothing else."""
+        return GoPast(self.known, frozenset(k.id for k in self.known if k.id not in self.stepped))
 
 
 def _identity(fp: Fingerprint, known: KnownFinding | None) -> Identity:

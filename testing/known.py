@@ -22,6 +22,7 @@ import inspect
 import re
 import tomllib
 import traceback
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import CodeType
@@ -472,3 +473,94 @@ def step_past_known(known: Iterable[KnownFinding], impl: str, version: str | Non
         return True
 
     return policy
+
+
+@attrs.define
+class GoPast:
+    """A re-run's step-past policy (``StepPast``: ``kvspec replay``, the straight-line
+    reproducers): an operation whose every failure is a ``go_on`` known finding of the target
+    other than the re-run's ``own`` (the finding its report is about) is gone past, as ``kvspec
+    check`` and ``kvspec fuzz`` went past it, and counted in ``gone``; anything else ends the
+    re-run.  Stricter than the search's Sieve, since a re-run must never claim a finding it
+    did not meet: only a SpecViolation (never a crash), and each violation of an invariant a
+    finding names shows one of the finding's kinds (a conservation violation of another kind
+    beside V1-e's wrong usage is not V1-e)."""
+
+    known: Sequence[KnownFinding]  # the target's known findings: they name the failures
+    own: frozenset[str] = frozenset()  # never gone past
+    gone: Counter[str] = attrs.Factory(Counter)  # known id -> checks gone past
+
+    def judge(
+        self, error: BaseException, config: Config | None, trace: Sequence[TraceStep], shape: Shape | None = None
+    ) -> list[KnownFinding] | None:
+        """The known findings ``error`` would be gone past as, or None when it ends the re-run."""
+        if not isinstance(error, SpecViolation) or not error.violations:
+            return None
+        met: list[KnownFinding] = []
+        for fp, k in label_failures(self.known, error, config, trace, shape):
+            if k is None or not k.go_on or k.id in self.own:
+                return None
+            shown = [v for v in error.violations if v.invariant == fp.invariant]
+            if k.kind and fp.invariant in k.invariant and any(v.kind not in k.kind for v in shown):
+                return None
+            met.append(k)
+        return met
+
+    def __call__(self, error: BaseException, driver: Any) -> bool | str:
+        met = self.judge(error, driver.config, driver.trace, shape_of(driver))
+        if met is None:
+            return False
+        for ident in dict.fromkeys(k.id for k in met):
+            self.gone[ident] += 1
+        return CONTINUE
+
+    def others(
+        self,
+        violations: Sequence[Violation],
+        config: Config | None,
+        trace: Sequence[TraceStep],
+        shape: Shape | None = None,
+    ) -> list[Violation]:
+        """``violations`` less those that, alone, would be gone past (what a reproducer checks)."""
+        return [v for v in violations if self.judge(SpecViolation([v], list(trace)), config, trace, shape) is None]
+
+    def describe(self) -> str:
+        """The findings gone past, and how often: ``V1-e (3 checks)``."""
+        return ", ".join(f"{ident} ({n} check{'s' if n != 1 else ''})" for ident, n in self.gone.items())
+
+
+def own_findings(
+    known: Iterable[KnownFinding],
+    fp: Fingerprint | None,
+    violations: Sequence[Violation],
+    config: Config | None,
+    trace: Sequence[TraceStep],
+    shape: Shape | None = None,
+    recorded: Iterable[str | None] = (),
+) -> frozenset[str]:
+    """The known findings a recorded failure is: the ids its run labelled it with (``recorded``),
+    and those that each of its own violations (of the fingerprint's invariant) matches alone now,
+    so that a report made with ``--no-known`` is its finding too."""
+    own = {r for r in recorded if r}
+    if fp is None or fp.invariant == CRASH:
+        return frozenset(own)  # a crash is never gone past: its recorded label is enough
+    known = list(known)
+    ops = {s.op for s in trace}
+    for v in violations:
+        if v.invariant == fp.invariant:
+            k = which_known(known, Fingerprint(v.invariant, fp.operation), Evidence.of([v]), config, ops, shape)
+            if k is not None:
+                own.add(k.id)
+    return frozenset(own)
+
+
+def go_past_known(
+    known: Iterable[KnownFinding], impl: str, version: str | None, own: Iterable[str] = ()
+) -> GoPast | None:
+    """The re-run policy over the known findings of ``impl`` on ``version`` (``GoPast``); None
+    when none of them is a ``go_on`` one other than ``own``."""
+    mine = [k for k in known if k.concerns(impl, version)]
+    own = frozenset(own)
+    if not any(k.go_on and k.id not in own for k in mine):
+        return None
+    return GoPast(mine, own)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from kvspec.adapters.recording import Recorder, Unrecordable
@@ -29,6 +29,9 @@ from kvspec.spec.invariants import Violation
 from kvspec.testing.artifacts import straight_line
 from kvspec.testing.blockmanager.driver import TraceStep
 from kvspec.testing.implementations import VLLM
+
+if TYPE_CHECKING:
+    from kvspec.testing.known import GoPast
 
 LEGACY_MANAGERS = {i.name: i.manager for i in VLLM if i.harness == "legacy"}
 
@@ -51,9 +54,15 @@ def generate(
     trace: Sequence[TraceStep],
     violations: Sequence[Violation],
     meta: Mapping[str, Any],
+    go_past: GoPast | None = None,
 ) -> Reproducer | NotReproducible:
     """A standalone reproducer for a violation found on ``impl`` (a kvspec impl name); a crash
-    (no violation) gets one too, failing where the target raises."""
+    (no violation) gets one too, failing where the target raises.  ``go_past``: the known
+    findings its re-run goes past (testing/known.py ``GoPast``, the report's own left out), as
+    the search went past them; the file neither checks nor names them (it has no checks before
+    the failing operation, and at it checks the violation's own facts only)."""
+    if go_past is not None:
+        violations = go_past.others(violations, config, trace)
     if impl != "v1" and impl not in LEGACY_MANAGERS:
         return NotReproducible(f"{impl} is not a vLLM block manager: standalone reproducers target vLLM only")
     violated = list(dict.fromkeys(v.invariant for v in violations))
@@ -63,7 +72,7 @@ def generate(
             "wrote into each slot), which a file importing only vllm cannot carry; use the "
             "JSON report with `kvspec replay`"
         )
-    return _straight_line(impl, config, trace, violations, meta)
+    return _straight_line(impl, config, trace, violations, meta, go_past)
 
 
 def _straight_line(
@@ -72,6 +81,7 @@ def _straight_line(
     trace: Sequence[TraceStep],
     violations: Sequence[Violation],
     meta: Mapping[str, Any],
+    go_past: GoPast | None = None,
 ) -> Reproducer | NotReproducible:
     """The reproducer as the adapter's own calls, recorded (``straight_line``).
 
@@ -91,7 +101,7 @@ def _straight_line(
         if focus is None and violations:
             focus = sorted({v.invariant for v in violations})
         engine = "v1" if impl == "v1" else "legacy"
-        recording = straight_line.record(build, config, trace, focus, engine)
+        recording = straight_line.record(build, config, trace, focus, engine, go_past=go_past)
         title = f"kvspec reproducer on {straight_line.describe_target(meta, impl)}:"
         text, checks = straight_line.write(recording, trace, title=title, config=config)
     except (straight_line.NotStraightLine, Unrecordable) as why:

@@ -5,19 +5,26 @@ A re-run ends at the first check that finds a violation (or a policy difference,
 scheduler machine), at a crash of the target (the driver
 records the crashed step), or at a step the driver cannot apply because the target answered an
 earlier step differently (the trace diverged); otherwise it frees every sequence and checks.
+Given a ``go_past`` policy (testing/known.py ``GoPast``), it goes on past the violations that are
+the target's ``go_on`` known findings other than the report's own, as the search that recorded
+the trace went on past them (V1-e shows at every state of 0.9.1 and 0.10.1.1), and counts them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import Violation
-from kvspec.testing.blockmanager.driver import Driver, TraceStep, apply_step
+from kvspec.testing.blockmanager.driver import Driver, SpecViolation, TraceStep, apply_step
+from kvspec.testing.blockmanager.machine import CONTINUE
 from kvspec.testing.guard import Crash
+
+if TYPE_CHECKING:
+    from kvspec.testing.known import GoPast
 
 RERUNS = 3  # re-runs of a trace that failed once and not again, to name the differing step
 
@@ -32,6 +39,8 @@ class Rerun:
     # The scheduler machine's target differed from its release's declared policy, every
     # invariant holding (testing/scheduler/machine.py ``PolicyDifference``).
     difference: Exception | None = None
+    # The known findings gone past (``go_past``): id -> checks gone past.
+    gone_past: dict[str, int] = attrs.Factory(dict)
 
     @property
     def crash_step(self) -> int | None:
@@ -87,51 +96,64 @@ def rerun(
     *,
     focus: Iterable[str] | None = None,
     session: SessionFactory = DriverSession,
+    go_past: GoPast | None = None,
 ) -> Rerun:
     """Build the implementation and run ``trace`` through a session of its machine's driver
     (the block manager's by default; the scheduler's: testing/scheduler/replay.py), checking
-    after every step.  A configuration the target refuses (ConfigError, Unsupported) is raised
-    to the caller."""
+    after every step.  ``go_past``: the policy by which a check's violations are gone past
+    (testing/known.py ``GoPast``; a scheduler session applies the same policy to the checks of
+    its own end, testing/scheduler/replay.py).  A configuration the target refuses
+    (ConfigError, Unsupported) is raised to the caller."""
+    gone = dict(go_past.gone) if go_past is not None else {}
+
+    def done(session: Session | None, **kw: Any) -> Rerun:
+        passed = {k: n - gone.get(k, 0) for k, n in go_past.gone.items()} if go_past is not None else {}
+        steps = list(session.trace) if session is not None else []
+        return Rerun(steps, gone_past={k: n for k, n in passed.items() if n}, **kw)
+
+    def judged(found: list[Violation], session: Session) -> list[Violation]:
+        if not found or go_past is None:
+            return found
+        return [] if go_past(SpecViolation(found, list(session.trace)), session.driver) == CONTINUE else found
+        return found
+
     try:
         impl = factory(config)
     except (ConfigError, Unsupported, KeyboardInterrupt):
         raise
     except BaseException as error:
-        return Rerun([], crash=Crash.of("construct", error), error=error)
+        return done(None, crash=Crash.of("construct", error), error=error)
     try:
         driver = session(impl, focus)
     except KeyboardInterrupt:
         raise
     except BaseException as error:
-        return Rerun([], crash=Crash.of("observe", error), error=error)
+        return done(None, crash=Crash.of("observe", error), error=error)
     for i, step in enumerate(trace, 1):
         try:
             driver.apply(step)
         except KeyboardInterrupt:
             raise
         except BaseException as error:
-            return _stopped(driver, error, f"step {i} ({step.op})")
-        found = driver.check()
+            return done(driver, **_stopped(driver, error, f"step {i} ({step.op})"))
+        found = judged(driver.check(), driver)
         if found or getattr(driver, "difference", None) is not None:
-            return Rerun(list(driver.trace), found, difference=getattr(driver, "difference", None))
+            return done(driver, violations=found, difference=getattr(driver, "difference", None))
     try:
-        found = driver.finish()
+        found = judged(driver.finish(), driver)
     except KeyboardInterrupt:
         raise
     except BaseException as error:
-        return _stopped(driver, error, "finishing every request at the end")
-    return Rerun(list(driver.trace), found, difference=getattr(driver, "difference", None))
+        return done(driver, **_stopped(driver, error, "finishing every request at the end"))
+    return done(driver, violations=found, difference=getattr(driver, "difference", None))
 
 
-def _stopped(driver: Session, error: BaseException, where: str) -> Rerun:
+def _stopped(driver: Session, error: BaseException, where: str) -> dict[str, Any]:
+    """What a re-run that stopped at ``error`` records: a crash, else a step not applied."""
     if driver.crash is not None:
-        return Rerun(list(driver.trace), crash=driver.crash, error=error)
+        return {"crash": driver.crash, "error": error}
     detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return Rerun(
-        list(driver.trace),
-        error=error,
-        unapplied=f"{where} cannot be applied here: {type(error).__name__}: {detail}",
-    )
+    return {"error": error, "unapplied": f"{where} cannot be applied here: {type(error).__name__}: {detail}"}
 
 
 @attrs.frozen
@@ -165,14 +187,15 @@ def name_nondeterminism(
     *,
     focus: Iterable[str] | None = None,
     tries: int = RERUNS,
+    go_past: GoPast | None = None,
 ) -> Difference | None:
     """Re-run a trace that failed once and not again; the first step answered differently from
     the record, or the last step when only the verdict after it changed.  None when ``tries``
-    re-runs behave exactly as recorded."""
+    re-runs behave exactly as recorded.  ``go_past``: what the re-runs go past (``rerun``)."""
     recorded = list(recorded)
     for _ in range(tries):
         try:
-            again = rerun(factory, config, recorded, focus=focus)
+            again = rerun(factory, config, recorded, focus=focus, go_past=go_past)
         except (ConfigError, Unsupported):
             return None
         difference = first_difference(recorded, again.trace)

@@ -19,7 +19,7 @@ import re
 import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from kvspec.adapters.harness import legacy as legacy_harness
@@ -33,6 +33,9 @@ from kvspec.spec.prefix_hash import key_of
 from kvspec.spec.state import Device, Status, TableView
 from kvspec.testing.artifacts.rerun import DriverSession, Rerun, Session, SessionFactory, rerun
 from kvspec.testing.blockmanager.driver import TraceStep
+
+if TYPE_CHECKING:
+    from kvspec.testing.known import GoPast
 
 CRASH = "crash"
 
@@ -123,11 +126,13 @@ def record(
     session: SessionFactory = DriverSession,
     context: Callable[[Callable[[], Rerun]], Rerun] = lambda run: run(),
     before_end: Callable[[Any], None] | None = None,
+    go_past: GoPast | None = None,
 ) -> Recording:
     """Re-run ``trace`` (testing/artifacts/rerun.py ``rerun``, in ``session``'s machine, inside
     ``context``) on the adapter ``build(config, recorder)`` makes, recording every call;
     ``before_end(driver)`` runs after the trace's last operation, before the run's end frees
-    every sequence (the state a caller reads at the trace's last operation)."""
+    every sequence (the state a caller reads at the trace's last operation); ``go_past``: the
+    violations the re-run goes past (a scheduler ``session`` is given the same policy)."""
     recorder = Recorder()
     sessions: list[Numbered] = []
 
@@ -135,7 +140,9 @@ def record(
         sessions.append(Numbered(session(impl, watched), recorder, before_end))
         return sessions[0]
 
-    result = context(lambda: rerun(lambda c: build(c, recorder), config, trace, focus=focus, session=numbered))
+    result = context(
+        lambda: rerun(lambda c: build(c, recorder), config, trace, focus=focus, session=numbered, go_past=go_past)
+    )
     if isinstance(result.error, Unrecordable) or (isinstance(result.error, ModuleNotFoundError) and not sessions):
         raise result.error  # a value the file cannot write, or no vLLM here
     if not sessions:

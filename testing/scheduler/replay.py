@@ -6,7 +6,9 @@ recorded shape instead of a drawn one: the same driver, the same checks after ev
 (with the reference scheduler in lockstep when the report's run compared against it), and the
 same end (the ``progress`` drain, then aborting every request and ``no-leak``).  The machine
 notes what it does through hypothesis (``note``), which needs a test's context: ``in_context``
-runs the re-run as a single hypothesis example.
+runs the re-run as a single hypothesis example.  A ``go_past`` policy (testing/known.py
+``GoPast``) is the machine's step-past policy: the checks of its end (the drain's, the last
+aborts') go on past the target's ``go_on`` known findings as the checks after each operation do.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvspec.spec.prefix_hash import ExtraKeys
 from kvspec.testing.artifacts.rerun import SessionFactory
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
+from kvspec.testing.blockmanager.machine import StepPast
 from kvspec.testing.guard import Crash
 from kvspec.testing.scheduler.driver import SchedulerDriver
 from kvspec.testing.scheduler.machine import PolicyDifference, SchedulerMachine
@@ -49,10 +52,17 @@ def apply_scheduler_step(driver: SchedulerDriver, step: TraceStep) -> None:
 class SchedulerSession:
     """The scheduler machine on one target in a recorded shape, as a re-run's session."""
 
-    def __init__(self, impl: Any, shape: Shape, mode: Mode | None, focus: Iterable[str] | None) -> None:
+    def __init__(
+        self,
+        impl: Any,
+        shape: Shape,
+        mode: Mode | None,
+        focus: Iterable[str] | None,
+        go_past: StepPast | None = None,
+    ) -> None:
         self.difference: PolicyDifference | None = None  # once the target differs from its policy
         self.machine = SchedulerMachine(
-            lambda _shape: impl, focus=frozenset(focus) if focus else None, differential=mode
+            lambda _shape: impl, focus=frozenset(focus) if focus else None, differential=mode, step_past=go_past
         )
         self.machine.start(shape)
 
@@ -89,12 +99,13 @@ class SchedulerSession:
         return []
 
 
-def scheduler_session(shape: Shape, mode: Mode | None) -> SessionFactory:
+def scheduler_session(shape: Shape, mode: Mode | None, go_past: StepPast | None = None) -> SessionFactory:
     """A session factory for testing/artifacts/rerun.py ``rerun``: the scheduler machine in ``shape``,
-    comparing against the reference scheduler in ``mode`` (None: no differential)."""
+    comparing against the reference scheduler in ``mode`` (None: no differential), going past
+    what ``go_past`` goes past (pass the same policy to ``rerun``)."""
 
     def start(impl: Any, focus: Iterable[str] | None) -> SchedulerSession:
-        return SchedulerSession(impl, shape, mode, focus)
+        return SchedulerSession(impl, shape, mode, focus, go_past)
 
     return start
 
