@@ -426,7 +426,9 @@ def label_failures(
     A SpecViolation carries every invariant the operation violated: one fingerprint per
     invariant (in the order checked), each matched on the facts of that invariant's own violations, so a known
     finding met in an operation does not name (and hide) another invariant the same operation
-    broke.  A target's exception is one failure."""
+    broke; a ``go_on`` finding with kinds names only its kinds' violations, and the rest of that
+    invariant's violations are a second failure of the same fingerprint.  A target's exception
+    is one failure."""
     known = list(known)
     if not isinstance(error, SpecViolation):
         steps = list(trace)
@@ -441,7 +443,15 @@ def label_failures(
     labelled: list[Labelled] = []
     for invariant, violations in shown.items():
         fp = Fingerprint(invariant, operation)
-        labelled.append((fp, which_known(known, fp, Evidence.of(violations), config, ops, shape)))
+        found = which_known(known, fp, Evidence.of(violations), config, ops, shape)
+        labelled.append((fp, found))
+        # A go_on finding that names its kinds is gone on past, so it names only the violations
+        # of those kinds: the invariant's other violations (a double free beside V1-e's usage
+        # figure) are a failure of their own, labelled on their own facts, never gone past as it.
+        going_on = found is not None and found.go_on and found.kind
+        strays = [v for v in violations if going_on and v.kind not in found.kind]  # type: ignore[union-attr]
+        if strays:
+            labelled.append((fp, which_known(known, fp, Evidence.of(strays), config, ops, shape)))
     # What a finding met in this operation declares it breaks alongside is that finding.
     met = [k for _, k in labelled if k is not None]
     labelled = [

@@ -547,3 +547,35 @@ def test_a_null_parent_hash_and_an_abort_under_a_send_are_labelled_in_their_rele
     config = Config(block_size=2, num_blocks=8, sliding_window=2, prefix_caching=caching)
     found = which_known(known, fp, evidence, config, {fp.operation, "arrive"}, shape)
     assert (found.id if found else None) == label
+
+
+def test_a_go_on_finding_names_only_its_kinds_so_another_kind_of_its_invariant_is_not_gone_past():
+    """V1-e (a wrong usage figure) is gone on past at every state of its releases; a
+    conservation violation of another kind shown beside it (a double free) is a failure of its
+    own: labelled on its own facts, the Sieve's new target, never gone past as V1-e."""
+    from types import SimpleNamespace
+
+    from kvspec.cli.search import Sieve
+    from kvspec.spec.invariants import Violation
+    from kvspec.testing import SpecViolation
+    from kvspec.testing.blockmanager.driver import TraceStep
+    from kvspec.testing.blockmanager.machine import CONTINUE
+    from kvspec.testing.known import label_failures, step_past_known
+
+    e = KnownFinding("E", "usage", ("conservation",), ("admit",), kind=("wrong-usage",), go_on=True)
+    d = KnownFinding("D", "double free", ("conservation",), ("admit",), kind=("double-free",))
+    config = Config(block_size=2, num_blocks=4)
+    driver = SimpleNamespace(config=config, trace=[TraceStep("admit", {"seq": 0}, "ok")])
+    wrong = Violation("conservation", "usage off", kind="wrong-usage")
+    double = Violation("conservation", "block 1 freed twice", kind="double-free")
+    both = SpecViolation([wrong, double], driver.trace)
+    fp = Fingerprint("conservation", "admit")
+    assert label_failures([e], SpecViolation([wrong], driver.trace), config) == [(fp, e)]
+    assert label_failures([e], both, config) == [(fp, e), (fp, None)]
+    assert label_failures([e, d], both, config) == [(fp, e), (fp, d)]
+
+    sieve = Sieve(frozenset(), [e], frozenset({"E"}))
+    assert sieve(SpecViolation([wrong], driver.trace), driver) == CONTINUE  # type: ignore[arg-type]
+    assert sieve(both, driver) is False and sieve.target == fp  # type: ignore[arg-type]
+    assert step_past_known([e], "reference", None)(both, driver) is False
+    assert step_past_known([e, d], "reference", None)(both, driver) is True  # D: discarded, not gone on
