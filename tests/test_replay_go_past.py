@@ -202,3 +202,27 @@ def test_a_rounds_sieve_names_what_a_re_run_of_its_traces_goes_past():
     driver = Driver(UsageOffAndCrashOnFork(CONFIG))
     wrong = Violation("conservation", "usage off", kind="wrong-usage")
     assert go_past(SpecViolation([wrong], []), driver) == "continue"
+
+
+def test_a_replay_on_a_release_without_the_go_on_finding_reproduces_the_reports_own_violation(capsys):
+    """A report recorded where V1-e shows (its violations hold V1-e's usage figure beside the
+    report's own no-leak) replayed where V1-e is fixed: the report's own violation reproduces,
+    and the missing usage figure is named, not taken for a different outcome.  A replay that
+    meets another failure and not the report's own claims nothing: ``kvspec bisect`` reads it as
+    diverged, never as the report's finding reproducing."""
+    from kvspec.cli.pr import DIVERGED
+    from kvspec.testing.artifacts.rerun import Rerun
+
+    trace = _trace(UsageOffAndLeak, ("admit", 0, [1, 2, 3], 3))
+    report = {"violations": [{"invariant": "conservation", "kind": "wrong-usage", "message": "m"},
+                             {"invariant": "no-leak", "message": "m"}],
+              "fingerprint": {"invariant": "no-leak", "operation": "teardown", "exception": "", "location": ""}}
+    fixed = Rerun(list(trace), [Violation("no-leak", "blocks [0] still in use")])
+    assert replay_verdict(report, trace, fixed, same=False) == 1
+    out = capsys.readouterr().out
+    assert "the recorded violation reproduces; the report also recorded conservation, not shown here" in out
+    other = Rerun(list(trace), [Violation("refcount-exact", "block 1 has refcount 2 with 1 holder(s)")])
+    assert replay_verdict(report, trace, other, same=False) == 1
+    out = capsys.readouterr().out
+    assert "violations differ from the report's (no-leak)" in out and "reproduces" not in out
+    assert any(d in out for d in DIVERGED)
