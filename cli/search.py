@@ -191,7 +191,6 @@ class Sieve:
         self.target, self.last = _identity(*fresh), fresh[0]
         return False
 
-
     def go_past(self) -> GoPast:
         """What a re-run of this round's traces goes past (naming a nondeterministic target's
         step, cli/failures.py): the go_on findings the round steps past, and nothing else."""

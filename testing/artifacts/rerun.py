@@ -115,7 +115,6 @@ def rerun(
         if not found or go_past is None:
             return found
         return [] if go_past(SpecViolation(found, list(session.trace)), session.driver) == CONTINUE else found
-        return found
 
     try:
         impl = factory(config)
