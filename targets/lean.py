@@ -327,7 +327,8 @@ def unlinked_cuda_libraries(site: Path) -> list[Path]:
 # wheel in uv's cache serves every venv that pins the same version), which no kvspec process
 # imports, maps, opens or starts: ``bench.lean_trace`` (modules, ``/proc/self/maps``, and the files
 # Python opens and the programs it starts, by audit hook) on ``kvspec check --vllm 0.12.0 --seed
-# 1`` and the pinned-finding target tests touched none of them.  Matched against the path inside
+# 1`` and the pinned-finding target tests touched none of them but numpy's ``_natype`` (kept:
+# ``numpy.testing`` imports it).  Matched against the path inside
 # site-packages (the same as inside the wheel).  Unlike vLLM's own wheel, whose cache entry only
 # its release uses, these are removed from the shared cache entry itself (``provision.prune_unloaded``),
 # so that the next release linking it neither holds them nor unpacks the wheel again; a ``--full``
