@@ -557,10 +557,8 @@ def prune_unloaded(t: Target, progress: Progress) -> tuple[str, ...]:
             *([f"uv cache entries detached: {', '.join(detached)}"] if detached else []),
             *([f"shared uv cache entries trimmed alike: {len(trimmed)}"] if trimmed else []),
         ]
-        progress(
-            f"lean: removed {len(files)} files no kvspec process loads, {total / 2**20:.0f} MiB "
-            f"({'; '.join(where) or 'nothing linked from uv' + chr(39) + 's cache'})"
-        )
+        said = "; ".join(where) or "nothing linked from uv's cache"
+        progress(f"lean: removed {len(files)} files no kvspec process loads, {total / 2**20:.0f} MiB ({said})")
     return tuple(removed)
 
 
