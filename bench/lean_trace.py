@@ -6,7 +6,9 @@
 
 ``run`` puts a ``sitecustomize`` on PYTHONPATH (inherited by the target process a
 ``kvspec --vllm`` run re-executes into) that writes, when each Python process exits, every
-file of a module in ``sys.modules`` and every shared object in ``/proc/self/maps``.
+file of a module in ``sys.modules``, every shared object in ``/proc/self/maps``, and (by an audit
+hook) every file Python opened and every program it started (``open``, ``subprocess.Popen``,
+``os.exec``/``os.posix_spawn`` events: the evidence for ``lean.TRIMMED_SHARED_FILES``).
 ``report`` maps those files to the venv's distributions by their RECORDs and lists the loaded
 and the never-loaded ones with their sizes, and the names of ``lean.LEFT_OUT`` that were
 loaded (which must be none).
@@ -21,15 +23,28 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvspec.targets.lean import LEFT_OUT
+from kvspec.targets.lean import LEFT_OUT, trimmed_reason
 from kvspec.targets.lock import canonical
 
 SITECUSTOMIZE = '''\
 import atexit, os, sys
 _out = os.environ.get("KVSPEC_TRACE_DIR")
 if _out:
+    _touched = set()
+    def _audit(event, args):
+        # files Python opens (open(), os.open, io.open_code) and programs it starts
+        if event in ("open", "subprocess.Popen", "os.exec", "os.posix_spawn") and args:
+            target = args[0]
+            if isinstance(target, (list, tuple)) and target:
+                target = target[0]
+            if isinstance(target, bytes):
+                target = os.fsdecode(target)
+            if isinstance(target, str) and target.startswith("/"):
+                _touched.add(target)
+    sys.addaudithook(_audit)
     def _dump():
         files = {getattr(m, "__file__", None) for m in list(sys.modules.values())} - {None}
+        files |= set(_touched)
         with open("/proc/self/maps") as maps:
             files |= {ln.split()[5] for ln in maps if len(ln.split()) >= 6 and ".so" in ln.split()[5]}
         with open(os.path.join(_out, f"{os.getpid()}.txt"), "w") as f:
@@ -70,8 +85,8 @@ def distributions(venv: Path) -> tuple[dict[str, str], dict[str, int]]:
     return owner, size
 
 
-def loaded(venv: Path, traces: list[Path]) -> set[str]:
-    owner, _ = distributions(venv)
+def touched(venv: Path, traces: list[Path]) -> set[str]:
+    """Every file the venv's own processes loaded, opened or started (normalised paths)."""
     prefix = f"#exe {venv}"
     found: set[str] = set()
     for folder in traces:
@@ -79,8 +94,21 @@ def loaded(venv: Path, traces: list[Path]) -> set[str]:
             lines = trace.read_text().splitlines()
             if not lines or not lines[0].startswith(prefix):
                 continue  # another interpreter (the core venv that re-executed into the target)
-            found |= {owner[p] for p in map(os.path.normpath, lines[1:]) if p in owner}
+            found |= set(map(os.path.normpath, lines[1:]))
     return found
+
+
+def loaded(venv: Path, traces: list[Path]) -> set[str]:
+    owner, _ = distributions(venv)
+    return {owner[p] for p in touched(venv, traces) if p in owner}
+
+
+def trimmed_but_touched(venv: Path, traces: list[Path]) -> list[str]:
+    """The files ``lean.TRIMMED_SHARED_FILES`` removes that the traced processes touched
+    (which must be none)."""
+    site = next(iter(sorted(venv.glob("lib/python*/site-packages"))))
+    inside = (os.path.relpath(p, site) for p in touched(venv, traces) if p.startswith(f"{site}{os.sep}"))
+    return sorted(rel for rel in inside if trimmed_reason(rel.replace(os.sep, "/")) is not None)
 
 
 def report(venv: Path, traces: list[Path]) -> int:
@@ -94,7 +122,9 @@ def report(venv: Path, traces: list[Path]) -> int:
         print(f"  never loaded {size[name] / mib:8.1f} MiB  {name}{'  (left out)' if name in LEFT_OUT else ''}")
     wrong = sorted(used & set(LEFT_OUT))
     print(f"left out by targets/lean.py but loaded: {', '.join(wrong) or 'none'}")
-    return 1 if wrong else 0
+    trimmed = trimmed_but_touched(venv, traces)
+    print(f"removed by targets/lean.py (shared files) but loaded or opened: {', '.join(trimmed) or 'none'}")
+    return 1 if wrong or trimmed else 0
 
 
 if __name__ == "__main__":

@@ -234,13 +234,69 @@ def detach(path: Path, relative: str) -> tuple[Path, ...]:
     frees its bytes; what was removed.  uv downloads that wheel again if a later resolution asks
     for it.  Other venvs' links to the entry's files keep those files whole."""
     entry = entry_holding(path, relative)
-    if entry is None:
-        return ()
+    return () if entry is None else discard(entry)
+
+
+def discard(entry: Path) -> tuple[Path, ...]:
+    """Remove a cache entry and the cache pointers and links naming it; what was removed."""
     pointers = [*_pointers_to({entry.name}), *_links_to(entry)]
     shutil.rmtree(entry, ignore_errors=True)
     for pointer in pointers:
         pointer.unlink(missing_ok=True)
     return (entry, *pointers)
+
+
+def trim(path: Path, relative: str, entries: list[Path]) -> Path | None:
+    """Remove from the cache entry holding ``path`` (the venv's hard link to its file ``relative``)
+    that file, and the folders it leaves empty, so that removing ``path`` frees its bytes while the
+    entry stays for the next venv that pins the same wheel (which then lacks the file too); the
+    entry, or None if no entry holds ``path``.  ``entries``: entries found before, tried first
+    (``entry_holding`` reads every entry)."""
+    st = os.lstat(path)
+    entry = None
+    for known in entries:
+        try:
+            other = os.lstat(known / relative)
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            entry = known
+            break
+    else:
+        entry = entry_holding(path, relative)
+        if entry is None:
+            return None
+        entries.append(entry)
+    (entry / relative).unlink()
+    remove_empty_folders(entry / relative, entry)
+    return entry
+
+
+def remove_empty_folders(path: Path, root: Path) -> None:
+    """Remove the folders above ``path``, up to ``root`` (kept), that are empty."""
+    for folder in path.parents:
+        if folder == root or root not in folder.parents:
+            return
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def trimmed_entries(root: Path | None = None) -> list[Path]:
+    """The cache entries missing a file their wheel's RECORD lists: those a lean provisioning
+    trimmed (``trim``; uv's own entries hold every file of their RECORD)."""
+    import csv
+
+    archive = (root or cache_dir()) / ARCHIVE
+    found = []
+    for entry in sorted(archive.iterdir()) if archive.is_dir() else ():
+        for record in entry.glob("*.dist-info/RECORD"):
+            rows = csv.reader(record.read_text(errors="replace").splitlines())
+            if any(row and not os.path.lexists(entry / row[0]) for row in rows):
+                found.append(entry)
+                break
+    return found
 
 
 def _links_to(entry: Path) -> list[Path]:

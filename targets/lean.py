@@ -323,10 +323,72 @@ def unlinked_cuda_libraries(site: Path) -> list[Path]:
     return sorted(p for p in cuda if p not in linked and elf_needed(p) is not None)
 
 
+# Files of distributions that releases share (torch, numpy, scipy, sympy, ray, ...: one unpacked
+# wheel in uv's cache serves every venv that pins the same version), which no kvspec process
+# imports, maps, opens or starts: ``bench.lean_trace`` (modules, ``/proc/self/maps``, and the files
+# Python opens and the programs it starts, by audit hook) on ``kvspec check --vllm 0.12.0 --seed
+# 1`` and the pinned-finding target tests touched none of them but numpy's ``_natype`` (kept:
+# ``numpy.testing`` imports it).  Matched against the path inside
+# site-packages (the same as inside the wheel).  Unlike vLLM's own wheel, whose cache entry only
+# its release uses, these are removed from the shared cache entry itself (``provision.prune_unloaded``),
+# so that the next release linking it neither holds them nor unpacks the wheel again; a ``--full``
+# provisioning first discards such trimmed entries (``disk.trimmed_entries``) so that its venv is whole.
+_TEST_SUITES = ("numpy", "scipy", "sympy", "networkx", "mpmath", "setuptools", "pkg_resources", "supervisor", "psutil")
+TRIMMED_SHARED_FILES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), reason)
+    for pattern, reason in (
+        (
+            r"torch/include/.+|torch/share/cmake/.+|torch/lib/[^/]+\.a",
+            "torch's C++ headers, CMake package files and static libraries, read only when a C++ "
+            "extension or an inductor C++ kernel is compiled (torch.utils.cpp_extension, torch.compile); "
+            "kvspec compiles none",
+        ),
+        (
+            r"torch/test/[^/]+|torch/bin/(?:test_[^/]+|[A-Za-z]+Test|protoc(?:-[0-9.]+)?)",
+            "torch's C++ test programs (gtest binaries of its own build) and the protobuf compiler, "
+            "programs nothing in Python starts",
+        ),
+        (
+            # numpy.testing imports numpy._core.tests._natype (pd_NA), which stays
+            rf"(?!numpy/_?core/tests/(?:__pycache__/)?_natype\.)(?:{'|'.join(_TEST_SUITES)})/(?:[^/]+/)*tests/.+",
+            "a distribution's own test suite, imported only by its test runner (pytest, numpy.test())",
+        ),
+        (
+            r"ray/core/src/ray/(?:raylet/raylet|gcs/gcs_server)|ray/jars/.+|ray/dashboard/client/build/.+",
+            "ray's node programs (raylet, GCS server) that ray.init() or `ray start` launches, its Java "
+            "workers' classes and its dashboard's web client; vLLM imports ray, kvspec starts no ray cluster",
+        ),
+    )
+)
+_TRIMMED_TOPS = frozenset({"torch", "ray", *_TEST_SUITES})
+
+
+def trimmed_reason(relative: str) -> str | None:
+    """The reason a file of a shared distribution (its path inside site-packages, ``/``-separated)
+    is removed (``TRIMMED_SHARED_FILES``), or None if it is kept."""
+    for pattern, reason in TRIMMED_SHARED_FILES:
+        if pattern.fullmatch(relative):
+            return f"{reason} (targets/lean.py)"
+    return None
+
+
+def _trimmed_files(site: Path) -> list[tuple[Path, str]]:
+    found = []
+    for top in sorted(_TRIMMED_TOPS):
+        for folder, _dirs, names in os.walk(site / top):
+            for name in names:
+                path = Path(folder, name)
+                reason = trimmed_reason(path.relative_to(site).as_posix())
+                if reason is not None and not path.is_symlink():
+                    found.append((path, reason))
+    return found
+
+
 def prunable_files(site: Path) -> list[tuple[Path, str]]:
     """The files of a lean venv's distributions that no kvspec process loads, each with its reason:
     beside a CPU torch, vLLM's extensions needing torch's CUDA libraries; beside torch's CUDA build,
-    the CUDA libraries nothing links and triton's GPU tools; either way ``PRUNED_VLLM_FILES``."""
+    the CUDA libraries nothing links and triton's GPU tools; either way ``PRUNED_VLLM_FILES`` and
+    ``TRIMMED_SHARED_FILES``."""
     found: dict[Path, str] = {}
     cuda_torch = has_cuda_torch(site)
     if (site / "vllm").is_dir() and not cuda_torch:
@@ -341,4 +403,6 @@ def prunable_files(site: Path) -> list[tuple[Path, str]]:
         for path in sorted(site.glob(pattern)):
             if path.is_file() and not path.is_symlink():
                 found.setdefault(path, f"{reason} (targets/lean.py)")
+    for path, reason in _trimmed_files(site):
+        found.setdefault(path, reason)
     return sorted(found.items())

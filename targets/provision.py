@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from .disk import detach, provision_lock
+from .disk import detach, discard, provision_lock, remove_empty_folders, trim, trimmed_entries
 from .lean import (
     CUDA_TORCH_REASON,
     cpu_torch_wheel,
@@ -42,6 +42,7 @@ from .lean import (
     lean_requirements,
     left_out_reason,
     prunable_files,
+    trimmed_reason,
 )
 from .lock import (
     KNOWN_PLACEHOLDERS,
@@ -494,11 +495,13 @@ def _pins(lock: Path) -> list[tuple[str, str]]:
     return [(name, f"{name}=={version}") for name, (version, _) in parse_requirements_lock(lock.read_text()).items()]
 
 
-def _sync(t: Target, lock: Path, progress: Progress) -> None:
+def _sync(t: Target, lock: Path, progress: Progress, *, reinstall: bool = False) -> None:
+    """``reinstall``: link every distribution anew (a lean venv made full: some of its
+    distributions came from cache entries trimmed for lean venvs, ``discard_trimmed``)."""
     pins = parse_requirements_lock(lock.read_text())
     progress(f"installing {len(pins)} pinned distributions from {lock}")
     _run(
-        _uv("pip", "sync", "--compile-bytecode", "--python", str(t.python), str(lock)),
+        _uv("pip", "sync", "--compile-bytecode", *(["--reinstall"] * reinstall), "--python", str(t.python), str(lock)),
         progress,
         f"installing the resolution of vllm=={t.version}",
         timeout=INSTALL_TIMEOUT_S,
@@ -508,33 +511,81 @@ def _sync(t: Target, lock: Path, progress: Progress) -> None:
 def prune_unloaded(t: Target, progress: Progress) -> tuple[str, ...]:
     """Remove from a lean venv the files of its distributions that no kvspec process loads
     (``lean.prunable_files``: beside a CPU torch, vLLM's CUDA extensions; beside torch's CUDA
-    build, the CUDA libraries nothing links), after detaching each one's uv cache entry from the
-    venv (``disk.detach``) so that their bytes are freed; each removed file (the smaller ones
-    counted per reason) with its size and reason."""
+    build, the CUDA libraries nothing links; either way the shared distributions' files of
+    ``lean.TRIMMED_SHARED_FILES``), so that their bytes are freed: vLLM's and the CUDA libraries'
+    uv cache entries are detached from the venv first (``disk.detach``), a shared distribution's
+    entry loses the same files (``disk.trim``) and stays for the next venv.  Each removed file (the
+    smaller ones counted per reason) with its size and reason, and the files a trimmed entry
+    already lacked when this venv was linked from it."""
     site = next(iter(sorted(t.venv.glob("lib/python*/site-packages"))))
+    absent = _already_trimmed(site)
     files = prunable_files(site)
     detached: list[str] = []
+    trimmed: list[Path] = []
     by_reason: dict[str, list[tuple[Path, int]]] = {}
     for path, reason in files:
         st = path.lstat()
-        if st.st_nlink > 1:  # still linked from uv's cache: detach that wheel's entry first
-            gone = detach(path, str(path.relative_to(site)))
+        relative = path.relative_to(site).as_posix()
+        shared = trimmed_reason(relative) is not None
+        if st.st_nlink > 1 and shared:  # a shared wheel's cache entry: remove the file from it too
+            trim(path, relative, trimmed)
+        elif st.st_nlink > 1:  # still linked from uv's cache: detach that wheel's entry first
+            gone = detach(path, relative)
             detached += [f"{gone[0].name} ({path.relative_to(site).parts[0]})"] if gone else []
         by_reason.setdefault(reason, []).append((path, st.st_size))
         path.unlink()
+        if shared:
+            remove_empty_folders(path, site)
     removed = []  # each file of 1 MiB or more by name, the rest counted per reason
     for reason, group in by_reason.items():
         removed += [f"{path.relative_to(site)} ({n / 2**20:.1f} MiB): {reason}" for path, n in group if n >= 2**20]
         small = [(path, n) for path, n in group if n < 2**20]
         if small:
             kinds = " ".join(sorted({path.suffix or path.name for path, _ in small}))
+            if len(kinds) > 80:
+                kinds = kinds[:77] + "..."
             size = sum(n for _, n in small)
             removed.append(f"{len(small)} smaller files ({kinds}; {size / 2**20:.1f} MiB): {reason}")
+    removed += [
+        f"{n} files already absent ({size / 2**20:.1f} MiB; trimmed from uv's shared cache entry by an "
+        f"earlier lean provisioning): {reason}"
+        for reason, (n, size) in absent.items()
+    ]
     if files:
         total = sum(n for group in by_reason.values() for _, n in group)
-        where = f"uv cache entries detached: {', '.join(detached)}" if detached else "nothing linked from uv's cache"
-        progress(f"lean: removed {len(files)} files no kvspec process loads, {total / 2**20:.0f} MiB ({where})")
+        where = [
+            *([f"uv cache entries detached: {', '.join(detached)}"] if detached else []),
+            *([f"shared uv cache entries trimmed alike: {len(trimmed)}"] if trimmed else []),
+        ]
+        said = "; ".join(where) or "nothing linked from uv's cache"
+        progress(f"lean: removed {len(files)} files no kvspec process loads, {total / 2**20:.0f} MiB ({said})")
     return tuple(removed)
+
+
+def _already_trimmed(site: Path) -> dict[str, tuple[int, int]]:
+    """Per reason, the number and bytes of the files of ``lean.TRIMMED_SHARED_FILES`` that the
+    venv's RECORDs list and it lacks: uv linked it from an entry an earlier provisioning trimmed."""
+    import csv
+
+    found: dict[str, tuple[int, int]] = {}
+    for record in site.glob("*.dist-info/RECORD"):
+        for row in csv.reader(record.read_text(errors="replace").splitlines()):
+            reason = trimmed_reason(row[0]) if row else None
+            if reason is not None and not (site / row[0]).exists():
+                n, size = found.get(reason, (0, 0))
+                found[reason] = (n + 1, size + (int(row[2]) if len(row) > 2 and row[2].isdigit() else 0))
+    return found
+
+
+def discard_trimmed(progress: Progress) -> int:
+    """Before a full venv is synced: discard the cache entries a lean provisioning trimmed
+    (``disk.trimmed_entries``), so that uv unpacks those wheels whole again."""
+    entries = trimmed_entries()
+    for entry in entries:
+        discard(entry)
+    if entries:
+        progress(f"full: discarded {len(entries)} uv cache entries trimmed for lean venvs (unpacked whole again)")
+    return len(entries)
 
 
 # The V1 scheduler adapter's vLLM modules (adapters/v1_scheduler.py).
@@ -582,6 +633,7 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
             left_out: tuple[str, ...] | None = None
             pruned: tuple[str, ...] = ()
             if full:
+                discard_trimmed(progress)
                 _sync(t, lock, progress)
             else:
                 lean, left_out = lean_resolution(version, lock)
@@ -623,7 +675,9 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
                         f"the lean venv does not import what kvspec drives ({first_line(str(error))}); "
                         "installing the full resolution"
                     )
-                    _sync(t, lock, progress)  # removes kvspec and the stand-ins: not in the resolution
+                    trimmed = discard_trimmed(progress)
+                    # removes kvspec and the stand-ins: not in the resolution
+                    _sync(t, lock, progress, reinstall=trimmed > 0)
                     (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
                     install_kvspec(t, progress)
                     write_stand_ins(t, progress)

@@ -56,3 +56,17 @@ def test_checktime_renders_each_run_with_its_median():
                              "seed": 1, "tests": {"files": ["a.py"], "deselected": 2}, "rows": rows})
     assert "| check | 2 | 20.0 / 22.0 | 21.0 |" in text
     assert "| planted | 1 | 40.0 | 40.0 |" in text and "verified" in text
+
+
+def test_lean_trace_records_the_files_a_process_opens_and_the_programs_it_starts(tmp_path):
+    """bench.lean_trace's evidence for the files a lean venv removes (targets/lean.py): beside
+    imported modules and mapped shared objects, what Python opens and starts."""
+    from bench.lean_trace import run
+
+    data = tmp_path / "data.txt"
+    data.write_text("x")
+    code = f"open({str(data)!r}).read(); import subprocess; subprocess.run(['/bin/true'])"
+    assert run(tmp_path / "trace", [sys.executable, "-c", code]) == 0
+    (trace,) = (tmp_path / "trace").glob("*.txt")
+    lines = trace.read_text().splitlines()
+    assert str(data) in lines and "/bin/true" in lines

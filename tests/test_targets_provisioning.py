@@ -22,6 +22,7 @@ from kvspec.targets.lean import (
     elf_needed,
     lean_requirements,
     prunable_files,
+    trimmed_reason,
     wheel_dirs,
 )
 from kvspec.targets.lock import (
@@ -624,3 +625,106 @@ def test_beside_torchs_cuda_build_the_cuda_libraries_nothing_links_and_tritons_t
     found = _prunable(site)
     assert set(found) == {"nvidia/cudnn/lib/libcudnn_ops.so.9", "triton/backends/nvidia/bin/ptxas", *_NEVER_RUN}
     assert "dlopen" in found["nvidia/cudnn/lib/libcudnn_ops.so.9"]
+
+
+# ------------------------------------------------------------------------------ shared files trimmed
+
+# (path inside site-packages, whether a lean venv removes it): torch's C++ SDK and test programs,
+# test suites, ray's node programs go; what torch, numpy and ray load stays (issue 24).
+_TRIM_CASES = {
+    "torch/include/ATen/ATen.h": True,
+    "torch/share/cmake/Torch/TorchConfig.cmake": True,
+    "torch/lib/libtorch_static.a": True,
+    "torch/test/atest": True,
+    "torch/bin/test_api": True,
+    "torch/bin/TCPStoreTest": True,
+    "torch/bin/protoc-3.13.0.0": True,
+    "sympy/core/tests/test_basic.py": True,
+    "scipy/stats/tests/data/x.npz": True,
+    "numpy/_core/tests/__pycache__/test_api.cpython-311.pyc": True,
+    "ray/core/src/ray/raylet/raylet": True,
+    "ray/jars/ray_dist.jar": True,
+    "ray/dashboard/client/build/index.html": True,
+    "torch/lib/libtorch_cpu.so": False,
+    "torch/bin/torch_shm_manager": False,  # torch.multiprocessing's file_system strategy starts it
+    "torch/testing/_internal/common_utils.py": False,  # torch.testing is imported by torch
+    "numpy/_core/tests/_natype.py": False,  # numpy.testing imports it
+    "numpy/_core/tests/__pycache__/_natype.cpython-311.pyc": False,
+    "numpy/testing/_private/utils.py": False,
+    "ray/_raylet.so": False,
+    "vllm/tests/conftest.py": False,
+    "transformers/models/llama/modeling_llama.py": False,
+}
+
+
+def test_trimmed_shared_files_are_those_no_kvspec_process_loads():
+    assert {path: trimmed_reason(path) is not None for path in _TRIM_CASES} == _TRIM_CASES
+
+
+def _uv_linked(cache: Path, entry_id: str, site: Path, files: dict[str, str]) -> Path:
+    """A cache entry holding ``files`` and a venv's hard links to them, as uv installs a wheel."""
+    entry = cache / disk.ARCHIVE / entry_id
+    for relative, text in files.items():
+        (entry / relative).parent.mkdir(parents=True, exist_ok=True)
+        (entry / relative).write_text(text)
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).hardlink_to(entry / relative)
+    record = "".join(f"{relative},sha256=x,{len(text)}\n" for relative, text in files.items())
+    for where in (entry, site):
+        info = where / f"{entry_id.lower()}-1.0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "RECORD").write_text(record)
+    return entry
+
+
+_TORCH_FILES = {
+    "torch/__init__.py": "",
+    "torch/include/ATen/ATen.h": "// header",
+    "torch/bin/test_api": "gtest",
+    "torch/bin/torch_shm_manager": "kept",
+}
+
+
+def test_a_shared_wheels_cache_entry_is_trimmed_in_place_and_the_next_venv_records_it(tmp_path, monkeypatch):
+    """torch's unpacked wheel serves every release's venv: pruning removes the files from the venv
+    and from the entry, which stays (with its pointer) for the next venv; that one lacks them from
+    the start and its record says so; a full provisioning discards the trimmed entry."""
+    monkeypatch.setenv("KVSPEC_HOME", str(tmp_path))
+    cache = tmp_path / "uv-cache"
+    first = Target("0.12.0", "v1", ("v1",), path=tmp_path / "a")
+    site = first.venv / "lib" / "python3.11" / "site-packages"
+    entry = _uv_linked(cache, "TORCHentry", site, _TORCH_FILES)
+    pointer = cache / disk.POINTERS / "torch" / "2.13.0.msgpack"
+    pointer.parent.mkdir(parents=True)
+    pointer.write_bytes(b"TORCHentry")
+    assert disk.trimmed_entries() == []
+
+    said: list[str] = []
+    pruned = prov.prune_unloaded(first, said.append)
+    assert not (site / "torch" / "include").exists() and not (site / "torch" / "bin" / "test_api").exists()
+    assert not (entry / "torch" / "include").exists() and not (entry / "torch" / "bin" / "test_api").exists()
+    assert (entry / "torch" / "bin" / "torch_shm_manager").stat().st_nlink == 2  # kept, still shared
+    assert pointer.exists() and "trimmed alike: 1" in said[-1]
+    assert sum("C++ headers" in line for line in pruned) == 1 and sum("test programs" in line for line in pruned) == 1
+    assert disk.trimmed_entries() == [entry]
+
+    second = Target("0.20.1", "v1", ("v1",), path=tmp_path / "b")
+    site2 = second.venv / "lib" / "python3.11" / "site-packages"
+    for f in entry.rglob("*"):  # uv links what the entry holds
+        if f.is_file():
+            (site2 / f.relative_to(entry)).parent.mkdir(parents=True, exist_ok=True)
+            (site2 / f.relative_to(entry)).hardlink_to(f)
+    pruned2 = prov.prune_unloaded(second, said.append)
+    assert len(pruned2) == 2 and all(line.startswith("1 files already absent") for line in pruned2)
+
+    assert prov.discard_trimmed(said.append) == 1
+    assert not entry.exists() and not pointer.exists() and disk.trimmed_entries() == []
+    assert (site2 / "torch" / "bin" / "torch_shm_manager").read_text() == "kept"  # the venvs keep their links
+
+
+def test_a_full_venv_discards_trimmed_cache_entries_first(tmp_path, monkeypatch):
+    synced = _fake_provisioning(tmp_path, monkeypatch, lean_imports=True)
+    entry = _uv_linked(tmp_path / "uv-cache", "TORCHentry", tmp_path / "elsewhere", _TORCH_FILES)
+    (entry / "torch" / "bin" / "test_api").unlink()  # trimmed by an earlier lean venv
+    prov.provision("0.5.4", progress=lambda msg: None, full=True)
+    assert synced == [prov.lock_path("0.5.4")] and not entry.exists()
