@@ -23,7 +23,12 @@ The rules:
                         adapter, media) the new request draws;
 ``eagle-prefix-hits``   under an EAGLE head, prefix caching is on (vLLM's default) most of the
                         time, and where the head drops a hit's last block every admission after
-                        the first repeats at least two whole blocks of an earlier prompt.
+                        the first repeats at least two whole blocks of an earlier prompt;
+``swapped-aborts``      an abort (``free``) picks a swapped-out request half of the time when
+                        there is one;
+``moved-media``         a request that repeats an earlier multimodal prompt's prefix sometimes
+                        carries that request's salt, adapter and media with the media moved by
+                        one position: the same item at another offset over the same tokens.
 """
 
 from __future__ import annotations
@@ -50,9 +55,21 @@ RULES = tuple(
         "prompt-edges",
         "shared-prefixes",
         "eagle-prefix-hits",
+        "swapped-aborts",
+        "moved-media",
     )
 )
-SHARED_IDENTIFIERS, SPECIAL_TOKENS, BLOCK_RELATIVE, POOL_EDGES, PROMPT_EDGES, SHARED_PREFIXES, EAGLE_PREFIX_HITS = RULES
+(
+    SHARED_IDENTIFIERS,
+    SPECIAL_TOKENS,
+    BLOCK_RELATIVE,
+    POOL_EDGES,
+    PROMPT_EDGES,
+    SHARED_PREFIXES,
+    EAGLE_PREFIX_HITS,
+    SWAPPED_ABORTS,
+    MOVED_MEDIA,
+) = RULES
 
 # ------------------------------------------------------------------------------ identifiers
 
@@ -180,6 +197,38 @@ def repeats_prefix(source: int) -> bool:
     return SHARED_PREFIXES.on and source % 4 != 0
 
 
+# ------------------------------------------------------------------------------ aborts
+
+SWAPPED_ABORT_FROM = 128  # a pick code at least this aborts a swapped-out request
+
+
+def aborts_swapped(pick_code: int) -> bool:
+    """Rule ``swapped-aborts``: an abort (the machine's ``free``) picks among the swapped-out
+    requests, when there are any, if its pick code (0..255) is at least ``SWAPPED_ABORT_FROM``
+    (half of the draws); otherwise among every request.  A request aborted while swapped out
+    frees blocks the CPU pool holds for a table the GPU allocator built (FINDINGS F13); picked
+    uniformly, the swapped-out request is one of several live ones, and the example usually
+    swaps it back in or ends first.  Shrinking lowers the code and leaves the edge."""
+    return SWAPPED_ABORTS.on and pick_code >= SWAPPED_ABORT_FROM
+
+
+# ------------------------------------------------------------------------------ media
+
+MOVED_MEDIA_FROM = 192  # a domain byte at least this moves the extended request's media
+
+
+def moves_media(domain_byte: int) -> bool:
+    """Rule ``moved-media``: an admission that extends an earlier prompt which carried media
+    takes that request's whole domain (salt, adapter, items) with every item moved by one
+    position, when its domain byte is at least ``MOVED_MEDIA_FROM`` (one draw in four).  The
+    same item at another offset over the same tokens is what a key that leaves out where an
+    item starts in its block cannot tell apart (FINDINGS F-KV3); drawn independently, the
+    salt, the adapter, the identifier and a nearby offset all agree about one pair of
+    admissions in a hundred examples.  The edge needs a high byte, so the shrinker, which
+    lowers every byte, can always leave it for an independently drawn domain."""
+    return MOVED_MEDIA.on and domain_byte >= MOVED_MEDIA_FROM
+
+
 # ------------------------------------------------------------------------------ EAGLE
 
 EAGLE_REPEATED_BLOCKS = 2  # whole blocks an admission repeats under a block-dropping EAGLE head
@@ -208,10 +257,12 @@ __all__ = [
     "RULES",
     "SPECIAL_TOKENS_IDS",
     "Rule",
+    "aborts_swapped",
     "block_relative",
     "eagle_caches",
     "eagle_repeated_blocks",
     "identifiers",
+    "moves_media",
     "pool_blocks",
     "prompt_length",
     "repeats_prefix",

@@ -10,13 +10,20 @@ import random
 import pytest
 from hypothesis import find, settings
 from hypothesis.errors import NoSuchExample
+from kvspec.reference import ReferenceManager
+from kvspec.spec.config import Config
+from kvspec.spec.prefix_hash import ExtraKeys
+from kvspec.testing import KVCacheMachine
 from kvspec.testing import generator_rules as rules
+from kvspec.testing.blockmanager.driver import Driver
 from kvspec.testing.blockmanager.strategies import (
     ADMISSION_HEADER,
     EXTRA_KINDS,
     as_tokens,
     configs,
+    extended_from,
     extra_from,
+    moved,
     prompt_from,
     windows,
 )
@@ -60,6 +67,8 @@ def test_every_rule_is_tested_here():
         "prompt-edges",
         "shared-prefixes",
         "eagle-prefix-hits",
+        "swapped-aborts",
+        "moved-media",
     }
     assert {r.name for r in rules.RULES} == tested
 
@@ -183,3 +192,65 @@ def test_eagle_shapes_cache_prefixes(switch):
     """An EAGLE shape drawn without prefix caching turns it on (two draws in three)."""
     on = switch(rules.EAGLE_PREFIX_HITS)
     assert [rules.eagle_caches(b) for b in range(3)] == [False, on, on]
+
+
+def test_aborts_pick_a_swapped_out_request_half_of_the_time(switch):
+    """Three running requests, one swapped out: an abort whose pick code is in the upper half
+    frees the swapped-out one; switched off, every request is as likely (a third)."""
+    on = switch(rules.SWAPPED_ABORTS)
+    freed_swapped = 0
+    for pick in range(256):
+        machine = KVCacheMachine(ReferenceManager)
+        machine.driver = Driver(ReferenceManager(Config(block_size=2, num_blocks=8, num_cpu_blocks=4)))
+        for seq in range(3):
+            machine._admit(bytes(ADMISSION_HEADER) + bytes([seq]))
+        machine.d.swap_out(1)
+        machine.free(pick)
+        freed_swapped += 1 not in machine.d.seqs
+    assert freed_swapped > 160 if on else 80 <= freed_swapped <= 90
+
+
+def _same_item_moved_in_a_block(earlier: list[tuple[tuple[int, ...], ExtraKeys]], prompt, extra) -> bool:
+    """An earlier request in the same salt and adapter domain whose first block holds the same
+    tokens and the same first item, starting elsewhere in that block (F-KV3's form)."""
+    if not extra.mm or len(prompt) < B or extra.mm[0].offset >= B:
+        return False
+    for p, e in earlier:
+        if (
+            e.mm
+            and (e.cache_salt, e.lora) == (extra.cache_salt, extra.lora)
+            and len(p) >= B
+            and p[:B] == prompt[:B]
+            and e.mm[0].identifier == extra.mm[0].identifier
+            and e.mm[0].offset < B
+            and e.mm[0].offset != extra.mm[0].offset
+        ):
+            return True
+    return False
+
+
+def test_media_move_by_a_position_under_a_repeated_prefix(switch):
+    """An admission that extends an earlier multimodal prompt, with a high domain byte, takes
+    that request's domain with its items moved by one position; switched off, the extended
+    request's domain is never consulted.  F-KV3's form (the same item at another offset in a
+    block over equal tokens, one salt and adapter) is then several times as common."""
+    on = switch(rules.MOVED_MEDIA)
+    rng = random.Random(7)
+    earlier: list[tuple[tuple[int, ...], ExtraKeys]] = []
+    consulted = same_item_moved = 0
+    for _ in range(DRAWS):
+        raw = _raw(rng, tail=MAX_LEN)
+        prompts = [p for p, _ in earlier]
+        index = extended_from(raw, prompts, B)
+        prompt = prompt_from(raw, prompts, B, MAX_LEN)
+        base = None if index is None else earlier[index][1]
+        extra = extra_from(raw, len(prompt), B, EXTRA_KINDS, base)
+        if base is not None and extra != extra_from(raw, len(prompt), B, EXTRA_KINDS):
+            consulted += 1
+            assert extra == moved(base, len(prompt), -1 if raw[8] % 2 else 1)
+        same_item_moved += _same_item_moved_in_a_block(earlier, prompt, extra)
+        earlier = [*earlier[-7:], (prompt, extra)]
+    if on:
+        assert consulted and same_item_moved >= 40
+    else:
+        assert consulted == 0 and same_item_moved < 20

@@ -33,10 +33,18 @@ from hypothesis.stateful import (
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError
 from kvspec.spec.interface import Capability, Implementation
+from kvspec.spec.prefix_hash import ExtraKeys
 from kvspec.spec.state import Status
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation
 from kvspec.testing.blockmanager.progress import drain
-from kvspec.testing.blockmanager.strategies import admission_bytes, configs, extra_from, prompt_from
+from kvspec.testing.blockmanager.strategies import (
+    admission_bytes,
+    configs,
+    extended_from,
+    extra_from,
+    prompt_from,
+)
+from kvspec.testing.generator_rules import aborts_swapped
 from kvspec.testing.generator_rules import token as rule_token
 
 ImplementationFactory = Callable[[Config], Implementation]
@@ -184,6 +192,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.failed = False
         self.next_id = 0
         self.prompts: list[tuple[int, ...]] = []
+        self.extras: list[ExtraKeys] = []  # each prompt's domain, as drawn (rule moved-media)
         self.checked_at = -1  # driver operation count at the last invariant check
 
     # ------------------------------------------------------------ setup
@@ -237,13 +246,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         B = self.d.config.block_size
         # The pool's capacity in tokens: a prompt of that length fills it exactly (pool-edges).
         capacity = B * self.d.config.num_blocks
+        extended = extended_from(raw, self.prompts, B)
         prompt = prompt_from(raw, self.prompts, B, B * self.max_prompt_blocks, capacity=capacity)
         self.prompts.append(prompt)
         seq_id = self.next_id
         self.next_id += 1
         chunk, token = raw[2:4]
         k = self._chunk(chunk, len(prompt))
-        extra = extra_from(raw, len(prompt), B, self.d.extra_kinds())
+        extra = extra_from(raw, len(prompt), B, self.d.extra_kinds(),
+                           None if extended is None else self.extras[extended])
+        self.extras.append(extra)
         return seq_id if self.d.admit(seq_id, prompt, k, rule_token(token), extra) else None
 
     def _pick(self, status: Status, code: int) -> int:
@@ -319,6 +331,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @_failures_stepped_past
     def free(self, pick):
         candidates = self._freeable()
+        swapped = [s for s in candidates if self.d.seqs[s].status is Status.SWAPPED]
+        if swapped and aborts_swapped(pick):
+            candidates = swapped  # rule swapped-aborts
         self.d.free(candidates[pick % len(candidates)])
 
     @_has_status(Status.RUNNING)

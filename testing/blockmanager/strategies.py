@@ -80,6 +80,16 @@ def extended_index(raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: i
     return index
 
 
+def extended_from(
+    raw: bytes, earlier: Sequence[tuple[int, ...]], block_size: int, repeat_blocks: int = 0
+) -> int | None:
+    """The index in ``earlier`` of the prompt ``prompt_from`` extends with these bytes, or None
+    when it draws a fresh prompt (rule ``shared-prefixes``)."""
+    if not earlier or not (repeat_blocks or repeats_prefix(raw[0])):
+        return None
+    return extended_index(raw, earlier, block_size, repeat_blocks)
+
+
 def prompt_from(
     raw: bytes,
     earlier: Sequence[tuple[int, ...]],
@@ -100,13 +110,14 @@ def prompt_from(
     longest if the one drawn is shorter than this many blocks) by at least this many whole
     blocks (as many as it has), and run at least one token past them (``extended_index`` says
     which)."""
-    source, cut_code, _, _, len_a, len_b = raw[:6]
+    cut_code, len_a, len_b = raw[1], raw[4], raw[5]
     length = prompt_length(len_a, len_b, max_len, block_size, budget=budget, capacity=capacity)
     tail = as_tokens(raw[ADMISSION_HEADER:])
-    if not earlier or not (repeat_blocks or repeats_prefix(source)):
+    extended = extended_from(raw, earlier, block_size, repeat_blocks)
+    if extended is None:
         prefix: tuple[int, ...] = ()
     else:
-        base = earlier[extended_index(raw, earlier, block_size, repeat_blocks)]
+        base = earlier[extended]
         if cut_code % 2 == 0:
             cut = (cut_code // 2) % (len(base) // block_size + 1) * block_size
         else:
@@ -122,13 +133,19 @@ def prompt_from(
 EXTRA_KINDS = frozenset({"cache_salt", "lora", "mm"})
 
 
-def extra_from(raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS) -> ExtraKeys:
+def extra_from(
+    raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS, extended: ExtraKeys | None = None
+) -> ExtraKeys:
     """A request's domain from an admission's bytes 6-9 (0 everywhere: the plain domain): a
     cache salt, a LoRA adapter, and up to two multimodal features placed inside the prompt
     (the second after the first), each only if ``kinds`` allows it.  A few names only, shared
     by the kinds (rule ``shared-identifiers``): identical prompts in different domains, and
-    identifiers of different kinds that coincide, happen often."""
+    identifiers of different kinds that coincide, happen often.  ``extended``: the domain of
+    the request whose prompt this one extends (``extended_from``), which rule ``moved-media``
+    may repeat with its media moved (``moved``)."""
     domain, mm_code, pos, size = raw[6:ADMISSION_HEADER]
+    if extended is not None and extended.mm and "mm" in kinds and rules.moves_media(domain):
+        return moved(extended, prompt_len, -1 if pos % 2 else 1, kinds)
     salts = (None, *identifiers("cache_salt"))
     loras = (None, *identifiers("lora"))
     images = identifiers("mm")
@@ -148,6 +165,24 @@ def extra_from(raw: bytes, prompt_len: int, block_size: int, kinds=EXTRA_KINDS) 
     if not (salt or lora or features):
         return NO_EXTRA
     return ExtraKeys(salt, lora, tuple(features))
+
+
+def moved(extra: ExtraKeys, prompt_len: int, shift: int, kinds=EXTRA_KINDS) -> ExtraKeys:
+    """Rule ``moved-media``: ``extra``'s salt and adapter (as ``kinds`` allows) with its
+    multimodal items, those that start inside a prompt of ``prompt_len`` tokens, all moved by
+    ``shift`` positions (the other way where that leaves the prompt, not at all where neither
+    fits) and cut to the prompt."""
+    items = [f for f in extra.mm if f.offset < prompt_len]
+    fits = [d for d in (shift, -shift) if items and all(0 <= f.offset + d < prompt_len for f in items)]
+    d = fits[0] if fits else 0
+    features = tuple(
+        MMFeature(f.identifier, f.offset + d, min(f.length, prompt_len - f.offset - d)) for f in items
+    )
+    salt = extra.cache_salt if "cache_salt" in kinds else None
+    lora = extra.lora if "lora" in kinds else None
+    if not (salt or lora or features):
+        return NO_EXTRA
+    return ExtraKeys(salt, lora, features)
 
 
 @st.composite
