@@ -10,6 +10,13 @@ worker reported before, and report a known finding of the target the first time 
 (shrunk there, labelled by its id: ``search_rounds``' ``hunt``), not by searching for it again
 afterwards, which a finding met once in thousands of examples would not survive.
 
+Each example draws its shape under a swarm configuration of its own (testing/scheduler/swarm.py,
+``swarm_shapes``).  A search ends at its first verdict (the next draws a fresh seed); once the
+worker has reported, its searches leave the database unreplayed (what it holds is what was
+reported); the known findings the coordinator reported (``REPORTED_FILE``) are stepped past by
+every worker from its next search on, and a worker shrinking one of them stops
+(``CampaignPart``): a reported finding's neighbourhood does not take the campaign over.
+
 Each verdict a worker meets is written by that worker, at once, into
 ``<out>/worker-N/NN-<fingerprint>/`` (``write_scheduler_reports``: report.json, trace.txt,
 the timeline); the coordinator deduplicates verdicts across workers by identity (the known
