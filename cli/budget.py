@@ -78,6 +78,10 @@ class Part:
     def past_deadline(self) -> bool:
         return time.monotonic() > self.deadline
 
+    def watch(self, step_past: Any) -> None:
+        """The step-past policy of the round about to run (cli/search.py ``Sieve``): a campaign's
+        part reads the failure it is shrinking (cli/fuzz_scheduler.py ``CampaignPart``)."""
+
     def next_round(self) -> None:
         """A part run as several search rounds (the scheduler's): a failure shrunk by an
         earlier round no longer exempts this round's examples from the deadline."""

@@ -10,6 +10,13 @@ worker reported before, and report a known finding of the target the first time 
 (shrunk there, labelled by its id: ``search_rounds``' ``hunt``), not by searching for it again
 afterwards, which a finding met once in thousands of examples would not survive.
 
+Each example draws its shape under a swarm configuration of its own (testing/scheduler/swarm.py,
+``swarm_shapes``).  A search ends at its first verdict (the next draws a fresh seed); once the
+worker has reported, its searches leave the database unreplayed (what it holds is what was
+reported); the known findings the coordinator reported (``REPORTED_FILE``) are stepped past by
+every worker from its next search on, and a worker shrinking one of them stops
+(``CampaignPart``): a reported finding's neighbourhood does not take the campaign over.
+
 Each verdict a worker meets is written by that worker, at once, into
 ``<out>/worker-N/NN-<fingerprint>/`` (``write_scheduler_reports``: report.json, trace.txt,
 the timeline); the coordinator deduplicates verdicts across workers by identity (the known
@@ -52,12 +59,36 @@ class CampaignPart(Part):
     deadline, nor once the coordinator has set the stop flag (its first example always runs)."""
 
     stop: Any = None  # multiprocessing.Event
+    folder: Path | None = None  # the campaign's folder (``REPORTED_FILE``)
+    sieve: Any = None  # the step-past policy of the round running (cli/search.py ``Sieve``)
+
+    def watch(self, step_past: Any) -> None:
+        self.sieve = step_past
 
     def start_example(self) -> None:
         if self.examples and not self.failing and self.stop is not None and self.stop.is_set():
             self.cut = True
             raise BudgetSpent(self.name)
+        if self.shrinking_what_was_reported():
+            # Another worker reported the known finding this round is shrinking: the round ends
+            # (no verdict of its own), and the next search steps past the finding.
+            raise BudgetSpent(self.name)
         super().start_example()
+
+    def shrinking_what_was_reported(self) -> bool:
+        target = self.sieve.target if self.sieve is not None else None
+        return isinstance(target, str) and self.folder is not None and target in reported_by_campaign(self.folder)
+
+
+REPORTED_FILE = "reported.txt"  # the known findings the campaign reported, one id a line
+
+
+def reported_by_campaign(folder: Path) -> list[str]:
+    """The known findings the coordinator has reported so far (``REPORTED_FILE``)."""
+    try:
+        return (folder / REPORTED_FILE).read_text().split()
+    except FileNotFoundError:
+        return []
 
 
 def identity_text(found: Any) -> str:
@@ -80,7 +111,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
     from kvspec.testing.guard import Guard, GuardTripped, Limits
     from kvspec.testing.implementations import lookup_scheduler
     from kvspec.testing.known import SHIPPED, load_known
-    from kvspec.testing.scheduler.machine import kv_connectors_of, multimodal_of, retention_offer_of, shapes
+    from kvspec.testing.scheduler.machine import kv_connectors_of, multimodal_of, retention_offer_of, swarm_shapes
 
     from . import common
     from .fuzz import Campaign, open_database
@@ -94,7 +125,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
     common.out.file = log  # the verdicts as kvspec check prints them, per worker
     common.err.file = log
     part = CampaignPart(f"worker {index}", deadline - time.time(),
-                        time.monotonic() + deadline - time.time(), stop=stop)
+                        time.monotonic() + deadline - time.time(), stop=stop, folder=base)
     guard = Guard(Limits(**limits_json))
     examples = operations = searches = 0
     shape_examples: Counter[str] = Counter()
@@ -112,8 +143,9 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
         with guard.armed():
             impl = lookup_scheduler(campaign.impl)
             factory = impl.factory
-            # read before the guard wraps it; every production shape ``kvspec check`` draws
-            strategy = shapes(retention_offer_of(factory), kv_connectors_of(factory), multimodal_of(factory))
+            # read before the guard wraps it; every production shape ``kvspec check`` draws, each
+            # example under a swarm configuration of its own (testing/scheduler/swarm.py)
+            strategy = swarm_shapes(retention_offer_of(factory), kv_connectors_of(factory), multimodal_of(factory))
             guarded = guard.wrap(factory)
             known = ([k for k in load_known([SHIPPED]) if k.concerns(SCHEDULER_IMPL, campaign.vllm_version)]
                      if impl.is_vllm else [])
@@ -141,11 +173,18 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
                              "message": (o.error or "; ".join(str(v) for v in o.violations[:2]))[:400]})
 
             while (searches == 0 or time.time() < deadline) and not stop.is_set():
+                # What another worker reported is a repeat here too (not shrunk again).
+                elsewhere = [i for i in reported_by_campaign(base) if i not in reported]
+                # One verdict a search: the next search draws a fresh seed instead of replaying
+                # this one's examples up to the verdict.  Once this worker has reported, its
+                # searches leave the database unreplayed: what it holds is what the campaign
+                # reported (replayed, it is stepped past, re-run in every search and deleted).
                 run = run_scheduler_search(
                     guarded, shape_strategy=strategy, profile="dev", examples=EXAMPLES_PER_SEARCH,
                     steps=campaign.steps, seed=None, focus=campaign.focus, part=part, known=known,
-                    reported=list(reported), hunt=[k.id for k in known], on_found=report,
-                    database=database, database_key=campaign.key())
+                    reported=[*reported, *elsewhere], hunt=[k.id for k in known], on_found=report,
+                    database=database, database_key=campaign.key(), max_violations=1,
+                    replay=not (reported or elsewhere))
                 searches += 1
                 examples += run.summary.examples
                 operations += run.summary.operations
@@ -175,6 +214,7 @@ def scheduler_worker(campaign_json: dict[str, Any], index: int, deadline: float,
 
 def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given: float) -> int:
     """The scheduler campaign (module docstring); ``seconds_given``: its time limit."""
+    from kvspec.testing.artifacts.report import write_atomic
     from kvspec.testing.implementations import SCHEDULERS, lookup_scheduler
     from kvspec.testing.known import SHIPPED, load_known
 
@@ -264,6 +304,9 @@ def cmd_fuzz_scheduler(args: argparse.Namespace, argv: list[str], seconds_given:
             # Examples the workers had started by then (each worker's count at its last message).
             "campaign_examples_then": sum(m.get("started", 0) for m in latest.values()),
             "shape": msg["shape"], "message": msg["message"], "report": msg["report"], "also": []}
+        if msg["known"]:  # the workers step past it from their next search on
+            write_atomic(folder / REPORTED_FILE, "".join(f"{v['known_finding']}\n" for v in verdicts.values()
+                                                         if v["known_finding"]))
         label = f"known finding {msg['known']}" if msg["known"] else "[bold red]new[/]"
         out.print(f"{seconds:7.1f} s  worker {msg['worker']}: {label}: {escape(msg['fingerprint'])} "
                   f"({msg['verdict_kind']})", soft_wrap=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from hypothesis import Phase
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
@@ -129,13 +130,16 @@ def run_shapes(
     part: Part | None = None,
     database: Any = None,
     database_key: bytes | None = None,
+    replay: bool = True,
 ) -> ShapesOutcome:
     """One hypothesis search of the scheduler machine; ``step_past`` may discard failing
     examples (the rounds of ``run_scheduler_search``), ``counts`` and ``differential`` gather
     what every round ran; ``shape_strategy`` narrows the shapes (default: every production
     shape, testing/scheduler/machine.py ``shapes``); ``part``: the scheduler's share of a time
     budget (cli/budget.py); ``database`` (a hypothesis example database) under ``database_key``:
-    a campaign's shared examples (cli/fuzz.py), replayed first and receiving the failures."""
+    a campaign's shared examples (cli/fuzz.py), replayed first and receiving the failures;
+    ``replay`` False: the database receives the failures but is not replayed (hypothesis'
+    ``Phase.reuse`` left out, so it neither re-runs nor deletes what it holds)."""
     base = Settings.get_profile(profile)
     requested = examples if examples is not None else max(1, base.max_examples // EXAMPLES_SHARE)
     chosen = Settings(
@@ -146,6 +150,7 @@ def run_shapes(
         database=database,
         print_blob=False,
         deadline=None,
+        phases=base.phases if replay else tuple(p for p in base.phases if p != Phase.reuse),
     )
     if seed is None and not base.derandomize:
         seed = random.SystemRandom().randrange(2**32)
@@ -536,6 +541,8 @@ def run_scheduler_search(
 
     def one_round(sieve: Sieve, _mask: Mask, tag: str) -> ShapesOutcome:
         err.print(f"scheduler shapes {tag} ...", markup=False)
+        if part is not None:
+            part.watch(sieve)
         o = run_shapes(
             factory, seed=seed, step_past=sieve, counts=counts, differential=differential, part=part, **budget
         )

@@ -205,3 +205,97 @@ def test_a_campaign_that_ran_no_operation_says_so(tmp_path):
                           [], 60.0, 60.0, "the time limit", "")
     assert code == EXIT_FOUND and "no operation ran" in captured.get()
     assert json.loads((tmp_path / "summary.json").read_text())["nothing_ran"]
+
+
+def test_a_swarm_configuration_draws_only_the_values_it_keeps():
+    """testing/scheduler/swarm.py: a shape drawn under a swarm configuration takes only the
+    values each feature keeps (here C3's corner: a window group, EAGLE drafts, the startup
+    minimum, a chunking budget, no connector, no images); a feature it keeps whole is drawn."""
+    from hypothesis import HealthCheck, given, settings
+    from kvspec.spec.groups import KV_CONNECTORS
+    from kvspec.testing.scheduler.machine import shapes
+    from kvspec.testing.scheduler.swarm import DIMENSIONS, Swarm
+
+    corner = Swarm({**DIMENSIONS, "groups": ("window",), "drafts": ("eagle",), "pool": ("startup-min",),
+                    "budget": ("chunked",), "connector": ("none",), "images": ("none",)})
+    assert corner.describe().startswith("groups=window drafts=eagle pool=startup-min budget=chunked")
+    seen = set()
+
+    @settings(max_examples=200, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(shapes(connectors=KV_CONNECTORS, multimodal=True, swarm=corner))
+    def check(shape):
+        assert shape.sliding_window is not None and not shape.mamba and shape.attention_chunk_size is None
+        assert shape.eagle and shape.num_spec_tokens > 0 and shape.extra_blocks == 0
+        assert shape.max_num_batched_tokens < shape.max_model_len
+        assert shape.kv_connector is None and not shape.multimodal
+        seen.add((shape.prefix_caching, shape.async_scheduling))
+
+    check()
+    assert len(seen) == 4  # prefix caching and async, kept whole, take both values
+
+
+def test_swarm_shapes_reach_every_production_shape():
+    """The campaign's shapes (``swarm_shapes``: each example draws its swarm configuration) reach
+    every shape tag ``kvspec check``'s do, and the swarm shrinks away (every value kept)."""
+    from hypothesis import find, settings
+    from kvspec.spec.groups import KV_CONNECTORS, SHAPE_TAGS
+    from kvspec.testing.scheduler.machine import swarm_shapes
+    from kvspec.testing.scheduler.swarm import DIMENSIONS, swarms
+
+    offered = swarm_shapes(connectors=KV_CONNECTORS, multimodal=True)
+    for tag in SHAPE_TAGS:
+        find(offered, lambda s, tag=tag: tag in s.tags(), settings=settings(max_examples=2000, database=None))
+    assert find(swarms(), lambda _s: True).kept == DIMENSIONS
+
+
+def test_a_search_that_does_not_replay_leaves_the_database_as_it_was():
+    """``run_shapes(replay=False)``: a campaign's searches once their worker has reported leave
+    the database unreplayed.  Replayed, an entry that does not fail (a reported finding, stepped
+    past) is deleted by hypothesis, and re-run at the start of every search."""
+    from hypothesis.database import InMemoryExampleDatabase
+    from kvspec.cli.shapes import run_shapes
+    from kvspec.reference.scheduler import ReferenceScheduler
+    from kvspec.testing.scheduler.machine import shapes
+
+    stored = b"\x00\x01\x02"  # not a failing example of this test
+    for replay in (False, True):
+        database = InMemoryExampleDatabase()
+        database.save(b"campaign", stored)
+        run = run_shapes(ReferenceScheduler, profile="dev", examples=3, steps=3, seed=1, focus=None,
+                         shape_strategy=shapes(), database=database, database_key=b"campaign", replay=replay)
+        assert run.status == "holds", run.status
+        assert (list(database.fetch(b"campaign")) == [stored]) is not replay
+
+
+def test_the_workers_read_what_the_campaign_reported(tmp_path):
+    """Each worker steps past the known findings another worker reported (``REPORTED_FILE``,
+    written by the coordinator) from its next search on, instead of shrinking them again."""
+    from kvspec.cli.fuzz_scheduler import REPORTED_FILE, reported_by_campaign
+
+    assert reported_by_campaign(tmp_path) == []
+    (tmp_path / REPORTED_FILE).write_text("C5\nC6\n")
+    assert reported_by_campaign(tmp_path) == ["C5", "C6"]
+
+
+def test_a_worker_stops_shrinking_a_finding_another_worker_reported(tmp_path):
+    """Two workers that meet the same known finding both shrank it to its end (a campaign at a
+    load of 8 spent 555 of its 987 examples so, C5's); a worker's round now ends at its next
+    example once the coordinator has reported the finding it shrinks, and its next search
+    steps past it.  Not a deadline: the worker goes on."""
+    import time as clock
+    from types import SimpleNamespace
+
+    from kvspec.cli.budget import BudgetSpent
+    from kvspec.cli.fuzz_scheduler import REPORTED_FILE, CampaignPart
+
+    part = CampaignPart("worker 1", 600.0, clock.monotonic() + 600.0, folder=tmp_path)
+    part.watch(SimpleNamespace(target="C5"))
+    part.start_example()  # shrinking C5, reported by nobody yet
+    (tmp_path / REPORTED_FILE).write_text("C6\n")
+    part.start_example()
+    (tmp_path / REPORTED_FILE).write_text("C6\nC5\n")
+    with pytest.raises(BudgetSpent):
+        part.start_example()
+    assert not part.cut and part.examples == 2
+    part.watch(SimpleNamespace(target=None))  # the next search's round: nothing shrinking
+    part.start_example()

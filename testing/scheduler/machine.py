@@ -60,6 +60,8 @@ from kvspec.testing.blockmanager.machine import CONTINUE, StepPast
 from kvspec.testing.blockmanager.strategies import admission_bytes, extended_index, extra_from, prompt_from
 from kvspec.testing.divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from kvspec.testing.generator_rules import (
+    POOL_EDGES,
+    SPARE_BLOCKS,
     block_relative,
     eagle_caches,
     eagle_repeated_blocks,
@@ -69,6 +71,7 @@ from kvspec.testing.generator_rules import (
 from kvspec.testing.generator_rules import token as rule_token
 from kvspec.testing.scheduler.driver import SchedulerDriver, SchedulerTarget, ShapeCounts
 from kvspec.testing.scheduler.progress import drain
+from kvspec.testing.scheduler.swarm import Swarm, swarms
 
 # Multiples of the scheduler's block size a periodic retention interval is drawn from (vLLM
 # refuses any other interval, kv_cache_coordinator.py:57-62 of 0.33.0).
@@ -166,6 +169,7 @@ def shapes(
     retention: RetentionOffer = DENSE_ONLY,
     connectors: tuple[str, ...] = (),
     multimodal: bool = False,
+    swarm: Swarm | None = None,
 ) -> Shape:
     """Production shapes, most of them hybrid, following the generator rules
     (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
@@ -188,26 +192,47 @@ def shapes(
     ``multimodal``: the target runs the multimodal shape (``multimodal_of``); a quarter of the
     shapes without a Mamba group or a connector then carry images of ``MM_ITEM_TOKENS`` tokens,
     under the synchronous scheduler without drafts or pipeline (``Shape.mm_item_tokens``),
-    drawn after everything else."""
+    drawn after everything else.
+
+    ``swarm``: a swarm configuration (testing/scheduler/swarm.py): each feature it restricts
+    takes only the values it keeps, in the proportions above; a feature pinned to one value
+    draws nothing for it.  None: every value, drawn as above (``kvspec check``)."""
     B = draw(st.sampled_from([2, 4, 8]))
     swa_B = draw(st.sampled_from([d for d in (1, 2, 4, 8) if B % d == 0]))
-    hybrid = draw(st.integers(0, 3)) != 0
     window = chunk = None
-    if hybrid and draw(st.integers(0, 2)) == 0:
+    if swarm is None:
+        hybrid = draw(st.integers(0, 3)) != 0
+        chunked = hybrid and draw(st.integers(0, 2)) == 0
+        groups = "full" if not hybrid else "chunked-local" if chunked else "window"
+    else:
+        groups = draw(st.sampled_from(swarm.weighted("groups")))
+        hybrid = groups != "full"
+    if groups == "chunked-local":
         swa_B = B
         chunk = draw(block_relative(B))
-    elif hybrid:
+    elif hybrid and groups != "mamba":
         window = draw(block_relative(swa_B))
     max_model_len = B * draw(st.sampled_from([8, 12, 16]))
-    budget = draw(st.one_of(st.just(max_model_len), st.integers(B, max_model_len - 1)))
+    chunked_budget = st.integers(B, max_model_len - 1)
+    budget = draw(_kept(swarm, "budget", st.one_of(st.just(max_model_len), chunked_budget),
+                        {"whole": max_model_len, "chunked": chunked_budget}))
+    spare = _kept(swarm, "pool", spare_blocks(), {"spare": st.sampled_from([n for n in SPARE_BLOCKS if n]),
+                                                        "startup-min": 0 if POOL_EDGES.on else spare_blocks()})
+    caching = _kept(swarm, "prefix-caching", st.booleans(), {"off": False, "on": True})
+    scheduling = _kept(swarm, "scheduling", st.booleans(), {"sync": False, "async": True})
+    if swarm is None:
+        spec = st.sampled_from([0, 0, 1, 2, 3])
+    else:
+        drafts = draw(st.sampled_from(swarm.weighted("drafts")))
+        spec = st.just(0) if drafts == "none" else st.sampled_from([1, 2, 3])
     shape = Shape(
         block_size=B,
         swa_block_size=swa_B,
         sliding_window=window,
-        extra_blocks=draw(spare_blocks()),
-        prefix_caching=draw(st.booleans()),
-        num_spec_tokens=draw(st.sampled_from([0, 0, 1, 2, 3])),
-        async_scheduling=draw(st.booleans()),
+        extra_blocks=draw(spare),
+        prefix_caching=draw(caching),
+        num_spec_tokens=draw(spec),
+        async_scheduling=draw(scheduling),
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         full_sequence_must_fit=draw(st.booleans()),
@@ -215,18 +240,18 @@ def shapes(
         attention_chunk_size=chunk,
         # vLLM runs no EAGLE head beside chunked-local layers (0.33.0
         # single_type_kv_cache_manager.py:1333-1335 asserts it away).
-        eagle=chunk is None and draw(st.booleans()),
+        eagle=chunk is None and (draw(st.booleans()) if swarm is None else drafts == "eagle"),
         lookahead_hashes=draw(st.booleans()),
     )
     # Rule ``eagle-prefix-hits``: an EAGLE head meets prefix hits (drawn after the others, so
     # their draws stay as they were).
     if shape.eagle and shape.num_spec_tokens and not shape.prefix_caching:
-        if eagle_caches(draw(st.integers(0, 2))):
+        if (swarm is None or swarm.allows("prefix-caching", "on")) and eagle_caches(draw(st.integers(0, 2))):
             shape = attrs.evolve(shape, prefix_caching=True)
     # A third of the hybrid shapes pair full attention with Mamba layers instead (drawn
     # last, so the other shapes' draws stay as they were).  Without draft tokens: the worker
     # model keeps no per-draft states (vLLM's speculative Mamba blocks).
-    if hybrid and draw(st.integers(0, 2)) == 0:
+    if groups == "mamba" or (swarm is None and hybrid and draw(st.integers(0, 2)) == 0):
         shape = attrs.evolve(
             shape,
             swa_block_size=B,
@@ -256,9 +281,9 @@ def shapes(
     # sched/scheduler.py:3360-3390), which the worker model does not play.
     # One shape in four; the last of the choices, so that shrinking takes the connector away
     # from a verdict that does not need it.
-    if connectors and not shape.mamba and draw(st.integers(0, 3)) == 3:
+    if connectors and not shape.mamba and _one_in_four(draw, swarm, "connector"):
         shape = attrs.evolve(shape, kv_connector=draw(st.sampled_from(connectors)))
-    if multimodal and not shape.mamba and shape.kv_connector is None and draw(st.integers(0, 3)) == 3:
+    if multimodal and not shape.mamba and shape.kv_connector is None and _one_in_four(draw, swarm, "images"):
         shape = attrs.evolve(
             shape,
             async_scheduling=False,
@@ -268,6 +293,39 @@ def shapes(
             mm_item_tokens=draw(st.sampled_from(_image_sizes(shape))),
         )
     return shape
+
+
+def _kept(
+    swarm: Swarm | None, feature: str, every: st.SearchStrategy, by_value: Mapping[str, Any]
+) -> st.SearchStrategy:
+    """A two-valued feature's draw: ``every`` (the draw without a swarm) where the swarm keeps
+    both values or there is none, else the value it keeps (``by_value``: a value or a strategy)."""
+    only = swarm.only(feature) if swarm is not None else None
+    if only is None:
+        return every
+    kept = by_value[only]
+    return kept if isinstance(kept, st.SearchStrategy) else st.just(kept)
+
+
+def _one_in_four(draw: Any, swarm: Swarm | None, feature: str) -> bool:
+    """Whether a shape takes an extra a quarter of shapes take (a KV connector, images): as
+    drawn without a swarm, always where the swarm keeps it alone, never where it leaves it out."""
+    only = swarm.only(feature) if swarm is not None else None
+    if only is not None:
+        return only != "none"
+    return draw(st.integers(0, 3)) == 3
+
+
+@st.composite
+def swarm_shapes(
+    draw,
+    retention: RetentionOffer = DENSE_ONLY,
+    connectors: tuple[str, ...] = (),
+    multimodal: bool = False,
+) -> Shape:
+    """A production shape under a swarm configuration the example draws first
+    (testing/scheduler/swarm.py ``swarms``): ``kvspec fuzz --machine scheduler``'s shapes."""
+    return draw(shapes(retention, connectors, multimodal, swarm=draw(swarms())))
 
 
 TargetFactory = Callable[[Shape], SchedulerTarget]
