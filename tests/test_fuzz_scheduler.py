@@ -85,8 +85,22 @@ def test_the_reference_scheduler_holds_for_the_budget(tmp_path):
     assert summary["outcome"] == "no failure" and summary["verdicts"] == []
     assert summary["examples"] > 0 and sum(ex for ex, _ in summary["per_shape"].values()) >= summary["examples"]
     assert summary["per_worker"]["0"]["budget"]["examples_started"] > 0
-    # Every production shape `kvspec check` draws, the KV connector's included.
-    assert summary["per_shape"].get("kv-connector", [0])[0] > 0, summary["per_shape"]
+
+
+def test_a_campaign_draws_every_production_shape_the_kv_connectors_included():
+    """The campaign's shapes (``swarm_shapes`` over what the target offers, as its workers
+    build them) include the KV-connector ones: its campaigns once ran none.  Searched for by a
+    derandomized ``find``, not by a timed campaign, whose few examples under load prove nothing."""
+    from hypothesis import find, settings
+    from kvspec.testing.implementations import lookup_scheduler
+    from kvspec.testing.scheduler.machine import kv_connectors_of, multimodal_of, retention_offer_of, swarm_shapes
+
+    factory = lookup_scheduler("reference-scheduler").factory
+    connectors = kv_connectors_of(factory)
+    assert connectors
+    strategy = swarm_shapes(retention_offer_of(factory), connectors, multimodal_of(factory))
+    budget = settings(derandomize=True, database=None, max_examples=2000)
+    assert find(strategy, lambda shape: shape.kv_connector is not None, settings=budget).kv_connector in connectors
 
 
 @pytest.mark.parametrize("failed", [False, True])
