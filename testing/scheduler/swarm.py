@@ -8,13 +8,14 @@ proportions the unrestricted draw gives them.  Each value is left out with proba
 independently; a feature whose every value is left out keeps them all (the feature is then
 drawn as without a swarm).
 
-``kvspec fuzz --machine scheduler`` draws one for each search of each worker (cli/fuzz_scheduler.py):
-a search of a hundred examples runs in one corner of the shape space, and a verdict's
-neighbourhood (the examples hypothesis mutates, replays and shrinks from it) stays in the
-searches whose configuration keeps it, instead of taking a share of every search.  A rare
-value (the startup minimum, EAGLE, a Mamba group) is in the shapes of a search whose
-configuration keeps it alone, so the searches cover combinations of rare values that a draw
-over every value meets seldom.  ``kvspec check`` draws without one.
+``kvspec fuzz --machine scheduler`` draws one per example, before its shape
+(testing/scheduler/machine.py ``swarm_shapes``; cli/fuzz_scheduler.py), so that a stored
+example replays in the same shape and the shrinker can take the swarm away.  Over a campaign
+the shapes come out as under a configuration per search: a rare value (the startup minimum,
+a KV connector, images, a Mamba group) is kept alone in many examples, combinations of rare
+values that a draw over every value meets seldom come up more often, and a verdict's
+neighbourhood (what hypothesis mutates and shrinks from it) does not take a share of every
+shape.  ``kvspec check`` draws without one.
 """
 
 from __future__ import annotations
