@@ -398,6 +398,17 @@ class Guard:
         return grown if grown > cap * GIB else None
 
     def _tick(self, _signum: int, _frame: Any) -> None:
+        try:
+            self._watch()
+        except RecursionError:
+            # The signal landed at the interpreter's recursion limit (a deep shrink, a gc callback
+            # there): the tick's own frames overflowed it.  Raised, the error would surface in
+            # whatever code was running and be blamed on it (a target "crash"); the next tick
+            # looks again.
+            return
+
+    def _watch(self) -> None:
+        """One tick's look at the running call: trip it when hung or over the memory cap."""
         op = self._op
         if op is None:
             return

@@ -90,6 +90,30 @@ def test_guard_interrupts_a_python_loop_and_restores_the_process():
     assert resource.getrlimit(resource.RLIMIT_AS) == limit
 
 
+def test_a_tick_at_the_recursion_limit_is_skipped_not_raised_into_the_running_code():
+    """A tick landing near the recursion limit (seen during a deep shrink on 0.6.3) must not raise
+    RecursionError into the code it interrupted, which would be blamed for it."""
+    guard = Guard(Limits(op_timeout=60.0, memory_cap_gib=1.0))
+    with guard.armed():
+        guard._op = "deep"
+        guard._start = guard._progress = time.monotonic()
+        limit = sys.getrecursionlimit()
+        for headroom in range(1, 10):  # frames left to the handler and what it calls
+            lowest = 1  # the lowest limit the interpreter accepts at this depth
+            while True:
+                try:
+                    sys.setrecursionlimit(lowest)
+                    break
+                except RecursionError:
+                    lowest += 1
+            sys.setrecursionlimit(lowest + headroom)
+            try:
+                guard._tick(signal.SIGALRM, None)
+            finally:
+                sys.setrecursionlimit(limit)
+        guard._op = None
+
+
 def test_a_call_that_keeps_importing_is_not_hung_but_one_that_stops_is(monkeypatch, tmp_path):
     """vLLM imports lazily (over a minute on a loaded machine): a call whose imports go on is
     given up to ``IMPORT_ALLOWANCE`` more; the limit counts from its last import."""
