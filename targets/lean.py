@@ -41,7 +41,12 @@ it leaves the code kvspec drives alone -- pure Python over lists and dicts, no t
 is checked, not assumed: the venv's driven modules must import, and BENCHMARKS.md ("Lean
 targets") has the default checks and the in-target suite giving the same verdicts and the same
 operation counts in both venvs.  The wheel's version need not be the release's pin (one CPU
-build serves every release); the record says which was installed in place of what.
+build serves every release); the record says which was installed in place of what.  vLLM's own
+compiled extensions link torch's CUDA build, so beside a CPU torch they are removed before the
+import check (``prunable_files``), and vLLM's import takes the path it has for a build without
+them (0.6.3: ``_core_ext.py``'s mock ``ScalarType``, ``_custom_ops.py``'s guarded import of
+``vllm._C``); present but unloadable, 0.6.3's failed its import, which had made it fall back to
+torch's CUDA build.
 """
 
 from __future__ import annotations
@@ -198,22 +203,22 @@ def cpu_torch_wheel(pinned: str | None, python_tag: str, dirs: tuple[Path, ...] 
 
 # ------------------------------------------------------------------------------ pruned files
 #
-# Files inside kept distributions (issue 24).  A venv beside a CPU torch still holds vLLM's own
+# Files inside kept distributions (issue 24). A venv beside a CPU torch still holds vLLM's own
 # wheel whole, and most of its bytes are compiled CUDA extensions (0.33.0: 633 of 799 MiB; 0.12.0:
-# 1,081 of 1,097 MiB).  Each links torch's CUDA libraries (``DT_NEEDED`` libtorch_cuda.so /
+# 1,081 of 1,097 MiB). Each links torch's CUDA libraries (``DT_NEEDED`` libtorch_cuda.so /
 # libc10_cuda.so, read from the file itself), which a CPU build of torch does not ship, so the
 # dynamic loader cannot load it in that venv whatever vLLM's code asks; ``bench.lean_trace`` on
 # ``kvspec check --vllm 0.33.0 / 0.12.0 --seed 1`` and the pinned-finding target tests mapped none
-# of them.  A venv that keeps torch's CUDA build (0.6.3: its extensions load there and stay)
-# instead holds CUDA libraries no shared object of it links -- cuDNN's engine and op libraries,
-# which libcudnn.so.9 dlopens for a cuDNN call on a GPU (973 MiB), NVBLAS, cuSOLVER-Mg, CUPTI's
-# profiler hosts -- and triton's GPU assembler tools; the trace of a default ``kvspec check
-# --vllm 0.6.3`` mapped none of them.  ``PRUNED_VLLM_FILES`` names what vLLM's wheel ships that
-# no process kvspec drives executes or reads.  These files are removed from the venv
-# (``provision.prune_unloaded``) after their wheel's uv cache entry is detached from it
+# of them. A venv that keeps torch's CUDA build (no CPU build of torch on the machine: vLLM's
+# extensions load there and stay) instead holds CUDA libraries no shared object of it links --
+# cuDNN's engine and op libraries, which libcudnn.so.9 dlopens for a cuDNN call on a GPU (973
+# MiB), NVBLAS, cuSOLVER-Mg, CUPTI's profiler hosts -- and triton's GPU assembler tools; the trace
+# of a default ``kvspec check --vllm 0.6.3`` mapped none of them. ``PRUNED_VLLM_FILES`` names what
+# vLLM's wheel ships that no process kvspec drives executes or reads. These files are removed from
+# the venv (``provision.prune_unloaded``) after their wheel's uv cache entry is detached from it
 # (``disk.detach``): a venv hard-links uv's cache, so removing a venv's link alone would free
-# nothing.  The record lists each removed file (``kvspec-lock.json``, "pruned"); ``--full``
-# removes nothing.
+# nothing. The record lists each removed file (``kvspec-lock.json``, "pruned"); ``--full`` removes
+# nothing.
 
 # Shipped only by torch's CUDA build (torch/lib); a CPU build has neither.
 CUDA_TORCH_SONAMES = frozenset({"libtorch_cuda.so", "libc10_cuda.so"})
@@ -280,7 +285,7 @@ def has_cuda_torch(site: Path) -> bool:
     return any(next(site.glob(f"torch/lib/{name}*"), None) is not None for name in CUDA_TORCH_SONAMES)
 
 
-# Beside torch's CUDA build (0.6.3's fallback), what no process kvspec drives maps or runs.
+# Beside torch's CUDA build (no CPU build of torch on the machine), what no process kvspec drives maps or runs.
 CUDA_VENV_PRUNED_FILES: tuple[tuple[str, str], ...] = (
     (
         "triton/backends/nvidia/bin/*",

@@ -652,7 +652,15 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
             install_kvspec(t, progress)
             write_stand_ins(t, progress)
             imported = False
+            pruned_early = False
             if left_out is not None and any(CUDA_TORCH_REASON in why for why in left_out):
+                # vLLM's compiled extensions link torch's CUDA libraries, which a CPU build of torch
+                # does not ship, so they cannot load here; removed before the import check, vLLM
+                # takes its own path for a build without them (0.6.3: _core_ext.py:10 and
+                # _custom_ops.py:15-19) instead of finding them and failing to load them (0.6.3's
+                # `_core_C` then left `ScalarType` unregistered and the import failed).
+                pruned = prune_unloaded(t, progress)
+                pruned_early = True
                 try:
                     check_imports(t, progress, driven_modules(t))
                 except TargetError as error:
@@ -660,7 +668,10 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
                         f"the lean venv with a CPU torch does not import what kvspec drives "
                         f"({first_line(str(error))}); installing torch's CUDA build"
                     )
-                    _sync(t, lean, progress)
+                    # Every distribution linked anew: vLLM's extensions come back with its wheel
+                    # (downloaded again: pruning detached its cache entry).
+                    _sync(t, lean, progress, reinstall=True)
+                    pruned, pruned_early = (), False
                     (t.venv / "kvspec-source.txt").unlink(missing_ok=True)
                     install_kvspec(t, progress)
                     write_stand_ins(t, progress)
@@ -682,7 +693,7 @@ def provision(version: str, progress: Progress = print, *, engine: str | None = 
                     install_kvspec(t, progress)
                     write_stand_ins(t, progress)
                     left_out = None
-            if left_out is not None:
+            if left_out is not None and not pruned_early:
                 pruned = prune_unloaded(t, progress)
             bytecode_marker(t).write_text("uv pip sync --compile-bytecode\n")
             check_imports(t, progress, driven_modules(t) if pruned else None)

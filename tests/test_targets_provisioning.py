@@ -601,6 +601,42 @@ def test_a_cpu_torch_venv_records_what_was_pruned_and_imports_after(tmp_path, mo
     assert synced
 
 
+def test_beside_a_cpu_torch_vllms_extensions_go_before_the_import_check(tmp_path, monkeypatch):
+    """vLLM's extensions cannot load beside a CPU torch; found but unloadable, 0.6.3's failed its
+    import, so they are pruned first and vLLM takes its path for a build without them."""
+    _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
+    _wheel(tmp_path / "wheels", "2.13.0")
+    order: list[str] = []
+    monkeypatch.setattr(prov, "prune_unloaded", lambda t, progress: order.append("prune") or ("x: why",))
+    monkeypatch.setattr(prov, "check_imports", lambda t, progress, modules=None: order.append("import"))
+    t = prov.provision("0.5.4", progress=lambda msg: None)
+    assert order[:2] == ["prune", "import"] and order.count("prune") == 1
+    record = read_record(t.venv)
+    assert record is not None and record.pruned == ("x: why",)
+
+
+def test_a_cpu_torch_venv_that_does_not_import_relinks_everything_then_prunes_again(tmp_path, monkeypatch):
+    """The fallback to torch's CUDA build must bring back the extensions pruned before the check."""
+    _fake_provisioning(tmp_path, monkeypatch, lean_imports="cuda only", lock=_TORCH_LOCK)
+    _wheel(tmp_path / "wheels", "2.13.0")
+    pruned: list[str] = []
+    monkeypatch.setattr(prov, "prune_unloaded", lambda t, progress: pruned.append("prune") or ("x: why",))
+    syncs: list[tuple[str, bool]] = []
+    sync = prov._sync
+    monkeypatch.setattr(
+        prov,
+        "_sync",
+        lambda t, lock, progress, reinstall=False: syncs.append((lock.name, reinstall)) or sync(
+            t, lock, progress, reinstall=reinstall
+        ),
+    )
+    t = prov.provision("0.5.4", progress=lambda msg: None)
+    assert syncs[-1] == (prov.lean_lock_path("0.5.4").name, True)
+    assert pruned == ["prune", "prune"]  # before the failed check, and again beside the CUDA build
+    record = read_record(t.venv)
+    assert record is not None and record.pruned == ("x: why",)
+
+
 def test_a_full_venv_is_not_pruned(tmp_path, monkeypatch):
     _fake_provisioning(tmp_path, monkeypatch, lean_imports=True, lock=_TORCH_LOCK)
     _wheel(tmp_path / "wheels", "2.13.0")
