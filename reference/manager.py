@@ -76,8 +76,11 @@ class ReferenceManager:
     partial_tails = False  # publish a prompt's partial last block (PartialTailReference)
     _last_tables: Mapping[int, TableView] = MappingProxyType({})  # the last observation's
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, admit_lookahead: int | None = None) -> None:
+        """``admit_lookahead``: the lookahead slots an admission reserves past its first step
+        (spec/interface.py ``admit``); None: the run's, ``config.max_lookahead``."""
         self.config = config
+        self.admit_lookahead = config.max_lookahead if admit_lookahead is None else admit_lookahead
         self.gpu = BlockPool(config.num_blocks, config.prefix_caching)
         self.cpu = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
         self.seqs: dict[int, _Seq] = {}
@@ -113,8 +116,8 @@ class ReferenceManager:
                 break
             hits.append(block)
         hit_tokens = len(hits) * B
-        # The first step's slots, plus the run's lookahead slots (as V1 admits).
-        end = min(hit_tokens + max(1, num_new_tokens), len(tokens)) + self.config.max_lookahead
+        # The first step's slots, plus the lookahead slots admission reserves.
+        end = min(hit_tokens + max(1, num_new_tokens), len(tokens)) + self.admit_lookahead
         first = min(first_needed_block(hit_tokens, W, B), len(hits))
         kept = hits[first:]
         return _AdmissionPlan(

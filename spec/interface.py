@@ -7,7 +7,13 @@ The operations are the scheduler's, in the order vLLM's schedulers call them:
   then ``allocate_slots``).  ``admit`` returns the number of leading tokens the prefix cache
   already holds (they count as computed).  ``extra`` is the sequence's domain
   (``spec.prefix_hash.ExtraKeys``: cache salt, LoRA adapter, multimodal features; ``()`` is
-  the plain domain).
+  the plain domain).  The first step's slots may be followed by the run's lookahead slots or
+  not: an implementation declares how many in ``admit_lookahead`` (undeclared: the run's,
+  ``Config.max_lookahead``).  vLLM's V1 scheduler reserves them at admission in 0.33.0
+  (vllm/v1/core/sched/scheduler.py:1403-1406, zero only for a pending KV load) and none in
+  0.12.0 (:556-558) and 0.20.1 (:728-730), whose ``effective_lookahead_tokens`` is 0 while
+  ``num_computed_tokens == 0``; every invariant holds either way, and the next ``reserve``
+  asks for them.
 * ``reserve``: slots for the next ``num_new_tokens`` tokens plus ``lookahead`` speculative
   slots (legacy ``can_append_slots``/``append_slots``, V1 ``allocate_slots``).  It returns the
   block copies the worker must perform first (copy-on-write).

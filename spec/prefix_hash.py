@@ -14,7 +14,11 @@ block's hash: ``("lora", lora_name, lora_path)`` for every block of a LoRA reque
 multimodal feature the block overlaps (522-587), and ``("cache_salt", salt)`` for the first
 block only (659-662; later blocks inherit it through the parent hash).  Because the hash
 chains, the key of a block ending at token ``end`` depends on the salt, the adapter and every
-feature placed before ``end``: ``ExtraKeys.for_chain`` is that dependency, canonical.
+feature placed before ``end``: ``ExtraKeys.for_chain`` is that dependency, canonical.  It names
+a feature by identifier and offset, not length: the identifier is a content hash, so one
+identifier has one placeholder count (vLLM's hash depends on which blocks a feature overlaps,
+kv_cache_utils.py:564-574, which its identifier and offset then fix); the machines draw one
+length per identifier (testing/blockmanager/strategies.py ``one_length_per_identifier``).
 Identical tokens in two domains are different content (KV computed under another adapter,
 or over another image behind the same placeholder tokens): invariant
 ``prefix-cache-isolation``.

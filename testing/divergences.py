@@ -33,6 +33,12 @@ class Mismatch:
     earlier_difference: bool = False
     # The scheduler runs asynchronously (outputs of the previous step still in flight).
     async_scheduling: bool = False
+    # A sequence no longer compared still holds blocks on the target; the reference freed its
+    # copy when the two disagreed (differential.py ``Lockstep._untrack``).
+    target_holds_untracked: bool = False
+    # The target declares ``window_hits_from_the_end`` (spec/admission.py) and, in the pool
+    # before this admission, such a hit is longer than the cached prefix from the prompt's start.
+    window_hit_from_the_end: bool = False
 
 
 @attrs.frozen
@@ -90,6 +96,40 @@ KNOWN: tuple[Divergence, ...] = (
             m.mode == "outcomes"
             and m.dropped_on_refusal
             and m.op in ("admit", "readmit", "step")
+            and m.target is True
+            and m.reference is False
+        ),
+    ),
+    Divergence(
+        "untracked-sequence-holds-blocks",
+        "once one side refused what the other granted, that sequence is no longer compared and "
+        "the reference frees its copy while the target keeps running it, so the target's pool "
+        "holds blocks the reference's does not: the target may refuse an admission or a step "
+        "the reference grants (its own completeness invariants still judge each refusal), or a "
+        "prefix-cache reset, which V1 allows only while no block is in use",
+        "testing/blockmanager/differential.py Lockstep._untrack; "
+        "vllm/v1/core/block_pool.py reset_prefix_cache (0.20.1 :452-459)",
+        lambda m: (
+            m.mode == "outcomes"
+            and m.target_holds_untracked
+            and m.op in ("admit", "readmit", "step", "reset_prefix_cache")
+            and m.target is False
+            and m.reference is True
+        ),
+    ),
+    Divergence(
+        "window-hits-from-the-end",
+        "a sliding-window lookup may take the last run of cached blocks the window needs, "
+        "searching from the prompt's end past blocks already gone (AdmissionPolicy "
+        "window_hits_from_the_end, declared by the target); the reference's lookup runs from "
+        "the prompt's start, so with such a longer hit the target may admit a prompt the "
+        "reference's pool cannot hold (hit-completeness judges the hit itself)",
+        "vllm/v1/core/single_type_kv_cache_manager.py SlidingWindowManager.find_longest_cache_hit "
+        "(0.20.1 :509-580)",
+        lambda m: (
+            m.mode == "outcomes"
+            and m.window_hit_from_the_end
+            and m.op in ("admit", "readmit")
             and m.target is True
             and m.reference is False
         ),

@@ -57,3 +57,27 @@ def test_stateful_differential_refuses_a_manager_that_admits_nothing():
             settings=settings(settings(), report_multiple_bugs=False),
         )
     assert {v.invariant for v in caught.value.violations} == {"differential/outcomes"}
+
+
+def test_the_reference_admits_with_the_lookahead_the_target_declares():
+    """A target whose admission reserves no lookahead slots (``admit_lookahead`` 0, as vLLM
+    0.12.0 and 0.20.1 schedule a waiting request: spec/interface.py ``admit``) is run beside a
+    reference that admits the same way: with the run's lookahead the reference would refuse a
+    one-token prompt in a one-block pool that the target admits."""
+    from kvspec.spec.config import Config
+    from kvspec.testing.blockmanager.differential import Lockstep
+    from kvspec.testing.blockmanager.driver import Driver
+
+    config = Config(block_size=1, num_blocks=1, max_lookahead=1)
+    target = ReferenceManager(config, admit_lookahead=0)
+    apart = Lockstep(Driver(target), Driver(ReferenceManager(config)), Mode.OUTCOMES)
+    assert apart.admit(0, [0], 1) is True
+    assert [v.invariant for v in apart.check()] == ["differential/outcomes"]
+    stats = RunStats()
+    run_state_machine_as_test(
+        lambda: DifferentialMachine(
+            lambda c: ReferenceManager(c, admit_lookahead=0), stats=stats, mode=Mode.RENAMING
+        ),
+        settings=settings(settings(), report_multiple_bugs=False),
+    )
+    assert stats.by_op.get("step", 0) >= 50, stats

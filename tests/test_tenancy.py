@@ -15,7 +15,7 @@ from kvspec.spec.invariants import INVARIANTS
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, MMFeature, block_keys, key_of
 from kvspec.spec.state import Device, KVState, PoolView, SeqModel, TableView, World
 from kvspec.testing import KVCacheMachine, RunStats
-from kvspec.testing.blockmanager.strategies import configs, extra_from
+from kvspec.testing.blockmanager.strategies import configs, extra_from, one_length_per_identifier
 
 IMG = MMFeature("image-x", 3, 2)
 
@@ -44,6 +44,22 @@ def test_extra_from_draws_only_allowed_kinds():
     assert both.cache_salt and both.lora and both.mm
     assert extra_from(raw, 8, 2, frozenset({"mm"})) == ExtraKeys(mm=both.mm)
     assert extra_from(bytes(10), 8, 2) is NO_EXTRA
+
+
+def test_an_identifier_keeps_the_length_it_was_first_drawn_with():
+    """An identifier is a content hash: drawn again at another length, an item takes its first
+    length, and is dropped where that leaves the prompt or runs into the item before it."""
+    first = ExtraKeys("s", mm=(MMFeature("a", 0, 2),))
+    again = ExtraKeys("s", mm=(MMFeature("a", 1, 1), MMFeature("b", 3, 1)))
+    assert one_length_per_identifier(again, [first], 4) == ExtraKeys(
+        "s", mm=(MMFeature("a", 1, 2), MMFeature("b", 3, 1))
+    )
+    assert one_length_per_identifier(again, [first], 2) == ExtraKeys("s")
+    within = ExtraKeys(mm=(MMFeature("a", 0, 1), MMFeature("a", 1, 3)))
+    assert one_length_per_identifier(within, [], 2) == ExtraKeys(
+        mm=(MMFeature("a", 0, 1), MMFeature("a", 1, 1))
+    )
+    assert one_length_per_identifier(ExtraKeys(mm=(MMFeature("a", 0, 1),)), [first], 1) is NO_EXTRA
 
 
 def _world(tables, seqs, cached, events=None):

@@ -29,6 +29,7 @@ from hypothesis.stateful import initialize
 from kvspec.reference import ReferenceManager
 from kvspec.spec.invariants import Violation
 from kvspec.spec.state import Status
+from kvspec.testing.blockmanager.completeness import cached_prefix, policy_of, window_hit
 from kvspec.testing.blockmanager.driver import Driver, SpecViolation
 from kvspec.testing.blockmanager.machine import KVCacheMachine
 from kvspec.testing.divergences import KNOWN, Divergence, Mismatch, explained
@@ -117,6 +118,11 @@ class Lockstep:
                 v.invariant == "admission-completeness" for v in self.target.pending
             ),
             earlier_difference=bool(self.allowed or self.untracked or self.caches_differ),
+            target_holds_untracked=any(
+                s in self.target.seqs and self.target.seqs[s].status is not Status.WAITING
+                for s in self.untracked
+            ),
+            window_hit_from_the_end=op in ("admit", "readmit") and self._hit_from_the_end(seq),
         )
         why = explained(m, self.known)
         if why is not None:
@@ -133,6 +139,22 @@ class Lockstep:
                     observed=got,
                 )
             )
+
+    def _hit_from_the_end(self, seq: int | None) -> bool:
+        """Whether the target, declaring ``window_hits_from_the_end``, could take a longer hit
+        for ``seq``'s prompt in its pool before this admission than the cached prefix from the
+        prompt's start, the reference's lookup."""
+        config = self.target.config
+        policy = policy_of(self.target.impl)
+        model = self.target.seqs.get(seq) if seq is not None else None
+        if model is None or config.sliding_window is None or not config.prefix_caching:
+            return False
+        if not policy.window_hits_from_the_end:
+            return False
+        pool, B = self.target.before_op.gpu, config.block_size
+        end, _ = window_hit(pool, model.tokens, model.extra, B, config.sliding_window, policy.hit_drops_last_block)
+        start, _ = cached_prefix(pool, model.tokens, model.extra, B)
+        return end > start
 
     # ------------------------------------------------ the Driver surface the machine uses
 
@@ -260,7 +282,10 @@ class DifferentialMachine(KVCacheMachine):
     @initialize(data=st.data())
     def build(self, data):
         self._build_driver(data)
-        reference = Driver(ReferenceManager(self.driver.config), focus=self.focus)
+        # The reference admits as the target declares it does (spec/interface.py ``admit``):
+        # with or without the run's lookahead slots.
+        admit_lookahead = getattr(self.driver.impl, "admit_lookahead", None)
+        reference = Driver(ReferenceManager(self.driver.config, admit_lookahead), focus=self.focus)
         self.lockstep = Lockstep(self.driver, reference, self.mode, self.known)
 
     def teardown(self):

@@ -42,6 +42,7 @@ from kvspec.testing.blockmanager.strategies import (
     configs,
     extended_from,
     extra_from,
+    one_length_per_identifier,
     prompt_from,
 )
 from kvspec.testing.generator_rules import aborts_swapped
@@ -255,6 +256,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         k = self._chunk(chunk, len(prompt))
         extra = extra_from(raw, len(prompt), B, self.d.extra_kinds(),
                            None if extended is None else self.extras[extended])
+        extra = one_length_per_identifier(extra, self.extras, len(prompt))
         self.extras.append(extra)
         return seq_id if self.d.admit(seq_id, prompt, k, rule_token(token), extra) else None
 

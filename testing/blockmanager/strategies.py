@@ -167,6 +167,30 @@ def extra_from(
     return ExtraKeys(salt, lora, tuple(features))
 
 
+def one_length_per_identifier(extra: ExtraKeys, earlier: Sequence[ExtraKeys], prompt_len: int) -> ExtraKeys:
+    """``extra`` with each multimodal item as long as its identifier was where it was drawn
+    first (in ``earlier``, then in ``extra``), dropping an item that would then run past the
+    prompt or into the item before it.  An identifier is a content hash, so one identifier has
+    one placeholder count, and the spec's key names an item by identifier and offset alone
+    (spec/prefix_hash.py ``ExtraKeys.for_chain``); one identifier drawn at two lengths would be
+    two items vLLM keys apart (0.33.0 kv_cache_utils.py:564-574: a block gets an item's key
+    only where the item overlaps it) while the spec's key calls them one."""
+    lengths: dict[str, int] = {}
+    for e in earlier:
+        for f in e.mm:
+            lengths.setdefault(f.identifier, f.length)
+    kept: list[MMFeature] = []
+    for f in extra.mm:
+        item = MMFeature(f.identifier, f.offset, lengths.setdefault(f.identifier, f.length))
+        if item.end <= prompt_len and (not kept or kept[-1].end <= item.offset):
+            kept.append(item)
+    if tuple(kept) == extra.mm:
+        return extra
+    if not (extra.cache_salt or extra.lora or kept):
+        return NO_EXTRA
+    return ExtraKeys(extra.cache_salt, extra.lora, tuple(kept))
+
+
 def moved(extra: ExtraKeys, prompt_len: int, shift: int, kinds=EXTRA_KINDS) -> ExtraKeys:
     """Rule ``moved-media``: ``extra``'s salt and adapter (as ``kinds`` allows) with its
     multimodal items, those that start inside a prompt of ``prompt_len`` tokens, all moved by

@@ -19,7 +19,7 @@ from kvspec.testing import KVCacheMachine, RunStats
 from kvspec.testing.blockmanager.driver import Driver
 from kvspec.testing.blockmanager.strategies import configs
 
-from .conftest import requires_vllm
+from .conftest import DOMAIN_COLLISIONS, past_known, requires_vllm, without
 
 PREFIX_CACHE = {"prefix-cache-isolation", "event-consistency", "prefix-cache-consistency"}
 
@@ -29,32 +29,6 @@ def _mm_key_has_offset() -> bool:
     (without it, F-KV3)."""
     kcu = importlib.import_module("vllm.v1.core.kv_cache_utils")
     return "offset - start_token_idx" in inspect.getsource(kcu._gen_mm_extra_hash_keys)
-
-
-def _without(*kinds: Capability) -> type[VLLMV1Adapter]:
-    """The adapter with some kinds of extra key left undrawn, so that a run steers around a
-    finding pinned by another test."""
-
-    class Without(VLLMV1Adapter):
-        def __init__(self, config: Config) -> None:
-            super().__init__(config)
-            self.capabilities = self.capabilities - set(kinds)
-
-    return Without
-
-
-DOMAIN_COLLISIONS = ("F-KV3", "F-KV9", "F-KV10")  # one block hash for two domains (FINDINGS)
-
-
-def _past_known(*ids: str):
-    """The release's known findings ``ids`` stepped past, as ``kvspec check`` does (V1-e, whose
-    wrong usage figure shows at every state of 0.9-0.10, by going on).  The machine draws salts,
-    adapter names and image identifiers from one pool, so on releases with a domain collision a
-    run meets one within a few examples, before what these tests look for."""
-    import vllm
-    from kvspec.testing.known import SHIPPED, load_known, step_past_known
-
-    return step_past_known([k for k in load_known([SHIPPED]) if k.id in ids], "v1", vllm.__version__)
 
 
 def _asserts_on_null_parent() -> bool:
@@ -72,7 +46,7 @@ def test_v1_domains_and_events_hold():
     adapters: list[VLLMV1Adapter] = []
 
     # Where a pinned finding would stop every run, the run steers around it (and says so).
-    cls = VLLMV1Adapter if _mm_key_has_offset() else _without(Capability.MULTIMODAL)
+    cls = VLLMV1Adapter if _mm_key_has_offset() else without(Capability.MULTIMODAL)
 
     def make(config: Config) -> VLLMV1Adapter:
         adapters.append(cls(config))
@@ -83,7 +57,7 @@ def test_v1_domains_and_events_hold():
     if _asserts_on_null_parent():
         # F-KV2 (pinned below) stops every windowed run on these releases: full attention here.
         strategy = strategy.filter(lambda c: c.sliding_window is None)
-    past = _past_known(*DOMAIN_COLLISIONS)
+    past = past_known(*DOMAIN_COLLISIONS)
     run_state_machine_as_test(
         lambda: KVCacheMachine(make, strategy, stats=stats, focus=PREFIX_CACHE, step_past=past),
         settings=settings(settings(), report_multiple_bugs=False),
@@ -119,7 +93,7 @@ def test_lora_request_with_kv_events_crashes_cache_full_blocks():
     ``cache_full_blocks`` reads ``request.lora_request.id``); found by the machine from scratch.
     Fixed upstream by vllm-project/vllm#27728 (``adapter_id``)."""
     strategy = configs(swap=False, max_blocks=8, prefix_caching=st.just(True), sliding_window=False)
-    past = _past_known(*DOMAIN_COLLISIONS, "V1-e")
+    past = past_known(*DOMAIN_COLLISIONS, "V1-e")
     with pytest.raises(AttributeError, match="'LoRARequest' object has no attribute 'id'"):
         run_state_machine_as_test(
             lambda: KVCacheMachine(VLLMV1Adapter, strategy, step_past=past),
@@ -138,8 +112,8 @@ def test_kv_events_with_a_sliding_window_assert_on_a_null_parent():
         lambda c: c.sliding_window is not None
     )
 
-    no_lora = _without(Capability.LORA)  # F-KV1 would stop 0.10.1.1 first
-    past = _past_known(*DOMAIN_COLLISIONS, "V1-e")
+    no_lora = without(Capability.LORA)  # F-KV1 would stop 0.10.1.1 first
+    past = past_known(*DOMAIN_COLLISIONS, "V1-e")
     with pytest.raises(AssertionError) as raised:
         run_state_machine_as_test(
             lambda: KVCacheMachine(no_lora, strategy, focus=PREFIX_CACHE, step_past=past),
