@@ -399,11 +399,16 @@ def print_multimodal(o: ShapesOutcome) -> None:
     c, d = o.counts.cache, o.differential
     if drew:
         stops = ", ".join(f"{n} by the encoder {k}" for k, n in sorted(d.encoder_stops.items()) if n) or "none"
+        if d.mm_examples:
+            compared = (
+                f"{d.encoder_inputs} compared with the reference in {d.mm_examples_to_end} of {d.mm_examples} "
+                f"examples compared to the end; steps an image cut short: {stops}"
+            )
+        else:  # the differential's own line says why it did not run
+            compared = "none run beside the reference scheduler"
         out.print(
             f"  multimodal: {drew} examples drew images; {c['encoder_inputs']} encoder inputs scheduled in "
-            f"{c['encoder_steps']} steps for {c['encoder_requests']} requests; {d.encoder_inputs} compared "
-            f"with the reference in {d.mm_examples_to_end} of {d.mm_examples} examples compared to the end; "
-            f"steps an image cut short: {stops}"
+            f"{c['encoder_steps']} steps for {c['encoder_requests']} requests; {compared}"
         )
     elif o.multimodal_refusal is not None:
         out.print(f"  [yellow]multimodal: none drawn[/]: {escape(o.multimodal_refusal)}")

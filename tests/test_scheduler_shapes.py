@@ -189,3 +189,20 @@ def test_a_finding_the_step_past_policy_goes_on_past_does_not_end_the_example():
                               settings=_settings(EXAMPLES // 2))
     assert seen, "the broken scheduler showed no violation to go on past"
     assert any(max(lengths) > min(lengths) for _, lengths in seen.values()), seen
+
+
+def test_the_multimodal_line_says_when_no_example_ran_beside_the_reference(capsys):
+    """Where the differential did not run (no policy declared for the release), the multimodal
+    line must not read as a comparison of zero examples."""
+    from kvspec.cli.shapes import ShapesOutcome, print_multimodal
+    from kvspec.testing.scheduler.machine import DiffCounts
+
+    counts = ShapeCounts()
+    counts.add(["multimodal"], 5)
+    print_multimodal(ShapesOutcome("holds", counts, examples=1, differential=DiffCounts(undeclared="0.9.1")))
+    said = " ".join(capsys.readouterr().out.split())
+    assert "none run beside the reference scheduler" in said and "0 of 0" not in said
+    ran = DiffCounts(mm_examples=2, mm_examples_to_end=1, encoder_inputs=3)
+    print_multimodal(ShapesOutcome("holds", counts, examples=1, differential=ran))
+    said = " ".join(capsys.readouterr().out.split())
+    assert "3 compared with the reference in 1 of 2 examples compared to the end" in said
