@@ -117,6 +117,16 @@ if TYPE_CHECKING:
     from kvspec.testing.artifacts.timeline import Film
 
 
+def examples_line(ran: int, requested: int) -> str:
+    """How many examples ran against how many were asked: a search of several rounds (each
+    stepping past what earlier ones found, masked rounds larger) runs more than one round's."""
+    if requested >= UNBOUNDED_EXAMPLES:
+        return f"{ran} of time-budgeted examples"
+    if ran > requested:
+        return f"{ran} examples over all rounds ({requested} asked per round)"
+    return f"{ran} of {requested} examples"
+
+
 def check_invariant_ids(ids: Sequence[str] | None) -> tuple[str, ...] | None:
     if not ids:
         return None
@@ -444,8 +454,7 @@ def print_table(o: Outcome) -> None:
     seed = f"seed {o.seed}" if o.seed is not None else "derandomized"
     shrink = f", {o.tally.shrink_runs} shrinking runs" if o.tally.shrink_runs else ""
     out.print(
-        f"{o.tally.examples} of {o.requested if o.requested < UNBOUNDED_EXAMPLES else 'time-budgeted'} examples, "
-        f"{o.tally.operations} operations, "
+        f"{examples_line(o.tally.examples, o.requested)}, {o.tally.operations} operations, "
         f"<= {o.steps} steps each, profile {o.profile}, {seed}{shrink}, {o.seconds:.1f}s",
         markup=False,
     )

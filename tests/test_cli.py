@@ -332,3 +332,12 @@ def test_a_crashing_target_is_reported_not_passed(monkeypatch, capsys, tmp_path)
     assert report["outcome"] == "error" and "RuntimeError: boom in free" in report["error"]
     assert report["trace"] and report["trace"][-1]["op"] in ("free", "preempt")
     assert report["reproducer"]["status"] == "not-available"
+
+
+def test_the_examples_line_does_not_read_more_examples_than_asked_as_a_fraction():
+    from kvspec.cli.budget import UNBOUNDED_EXAMPLES
+    from kvspec.cli.check import examples_line
+
+    assert examples_line(100, 100) == "100 of 100 examples"
+    assert examples_line(410, 100) == "410 examples over all rounds (100 asked per round)"
+    assert examples_line(7, UNBOUNDED_EXAMPLES) == "7 of time-budgeted examples"
