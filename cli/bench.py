@@ -36,12 +36,13 @@ def bench_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("ttc", parents=[common],
                        help="time to first counterexample: broken variants and the seed bug")
     c.add_argument("--seeds", type=int, default=5)
-    c.add_argument("--variants", nargs="*", help="broken variant names (default: all)")
+    c.add_argument("--variants", nargs="*", help="broken variant names (default: all; the flag with no "
+                   "name: none)")
     c.add_argument("--findings", nargs="*", help="pinned FINDINGS.md cases (default: all of "
                    "bench/commands.py TTC_FINDINGS and TTC_SCHEDULER_FINDINGS; F1 is the seed bug)")
     c.add_argument("--scheduler-variants", nargs="*", metavar="NAME",
                    help="broken schedulers of reference/broken_scheduler.py, the differential-only "
-                   "ones included (default: all)")
+                   "ones included (default: all; the flag with no name: none)")
     c.add_argument("--merge", action="store_true",
                    help="keep the saved rows of the cases this run does not run")
     c.add_argument("--max-examples", type=int, default=2000)
