@@ -81,3 +81,32 @@ def test_the_reference_admits_with_the_lookahead_the_target_declares():
         settings=settings(settings(), report_multiple_bugs=False),
     )
     assert stats.by_op.get("step", 0) >= 50, stats
+
+
+@pytest.mark.parametrize(
+    ("divergence", "flag", "ops"),
+    [
+        (
+            "untracked-sequence-holds-blocks",
+            "target_holds_untracked",
+            ("admit", "readmit", "step", "reset_prefix_cache"),
+        ),
+        ("window-hits-from-the-end", "window_hit_from_the_end", ("admit", "readmit")),
+    ],
+)
+def test_a_pre_0_25_divergence_explains_only_its_own_difference(divergence, flag, ops):
+    """Each allows one direction of one outcome difference, only with its fact established:
+    without the fact, in the other direction, in another mode or for another operation the
+    difference stays a failure."""
+    from kvspec.testing.divergences import Mismatch, explained
+
+    refused = divergence == "untracked-sequence-holds-blocks"  # the target refuses; else it admits
+    base = dict(mode="outcomes", seq=0, target=not refused, reference=refused, target_name="vllm-v1", prefill=True)
+    for op in ops:
+        why = explained(Mismatch(op=op, **base, **{flag: True}))
+        assert why is not None and why.id == divergence
+        assert explained(Mismatch(op=op, **base)) is None
+        flipped = dict(base, target=refused, reference=not refused)
+        assert explained(Mismatch(op=op, **flipped, **{flag: True})) is None
+        assert explained(Mismatch(op=op, **dict(base, mode="counts"), **{flag: True})) is None
+    assert explained(Mismatch(op="free", **base, **{flag: True})) is None
