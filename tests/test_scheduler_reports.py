@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 from kvspec.cli.common import EXIT_FOUND, EXIT_OK
 from kvspec.cli.failures import replay_verdict
 from kvspec.cli.shapes import (
@@ -167,3 +168,46 @@ def test_a_scheduler_hang_is_a_verdict_with_its_report(tmp_path):
     [_entry] = write_scheduler_reports(run, tmp_path, 1, lambda: dict(shared), "")
     report = json.loads((tmp_path / f"01-{found.fingerprint.slug()}" / "report.json").read_text())
     assert report["outcome"] == "hung" and report["shape"] is not None and report["trace"]
+
+
+class _PreemptsTheLoneRequestOnce(ReferenceScheduler):
+    """Preempts the sole running request once, the first time it has computed something: a
+    request preempted while nothing else holds a block (``progress``, as FINDINGS C3), met only
+    when the example's end (its drain) is where it first runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.preempted_once = False
+
+    def schedule(self):
+        if not self.preempted_once and len(self.running) == 1 and self.reqs[self.running[0]].computed:
+            self.preempted_once = True
+            victim = self.running[0]
+            self._preempt(victim)
+            plan = super().schedule()
+            return attrs.evolve(plan, preempted=(victim, *plan.preempted))
+        return super().schedule()
+
+
+def test_a_verdict_met_in_the_examples_end_replays_from_where_the_end_began(tmp_path, capsys):
+    """``progress`` is judged in the machine's drain at the end of an example; the drain's steps
+    are in the trace, marked as the end's, and a replay stops applying the recorded steps where
+    the end began and runs the end itself (else the preemption it records happens before the
+    replay's own drain, which then meets none: "did not recur")."""
+    run = run_scheduler_search(
+        _PreemptsTheLoneRequestOnce, profile="ci", examples=60, steps=None, seed=3, focus=frozenset({"progress"})
+    )
+    [found] = [f for f in run.search.found if f.fingerprint.invariant == "progress"]
+    trace = found.outcome.trace
+    assert any(s.args.get("end") for s in trace), trace  # the drain's steps are the end's
+    assert not any(s.args.get("end") for s in trace[: [s.args.get("end", False) for s in trace].index(True)])
+    shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
+    entries = write_scheduler_reports(run, tmp_path, 1, lambda: dict(shared), "")
+    entry = next(e for e in entries if "progress" in e["report"])
+    report = json.loads(open(entry["report"]).read())
+    shape, recorded = Shape(**report["shape"]), trace_from_json(report["trace"])
+    session = scheduler_session(shape, None)
+    again = in_context(lambda: rerun(_PreemptsTheLoneRequestOnce, shape, recorded, session=session))
+    assert "progress" in {v.invariant for v in again.violations}, again
+    assert replay_verdict(report, recorded, again, True) == EXIT_FOUND
+    assert "did not recur" not in capsys.readouterr().out

@@ -12,6 +12,7 @@ the trace went on past them (V1-e shows at every state of 0.9.1 and 0.10.1.1), a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,8 +20,9 @@ import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import Violation
-from kvspec.testing.blockmanager.driver import Driver, SpecViolation, TraceStep, apply_step
+from kvspec.testing.blockmanager.driver import END, Driver, SpecViolation, TraceStep, apply_step
 from kvspec.testing.blockmanager.machine import CONTINUE
+from kvspec.testing.blockmanager.progress import drain
 from kvspec.testing.guard import Crash
 
 if TYPE_CHECKING:
@@ -61,11 +63,16 @@ class Session(Protocol):
 
 
 class DriverSession:
-    """The block-manager driver (testing/blockmanager/driver.py) as a re-run's session: the trace ends by
-    freeing every sequence."""
+    """The block-manager driver (testing/blockmanager/driver.py) as a re-run's session: the trace
+    ends as the machine's examples end, with the progress drain (where ``progress`` is watched)
+    and then freeing every sequence."""
 
-    def __init__(self, impl: Any, focus: Iterable[str] | None) -> None:
+    def __init__(self, impl: Any, focus: Iterable[str] | None, go_past: GoPast | None = None) -> None:
         self.driver = Driver(impl, focus=focus)
+        self.drains = focus is None or "progress" in focus
+        # The drain's verdicts are gone past by the re-run's policy, as the machine's step-past
+        # policy goes past them before it frees every sequence.
+        self.go_past = go_past
 
     @property
     def trace(self) -> list[TraceStep]:
@@ -82,7 +89,16 @@ class DriverSession:
         return self.driver.check()
 
     def finish(self) -> list[Violation]:
+        if self.drains and self.driver.crash is None:
+            found = drain(self.driver)
+            if found and not self._gone_past(found):
+                return found
         return self.driver.free_all()
+
+    def _gone_past(self, found: list[Violation]) -> bool:
+        if self.go_past is None:
+            return False
+        return self.go_past(SpecViolation(found, list(self.driver.trace)), self.driver) == CONTINUE
 
 
 SessionFactory = Callable[[Any, Iterable[str] | None], Session]
@@ -105,6 +121,8 @@ def rerun(
     its own end, testing/scheduler/replay.py).  A configuration the target refuses
     (ConfigError, Unsupported) is raised to the caller."""
     gone = dict(go_past.gone) if go_past is not None else {}
+    if session is DriverSession:
+        session = functools.partial(DriverSession, go_past=go_past)
 
     def done(session: Session | None, **kw: Any) -> Rerun:
         passed = {k: n - gone.get(k, 0) for k, n in go_past.gone.items()} if go_past is not None else {}
@@ -129,6 +147,8 @@ def rerun(
     except BaseException as error:
         return done(None, crash=Crash.of("observe", error), error=error)
     for i, step in enumerate(trace, 1):
+        if step.args.get(END):
+            break  # the example's end began here: ``finish`` runs it again, and judges it
         try:
             driver.apply(step)
         except KeyboardInterrupt:

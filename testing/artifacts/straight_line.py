@@ -14,6 +14,7 @@ the adapter uses.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import textwrap
@@ -135,6 +136,8 @@ def record(
     violations the re-run goes past (a scheduler ``session`` is given the same policy)."""
     recorder = Recorder()
     sessions: list[Numbered] = []
+    if session is DriverSession:
+        session = functools.partial(DriverSession, go_past=go_past)
 
     def numbered(impl: Any, watched: Iterable[str] | None) -> Numbered:
         sessions.append(Numbered(session(impl, watched), recorder, before_end))

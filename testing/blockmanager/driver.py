@@ -48,6 +48,14 @@ _EXTRA_CAPS = {
 }
 
 
+# An argument marking an operation the example's end performed (a machine's progress drain and
+# its freeing or aborting every request: ``Driver.ending``, testing/scheduler/driver.py's).  A
+# re-run applies the recorded operations up to the first such one and then runs the end itself
+# (testing/artifacts/rerun.py), since what the end judges (a request preempted alone, a loop that
+# never finishes: ``progress``) is judged by the end only.
+END = "end"
+
+
 @attrs.frozen
 class TraceStep:
     """One operation as the driver performed it: replayable, and readable in a report."""
@@ -209,6 +217,9 @@ class Driver:
         self.checking = check_mode(checking)
         self.incremental = IncrementalChecker(self.config)
         self.trace: list[TraceStep] = []
+        # Whether the example's end runs (the progress drain, freeing every sequence): its
+        # operations are recorded as the end's (``END``).
+        self.ending = False
         self.pending: list[Violation] = []
         self.state: KVState = impl.observe()
         self.before_op: KVState = self.state
@@ -435,6 +446,7 @@ class Driver:
         target is abandoned: freeing would only bury the crash under another."""
         if self.crash is not None:
             return []
+        self.ending = True
         for seq_id in sorted(self.seqs):
             self.free(seq_id)
         return self.check()
@@ -555,11 +567,15 @@ class Driver:
         """Record the step that crashed: the one the operation recorded (its answer so far kept),
         or a new one when it crashed before recording; drop anything recorded after."""
         self.crash = Crash.of(call, error)
+        if self.ending:
+            args = {**args, END: True}
         step = record_crash(self.trace, mark, op, args, self.crash, error, self.config)
         if not self.quiet:
             self.log(step.describe())
 
     def _record(self, op: str, args: dict[str, Any], outcome: str) -> None:
+        if self.ending:
+            args = {**args, END: True}
         step = TraceStep(op, args, outcome)
         self.trace.append(step)
         if not self.quiet:

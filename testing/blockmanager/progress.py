@@ -64,6 +64,7 @@ def _in_use(driver: Driver) -> bool:
 def drain(driver: Driver) -> list[Violation]:
     """Run the loop until every live request finished or the bound is spent; return the
     violations found (``progress``, or any other invariant an operation of the loop broke)."""
+    driver.ending = True
     config = driver.config
     goal = {s: len(m.tokens) + 1 for s, m in driver.seqs.items()}
     if not goal:

@@ -48,7 +48,7 @@ from kvspec.spec.kv_memory import (
 )
 from kvspec.spec.prefix_hash import NO_EXTRA, ExtraKeys, HashCollision, PrefixKey, confused_domains, key_of
 from kvspec.spec.state import Device, KVState, SeqModel, Status
-from kvspec.testing.blockmanager.driver import TraceStep, _Target, record_crash, trace_args
+from kvspec.testing.blockmanager.driver import END, TraceStep, _Target, record_crash, trace_args
 from kvspec.testing.blockmanager.incremental import Judges, TouchedMemory, check_mode
 from kvspec.testing.guard import Crash
 
@@ -119,6 +119,8 @@ def _marks_crash(method: Callable) -> Callable:
                 escaped = self.target.escaped
                 call = escaped[0] if escaped is not None and escaped[1] is error else method.__name__
                 step_args = trace_args(signature, (self, *args), kwargs)
+                if self.ending:
+                    step_args = {**step_args, END: True}
                 crash = self.crash = Crash.of(call, error)
                 step = record_crash(self.trace, mark, method.__name__, step_args, crash, error, self.config)
                 self.log(step.describe())
@@ -156,6 +158,10 @@ class SchedulerDriver:
         self.memory: TouchedMemory = TouchedMemory()
         self.judges = Judges(check_mode(checking))
         self.trace: list[TraceStep] = []
+        # Whether the example's end runs (the progress drain, the final aborts): the operations
+        # it performs are recorded as the end's (``END``), so that a re-run of the trace stops
+        # applying recorded operations there and runs the end itself (testing/artifacts/rerun.py).
+        self.ending = False
         self.pending: list[Violation] = []
         self.in_flight: deque = deque()
         self.recent_starts: dict[int, list[int]] = {}
@@ -531,6 +537,7 @@ class SchedulerDriver:
     def finish(self) -> list[Violation]:
         """Abort every request, drain the in-flight outputs and step until the worker has
         reported every KV send; then ``no-leak`` bites."""
+        self.ending = True
         for seq_id in sorted(self.seqs):
             self.abort(seq_id)
         self.drain()
@@ -600,6 +607,8 @@ class SchedulerDriver:
         self.operations += 1
 
     def _record(self, op: str, args: dict[str, Any], outcome: str = "ok") -> None:
+        if self.ending:
+            args = {**args, END: True}
         step = TraceStep(op, args, outcome)
         self.trace.append(step)
         self.log(step.describe())

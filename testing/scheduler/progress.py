@@ -88,6 +88,7 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
     """Step the target with no new arrivals until every request finished or the bound is spent;
     the violations found: those ``check`` (every invariant, after every step) reports, else
     ``progress``'s."""
+    driver.ending = True
     num_blocks = len(driver.state.pool.ids)
     for seq in live(driver):
         need = least_blocks_of(driver, seq)
