@@ -83,6 +83,40 @@ def test_the_reference_admits_with_the_lookahead_the_target_declares():
     assert stats.by_op.get("step", 0) >= 50, stats
 
 
+class _RefusesForUndeclaredLookahead(ReferenceManager):
+    """Declares that an admission reserves no lookahead slots (``admit_lookahead`` 0, as vLLM
+    0.12.0 and 0.20.1), yet refuses a prompt whose first step fits only without them."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, admit_lookahead=0)
+
+    def can_admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        self.admit_lookahead = self.config.max_lookahead
+        try:
+            return super().can_admit(seq_id, tokens, num_new_tokens, extra)
+        finally:
+            self.admit_lookahead = 0
+
+
+def test_admission_completeness_judges_the_lookahead_the_target_declares():
+    """The driver's admission need (and a step's extent, for window-bound) counts the lookahead
+    slots the target declares its admission reserves: a target declaring none that refuses a
+    one-token prompt in a free one-block pool is caught, while one that reserves them may."""
+    from kvspec.spec.config import Config
+    from kvspec.testing.blockmanager.driver import Driver
+
+    config = Config(block_size=1, num_blocks=1, max_lookahead=1)
+    refusing = Driver(_RefusesForUndeclaredLookahead(config))
+    assert refusing.admit(0, [0], 1) is False
+    assert [v.invariant for v in refusing.check()] == ["admission-completeness"]
+    reserving = Driver(ReferenceManager(config))  # reserves the lookahead: 2 blocks, 1 in the pool
+    assert reserving.admit(0, [0], 1) is False
+    assert reserving.check() == []
+    declared = Driver(ReferenceManager(config, admit_lookahead=0))
+    assert declared.admit(0, [0], 1) is True and declared.check() == []
+    assert declared.seqs[0].step == (0, 1)  # the step's extent leaves the undeclared slot out
+
+
 @pytest.mark.parametrize(
     ("divergence", "flag", "ops"),
     [

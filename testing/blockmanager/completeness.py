@@ -125,7 +125,7 @@ class CompletenessObserver:
         under the declared policy, the hits it revives, the reserve, what it holds alone."""
         config, policy = self.driver.config, self.policy
         B, W = config.block_size, config.sliding_window
-        lookahead = self.driver.lookahead
+        lookahead = self.driver.admit_lookahead
         expected, revived = self._lookup(before, tokens, extra)
         least = min_hit_blocks(expected, W, policy)
         if W is not None and config.prefix_caching and policy.window_hits_from_the_end:

@@ -314,12 +314,12 @@ class Driver:
         self.pending.extend(self.completeness.lookup_done(before, seq_id, tokens, extra, hit))
         self.completeness.admitted_as(seq_id)
         end = min(hit + max(1, num_new_tokens), len(tokens))
-        # The admission may reserve the run's lookahead slots too (V1 does, from 0.11 on).
+        # The admission reserves the lookahead slots the target declares it does.
         self.seqs[seq_id] = SeqModel(
             seq_id,
             tokens,
             num_computed=hit,
-            step=(hit, end + self.lookahead),
+            step=(hit, end + self.admit_lookahead),
             extra=extra,
             prompt_len=len(tokens),
         )
@@ -332,6 +332,13 @@ class Driver:
     def lookahead(self) -> int:
         """Speculative slots every step reserves (a constant of the run, as in vLLM)."""
         return self.config.max_lookahead if self.has(Capability.LOOKAHEAD) else 0
+
+    @property
+    def admit_lookahead(self) -> int:
+        """Speculative slots an admission reserves past its first step: what the target declares
+        (spec/interface.py ``admit_lookahead``), else every step's."""
+        declared = getattr(self.impl, "admit_lookahead", None)
+        return self.lookahead if declared is None else min(declared, self.lookahead)
 
     @_operation
     def step(self, seq_id: int, num_new_tokens: int, next_token: int = 0) -> bool:
