@@ -60,9 +60,11 @@ from kvspec.testing.blockmanager.machine import CONTINUE, StepPast
 from kvspec.testing.blockmanager.strategies import admission_bytes, extended_index, extra_from, prompt_from
 from kvspec.testing.divergences import SCHEDULER_KNOWN, Divergence, Mismatch, explained
 from kvspec.testing.generator_rules import (
+    DECODE_RELATIONS,
     POOL_EDGES,
     SPARE_BLOCKS,
     block_relative,
+    decode_relative_budget,
     eagle_caches,
     eagle_repeated_blocks,
     identifiers,
@@ -174,7 +176,8 @@ def shapes(
     """Production shapes, most of them hybrid, following the generator rules
     (testing/generator_rules.py).  Windows and attention chunks are drawn by their relation to
     the second group's block size (``block_relative``), the pool's spare blocks by
-    ``spare_blocks``.  A third of the
+    ``spare_blocks``, a chunked budget of a shape with drafts by its relation to a decode step
+    (``decode_relative_budget``).  A third of the
     hybrid shapes pair full attention with chunked-local layers (Llama-4); vLLM's chunked-local
     groups take the scheduler's block size (0.33.0 single_type_kv_cache_manager.py:1338-1341,
     ``ChunkedLocalAttentionManager.find_longest_cache_hit``), so those draw no other.
@@ -292,6 +295,21 @@ def shapes(
             pipeline_parallel=1,
             mm_item_tokens=draw(st.sampled_from(_image_sizes(shape))),
         )
+    # Rule ``decode-relative``: a chunked budget of a shape with drafts, by its relation to one
+    # decode step (drawn last, when the drafts are final, so the other shapes' draws stay as
+    # they were; code 0 keeps the budget drawn above).
+    if shape.budget_bound and shape.num_spec_tokens:
+        relation, extra = draw(st.integers(0, len(DECODE_RELATIONS) - 1)), draw(st.integers(1, 2))
+        budget = decode_relative_budget(
+            relation,
+            extra,
+            shape.max_num_batched_tokens,
+            num_spec_tokens=shape.num_spec_tokens,
+            lookahead=shape.num_spec_tokens if shape.eagle else 0,
+            block_size=B,
+            max_model_len=max_model_len,
+        )
+        shape = attrs.evolve(shape, max_num_batched_tokens=budget)
     return shape
 
 
