@@ -189,25 +189,45 @@ class _PreemptsTheLoneRequestOnce(ReferenceScheduler):
         return super().schedule()
 
 
-def test_a_verdict_met_in_the_examples_end_replays_from_where_the_end_began(tmp_path, capsys):
+def test_a_verdict_met_in_the_examples_end_replays_from_where_the_end_began(capsys):
     """``progress`` is judged in the machine's drain at the end of an example; the drain's steps
     are in the trace, marked as the end's, and a replay stops applying the recorded steps where
     the end began and runs the end itself (else the preemption it records happens before the
-    replay's own drain, which then meets none: "did not recur")."""
-    run = run_scheduler_search(
-        _PreemptsTheLoneRequestOnce, profile="ci", examples=60, steps=None, seed=3, focus=frozenset({"progress"})
+    replay's own drain, which then meets none: "did not recur").  One request in a fixed shape,
+    then the example's end."""
+    from kvspec.spec.prefix_hash import NO_EXTRA
+    from kvspec.testing.blockmanager.driver import END, SpecViolation
+    from kvspec.testing.scheduler.machine import SchedulerMachine
+
+    shape = Shape(
+        block_size=2, swa_block_size=2, sliding_window=None, extra_blocks=4, prefix_caching=False,
+        num_spec_tokens=0, async_scheduling=False, max_num_batched_tokens=16, max_model_len=16,
+        full_sequence_must_fit=True, max_tokens=4,
     )
-    [found] = [f for f in run.search.found if f.fingerprint.invariant == "progress"]
-    trace = found.outcome.trace
-    assert any(s.args.get("end") for s in trace), trace  # the drain's steps are the end's
-    assert not any(s.args.get("end") for s in trace[: [s.args.get("end", False) for s in trace].index(True)])
-    shared = {"target": {"kind": "none"}, "command": ["kvspec", "check"], "limits": {}}
-    entries = write_scheduler_reports(run, tmp_path, 1, lambda: dict(shared), "")
-    entry = next(e for e in entries if "progress" in e["report"])
-    report = json.loads(open(entry["report"]).read())
-    shape, recorded = Shape(**report["shape"]), trace_from_json(report["trace"])
+
+    def example() -> SpecViolation:
+        machine = SchedulerMachine(_PreemptsTheLoneRequestOnce)
+        machine.start(shape)
+        machine.d.arrive(0, [0, 0, 0], 4, NO_EXTRA)
+        machine.invariants_hold()
+        try:
+            machine.teardown()
+        except SpecViolation as found:
+            return found
+        raise AssertionError("the lone request's preemption was not judged")
+
+    found = in_context(example)
+    assert [v.invariant for v in found.violations] == ["progress"]
+    ends = [bool(s.args.get(END)) for s in found.trace]
+    assert ends[0] is False and any(ends) and ends == sorted(ends), found.trace  # the end's, last
+    report = {"violations": [v.to_json() for v in found.violations], "trace": [s.to_json() for s in found.trace]}
+    recorded = trace_from_json(report["trace"])
     session = scheduler_session(shape, None)
     again = in_context(lambda: rerun(_PreemptsTheLoneRequestOnce, shape, recorded, session=session))
     assert "progress" in {v.invariant for v in again.violations}, again
+    assert [s.op for s in again.trace] == [s.op for s in recorded]  # the same end, run again
     assert replay_verdict(report, recorded, again, True) == EXIT_FOUND
-    assert "did not recur" not in capsys.readouterr().out
+    assert "the recorded violation reproduces" in capsys.readouterr().out
+    # The reference scheduler runs the same request to its end.
+    clean = in_context(lambda: rerun(ReferenceScheduler, shape, recorded, session=session))
+    assert not clean.violations and clean.unapplied is None, clean

@@ -116,7 +116,8 @@ def drain(driver: SchedulerDriver, check: Callable[[], list[Violation]]) -> list
         # A request scheduled in this step holds blocks during it, though it may have held none
         # before (admitted with nothing to compute yet) and none after (finished in it).
         holders |= {s.seq_id for s in plan.scheduled}
-        alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s}]
+        # (A request the step both preempted and finished is not waiting for anything.)
+        alone = [(s, least_blocks_of(driver, s)) for s in plan.preempted if holders <= {s} and s in driver.seqs]
         idle = not plan.scheduled and not plan.preempted
         # A send in flight is reported by a later output, which frees blocks: not a repeat.
         quiet = not delivers and not driver.sends and all(not p.scheduled for p, _, _ in driver.in_flight)
