@@ -48,7 +48,8 @@ def _state(free: tuple[int, ...]) -> KVState:
 
 def _observer(policy: AdmissionPolicy) -> CompletenessObserver:
     config = Config(block_size=4, num_blocks=6, sliding_window=4, prefix_caching=True)
-    driver = SimpleNamespace(config=config, impl=SimpleNamespace(admission_policy=policy), lookahead=0, seqs={})
+    impl = SimpleNamespace(admission_policy=policy)
+    driver = SimpleNamespace(config=config, impl=impl, lookahead=0, admit_lookahead=0, seqs={})
     return CompletenessObserver(driver)  # type: ignore[arg-type]
 
 

@@ -67,9 +67,11 @@ class DriverSession:
     ends as the machine's examples end, with the progress drain (where ``progress`` is watched)
     and then freeing every sequence."""
 
-    def __init__(self, impl: Any, focus: Iterable[str] | None, go_past: GoPast | None = None) -> None:
+    def __init__(
+        self, impl: Any, focus: Iterable[str] | None, go_past: GoPast | None = None, drains: bool = True
+    ) -> None:
         self.driver = Driver(impl, focus=focus)
-        self.drains = focus is None or "progress" in focus
+        self.drains = drains and (focus is None or "progress" in focus)
         # The drain's verdicts are gone past by the re-run's policy, as the machine's step-past
         # policy goes past them before it frees every sequence.
         self.go_past = go_past
@@ -113,16 +115,19 @@ def rerun(
     focus: Iterable[str] | None = None,
     session: SessionFactory = DriverSession,
     go_past: GoPast | None = None,
+    run_end: bool = True,
 ) -> Rerun:
     """Build the implementation and run ``trace`` through a session of its machine's driver
     (the block manager's by default; the scheduler's: testing/scheduler/replay.py), checking
     after every step.  ``go_past``: the policy by which a check's violations are gone past
     (testing/known.py ``GoPast``; a scheduler session applies the same policy to the checks of
-    its own end, testing/scheduler/replay.py).  A configuration the target refuses
-    (ConfigError, Unsupported) is raised to the caller."""
+    its own end, testing/scheduler/replay.py).  ``run_end``: the recorded operations of the
+    example's end (``END``) are not applied; the session's end runs them again (``False``: every
+    recorded operation is applied, then the end, as a straight-line file does).  A
+    configuration the target refuses (ConfigError, Unsupported) is raised to the caller."""
     gone = dict(go_past.gone) if go_past is not None else {}
     if session is DriverSession:
-        session = functools.partial(DriverSession, go_past=go_past)
+        session = functools.partial(DriverSession, go_past=go_past, drains=run_end)
 
     def done(session: Session | None, **kw: Any) -> Rerun:
         passed = {k: n - gone.get(k, 0) for k, n in go_past.gone.items()} if go_past is not None else {}
@@ -147,7 +152,7 @@ def rerun(
     except BaseException as error:
         return done(None, crash=Crash.of("observe", error), error=error)
     for i, step in enumerate(trace, 1):
-        if step.args.get(END):
+        if run_end and step.args.get(END):
             break  # the example's end began here: ``finish`` runs it again, and judges it
         try:
             driver.apply(step)

@@ -136,15 +136,19 @@ def record(
     violations the re-run goes past (a scheduler ``session`` is given the same policy)."""
     recorder = Recorder()
     sessions: list[Numbered] = []
+    # A straight-line file writes every recorded operation and then the plain end (freeing every
+    # sequence): it applies the end's recorded operations too (``run_end=False``) and runs no drain.
     if session is DriverSession:
-        session = functools.partial(DriverSession, go_past=go_past)
+        session = functools.partial(DriverSession, go_past=go_past, drains=False)
 
     def numbered(impl: Any, watched: Iterable[str] | None) -> Numbered:
         sessions.append(Numbered(session(impl, watched), recorder, before_end))
         return sessions[0]
 
     result = context(
-        lambda: rerun(lambda c: build(c, recorder), config, trace, focus=focus, session=numbered, go_past=go_past)
+        lambda: rerun(
+            lambda c: build(c, recorder), config, trace, focus=focus, session=numbered, go_past=go_past, run_end=False
+        )
     )
     if isinstance(result.error, Unrecordable) or (isinstance(result.error, ModuleNotFoundError) and not sessions):
         raise result.error  # a value the file cannot write, or no vLLM here

@@ -135,11 +135,18 @@ def test_mamba_shapes_are_compared_beside_vllm(adapter):
     end at block ends, its Mamba prefix cache (``mamba_state_cache``); with hits inside a block
     until vLLM's prefix cache holds a key a waiting request's tokens begin with, or a partial
     tail, where the comparison ends and says why."""
+    import vllm
+    from kvspec.testing.known import SHIPPED, load_known, step_past_known
     from kvspec.testing.scheduler.machine import MAMBA_PARTIAL_TAIL, MAMBA_PREFIX_CACHE
 
+    # FINDINGS C5 (a Mamba "align" sole request preempted with a batch in flight) is met by
+    # these shapes too; stepped past, as kvspec check does, so the comparison is what is judged.
+    past = step_past_known([k for k in load_known([SHIPPED]) if k.id == "C5"], "v1-scheduler", vllm.__version__)
     counts = DiffCounts()
     run_state_machine_as_test(
-        lambda: SchedulerMachine(adapter, shapes().filter(_mamba), differential=Mode.RENAMING, diff_counts=counts),
+        lambda: SchedulerMachine(
+            adapter, shapes().filter(_mamba), differential=Mode.RENAMING, diff_counts=counts, step_past=past
+        ),
         settings=_settings(),
     )
     assert counts.examples >= EXAMPLES and not counts.not_run and not counts.allowed, counts
