@@ -139,7 +139,7 @@ from kvspec.spec.state import Device, PoolView, TableView
 from .recording import Recorder, real
 from .v1 import _build, _config_default, _load_vllm, _params
 from .v1_scheduler_cache import SchedulerCacheView
-from .v1_scheduler_mm import blip2_dir, root_cause
+from .v1_scheduler_mm import blip2_files, root_cause
 
 RETENTION_FIELD = "prefix_cache_retention_interval"  # CacheConfig's and KVCacheConfig's field
 
@@ -222,13 +222,24 @@ def _tiny_tokenizer() -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=1)}
 
 
-def _tiny_model_dir() -> Path:
-    root = Path(tempfile.gettempdir()) / "kvspec-tiny-llama"
-    root.mkdir(parents=True, exist_ok=True)
-    _write_if_changed(root / "config.json", json.dumps(TINY_MODEL, indent=1))
+def model_files(shape: Shape) -> dict[str, str]:
+    """The files, by name, of the model folder the adapter gives vLLM's ``ModelConfig`` in
+    ``shape``: the tiny BLIP-2 for a multimodal shape, else the tiny Llama's config.json (with
+    its tokenizer where ``tokenizers`` imports).  A reproducer writes the same files."""
+    if shape.mm_item_tokens is not None:
+        return blip2_files(shape.mm_item_tokens, TINY_MODEL)
+    files = {"config.json": json.dumps(TINY_MODEL, indent=1)}
     if importlib.util.find_spec("tokenizers") is not None:
-        for name, text in _tiny_tokenizer().items():
-            _write_if_changed(root / name, text)
+        files.update(_tiny_tokenizer())
+    return files
+
+
+def _model_folder(shape: Shape) -> Path:
+    name = "kvspec-tiny-llama" if shape.mm_item_tokens is None else f"kvspec-tiny-blip2-q{shape.mm_item_tokens}"
+    root = Path(tempfile.gettempdir()) / name
+    root.mkdir(parents=True, exist_ok=True)
+    for file, text in model_files(shape).items():
+        _write_if_changed(root / file, text)
     return root
 
 
@@ -294,10 +305,7 @@ class VLLMV1SchedulerAdapter:
         observation reads the real objects and is not written."""
         self.shape = shape
         self._rec = recorder
-        if shape.mm_item_tokens is not None:
-            self._model_dir = str(blip2_dir(shape.mm_item_tokens, TINY_MODEL, _write_if_changed))
-        else:
-            self._model_dir = str(_tiny_model_dir())
+        self._model_dir = str(_model_folder(shape))
         if recorder is not None:
             recorder.alias(self._model_dir, "model_dir")  # the reproducer writes its own config.json
         self._v = v = _load_vllm()
@@ -1011,4 +1019,4 @@ class VLLMV1SchedulerAdapter:
         return HybridState(gpu, tuple(groups))
 
 
-__all__ = ["VLLMV1SchedulerAdapter"]
+__all__ = ["VLLMV1SchedulerAdapter", "model_files"]

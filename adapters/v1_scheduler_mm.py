@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import tempfile
-from pathlib import Path
 
 # The BLIP-2 parts, at toy sizes: the scheduler reads the config, never the weights.
 VISION_CONFIG = {
@@ -114,16 +112,6 @@ def blip2_files(tokens_per_image: int, text: dict) -> dict[str, str]:
     }
 
 
-def blip2_dir(tokens_per_image: int, text: dict, write) -> Path:
-    """The folder of the tiny BLIP-2 with ``tokens_per_image`` tokens an image, written (with
-    ``write(path, text)``, atomic) where it is not yet."""
-    root = Path(tempfile.gettempdir()) / f"kvspec-tiny-blip2-q{tokens_per_image}"
-    root.mkdir(parents=True, exist_ok=True)
-    for name, content in blip2_files(tokens_per_image, text).items():
-        write(root / name, content)
-    return root
-
-
 def root_cause(error: BaseException) -> BaseException:
     """The innermost exception of a chain (vLLM wraps a processor's failure in a ValueError)."""
     while error.__cause__ is not None or error.__context__ is not None:
@@ -131,4 +119,4 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-__all__ = ["IMAGE_TOKEN", "MM_VOCAB", "blip2_config", "blip2_dir", "blip2_files", "root_cause"]
+__all__ = ["IMAGE_TOKEN", "MM_VOCAB", "blip2_config", "blip2_files", "root_cause"]

@@ -210,7 +210,7 @@ def write_scheduler_golden(shape: Shape, trace: list[TraceStep], title: str, ind
         return {"error": "BASE's replay stopped before the differing operation"}
     recorder = recording.recorder
     name = recorder.names.get(id(recording.driver.target.inner._sched), "scheduler")
-    body: list[str] = list(setup().lines)
+    body: list[str] = list(setup(shape).lines)
     observed: dict[str, str] = {}
     commented: set[int] = set()
     for line in (ln for ln in recorder.lines if ln.op_index <= index):

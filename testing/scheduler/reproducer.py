@@ -37,7 +37,7 @@ from typing import Any
 
 from kvspec.adapters.harness import v1_scheduler as harness
 from kvspec.adapters.recording import Recorder, Unrecordable
-from kvspec.adapters.v1_scheduler import TINY_MODEL, VLLMV1SchedulerAdapter
+from kvspec.adapters.v1_scheduler import VLLMV1SchedulerAdapter, model_files
 from kvspec.spec.groups import Shape, pool_state
 from kvspec.spec.invariants import Violation
 from kvspec.spec.kv_memory import cell_of
@@ -135,7 +135,7 @@ def generate(
             return NotReproducible("re-running the trace under the recorder found no violation")
         title = f"kvspec reproducer on vLLM {meta.get('vllm_version') or '?'}'s V1 scheduler:"
         text, checks = straight_line.write(
-            recording, trace, title=title, config=shape, state_checks=scheduler_checks, setup=setup()
+            recording, trace, title=title, config=shape, state_checks=scheduler_checks, setup=setup(shape)
         )
     except (straight_line.NotStraightLine, Unrecordable) as why:
         return NotReproducible(str(why))
@@ -145,18 +145,16 @@ def generate(
     return Reproducer(name, text, checks)
 
 
-def setup() -> straight_line.Setup:
-    """The model folder vLLM's ``ModelConfig`` reads: the adapter's two-layer config.json,
-    written by the test (no weights, nothing downloaded)."""
-    return straight_line.Setup(
-        params="tmp_path",
-        imports=("json",),
-        lines=(
-            "# the model vLLM's ModelConfig reads: a config.json only (no weights, nothing downloaded)",
-            f"(tmp_path / 'config.json').write_text(json.dumps({json.dumps(TINY_MODEL)}))",
-            "model_dir = str(tmp_path)",
-        ),
-    )
+def setup(shape: Shape) -> straight_line.Setup:
+    """The model folder vLLM's ``ModelConfig`` reads in ``shape``: the files the adapter gives
+    it (adapters/v1_scheduler.py ``model_files``: a config.json, a tokenizer, and for a
+    multimodal shape the image processor's configs), written by the test into ``tmp_path`` (no
+    weights, nothing downloaded)."""
+    lines = ["# the model folder vLLM's ModelConfig reads: configs and a tokenizer (no weights, nothing downloaded)"]
+    for name, text in model_files(shape).items():
+        lines.append(f"(tmp_path / {name!r}).write_text(json.dumps({json.loads(text)!r}))")
+    lines.append("model_dir = str(tmp_path)")
+    return straight_line.Setup(params="tmp_path", imports=("json",), lines=tuple(lines))
 
 
 # ---------------------------------------------------------------- the violated facts
