@@ -14,10 +14,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS, Violation
+from kvspec.testing.artifacts.minimize import minimize
 from kvspec.testing.artifacts.report import (
     ReportError,
     build_report,
@@ -28,10 +30,10 @@ from kvspec.testing.artifacts.report import (
     write_report,
 )
 from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer, generate
-from kvspec.testing.artifacts.rerun import rerun
+from kvspec.testing.artifacts.rerun import Rerun, rerun
 from kvspec.testing.artifacts.verify import REPRODUCES, verify
 from kvspec.testing.blockmanager.differential import Mode
-from kvspec.testing.blockmanager.driver import TraceStep
+from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
 from kvspec.testing.blockmanager.machine import RunStats
 from kvspec.testing.guard import Guard, GuardTripped, Limits
 from kvspec.testing.implementations import lookup_scheduler
@@ -42,6 +44,7 @@ from kvspec.testing.known import (
     KnownFinding,
     KnownFindingsError,
     go_past_known,
+    label_failures,
     load_known,
     own_findings,
 )
@@ -76,8 +79,8 @@ from .failures import (
     replay_verdict,
     same_code,
 )
-from .run import Outcome, config_strategy, features_from, parse_overrides
-from .search import aggregate, found_json, masking, print_found, print_known, run_search, summary_json
+from .run import ON, Outcome, config_strategy, features_from, parse_overrides
+from .search import Found, Search, aggregate, found_json, masking, print_found, print_known, run_search, summary_json
 from .shapes import (
     SCHEDULER_IMPL,
     SchedulerRun,
@@ -303,6 +306,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
             maskable=maskable,
             budget=budget,
         )
+        if not args.no_minimize:
+            minimize_found(search, factory, known, impl, here, guard, size_floors(overrides))
     for note in guard.notes:
         err.print(f"note: {note}", markup=False)
     summary = aggregate(search)
@@ -374,6 +379,60 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
         path = write_report(base / "summary.json", index)
         out.print(f"summary: {path}", markup=False, soft_wrap=True)
     return shapes_exit(code, shaped)
+
+
+def size_floors(overrides: dict[str, Any]) -> dict[str, int]:
+    """The least pool sizes the search drew under the user's ``--config`` (cli/run.py
+    ``config_strategy``), below which the minimizer does not lower a configuration: swap on
+    means a CPU block, ``max_lookahead=on`` a lookahead slot.  Upper bounds (``num_blocks``,
+    a ``max_lookahead`` number) need no floor: lowering stays within them."""
+    floors: dict[str, int] = {}
+    if overrides.get("swap") or overrides.get("num_cpu_blocks", 0):
+        floors["num_cpu_blocks"] = 1
+    if overrides.get("max_lookahead") == ON:
+        floors["max_lookahead"] = 1
+    return floors
+
+
+def minimize_found(
+    search: Search, factory: Callable[[Config], Any], known: Sequence[KnownFinding], impl: str,
+    here: VllmHere | None, guard: Guard, floors: dict[str, int],
+) -> None:
+    """Cut each violation the search shrank further (testing/artifacts/minimize.py): a candidate
+    is kept when its re-run shows the same finding (its known-finding id, else its fingerprint),
+    going past what the search went past.  Crashes are left as shrunk; nothing is cut once the
+    guard has tripped (the target is abandoned)."""
+    version = here.version if here is not None else None
+    for found in search.found:
+        o = found.outcome
+        if o.status != "violated" or o.config is None or guard.tripped is not None:
+            continue
+        mine = found.known.id if found.known is not None else None
+        own = own_findings(known, found.fingerprint, o.violations, o.config, o.trace, recorded=(mine,))
+        go_past = go_past_known(known, impl, version, own)
+        kept: list[Fingerprint] = []
+
+        def keeps(config: Config, result: Rerun, found: Found = found, kept: list[Fingerprint] = kept) -> bool:
+            labelled = label_failures(known, SpecViolation(result.violations, result.trace), config, result.trace)
+            hit = next((fp for fp, k in labelled if (k.id if k is not None else fp) == found.identity), None)
+            if hit is not None:
+                kept.append(hit)
+            return hit is not None
+
+        with guard.contained() as trips:
+            cut = minimize(factory, o.config, o.trace, keeps, focus=o.focus, go_past=go_past, floors=floors)
+        for trip in trips:
+            guard.notes.append(
+                f"the trace minimizer's candidate re-run of the {found.fingerprint.describe()} violation "
+                f"tripped the guard ({trip.message}); "
+                + ("it stopped there" if guard.tripped is None else "the target is abandoned")
+            )
+        if cut is None or guard.tripped is not None:
+            continue
+        found.outcome = attrs.evolve(
+            o, trace=cut.trace, config=cut.config, violations=cut.violations, minimized=cut.describe(o.trace, o.config)
+        )
+        found.fingerprint = kept[-1]
 
 
 def _guarded_shapes(
@@ -508,6 +567,8 @@ def report_outcome(
             f"\n[bold red]violation[/] found and shrunk to {len(o.trace)} operation(s) "
             f"on {escape(o.config.describe())}:"
         )
+        if o.minimized is not None:
+            out.print(f"  ({escape(o.minimized)})")
         for v in o.violations:
             out.print(f"  [red]{escape(str(v))}[/]")
     else:  # error, hung, memory, nondeterministic

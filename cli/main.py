@@ -233,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write the standalone reproducer without running it first",
     )
+    o.add_argument(
+        "--no-minimize",
+        action="store_true",
+        help="report each violation as hypothesis shrank it, without cutting its trace further by re-runs",
+    )
 
     p = sub.add_parser("replay", help="re-run a recorded trace (report.json) against a target")
     p.add_argument("report", metavar="REPORT.json")

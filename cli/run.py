@@ -207,6 +207,8 @@ class Outcome:
     traceback: list[str] = attrs.Factory(list)
     difference: Difference | None = None
     implementation_name: str | None = None
+    # What kvspec's trace minimizer cut after hypothesis' shrinking (testing/artifacts/minimize.py).
+    minimized: str | None = None
 
     def run_json(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -218,6 +220,7 @@ class Outcome:
             "examples_run": self.tally.examples,
             "operations_run": self.tally.operations,
             "shrink_runs": self.tally.shrink_runs,
+            "minimized": self.minimized,
             "seconds": round(self.seconds, 2),
             "focus": list(self.focus) if self.focus else None,
             "config_overrides": dict(overrides),

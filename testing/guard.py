@@ -354,6 +354,24 @@ class Guard:
             if previous_limit is not None:
                 self._restore_address_space(previous_limit)
 
+    @contextlib.contextmanager
+    def contained(self) -> Iterator[list[GuardTripped]]:
+        """Calls that are kvspec's own extra work on a verdict already reached (the trace
+        minimizer's candidate re-runs): a hang inside is collected in the yielded list and the
+        guard's state restored, so the run's report is not blamed on a candidate and the run
+        goes on (each candidate builds its target afresh; the hung call was unwound by the
+        trip).  A memory trip is not undone: the process that ran away is still large, so the
+        target stays abandoned, as after any memory trip."""
+        tripped, failure = self.tripped, self.failure
+        trips: list[GuardTripped] = []
+        try:
+            yield trips
+        finally:
+            if self.tripped is not tripped and self.tripped is not None:
+                trips.append(self.tripped)
+                if isinstance(self.tripped, TargetHung):
+                    self.tripped, self.failure = tripped, failure
+
     def _limit_address_space(self) -> tuple[int, int] | None:
         cap = self.limits.memory_cap_gib
         want = address_space_limit(cap) if cap is not None and self.address_limit else None

@@ -1,0 +1,187 @@
+"""kvspec's trace minimizer (testing/artifacts/minimize.py) on the reference's seed bug
+(``broken:window-capped-admission``, F1's stand-in): a counterexample padded the way
+hypothesis leaves one (filler sequences on a large pool, then the admission that shows the
+bug) is cut to the admission alone on the smallest pool that keeps it, what it returns is what
+a re-run of the target really does, and a ``keeps`` that refuses the finding leaves the
+counterexample as it was.  No vLLM needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+from kvspec.cli.main import main
+from kvspec.cli.search import run_index
+from kvspec.reference.broken import WindowCappedAdmission
+from kvspec.reference.manager import ReferenceManager
+from kvspec.spec.config import Config
+from kvspec.spec.window import blocks_for_tokens, window_cover
+from kvspec.testing import Driver
+from kvspec.testing.artifacts.minimize import minimize
+from kvspec.testing.artifacts.rerun import Rerun, rerun
+from kvspec.testing.blockmanager.driver import END, TraceStep
+from kvspec.testing.guard import Guard, Limits, TargetHung
+
+# W=1 on 1-token blocks: the capped admission counts the window's cover (one block), allocation
+# takes a block per prompt token, so a two-token prompt is admitted, then fails, when exactly one
+# block is free -- no slack, as F1 on vLLM's V2 (cover 3, prompt 4): a filler deleted alone frees
+# its block and the admission succeeds; only the filler with its block deleted keeps the bug.
+BLOCK_SIZE = 1
+WINDOW = 1
+FILLERS = 5
+PROMPT = [0, 0]
+
+
+def _padded_trace() -> tuple[Config, list[TraceStep]]:
+    """Fillers admitted and stepped on a pool sized so that the free blocks are then what the
+    capped admission counts for ``PROMPT``: the admission that follows shows the seed bug."""
+    capped = min(blocks_for_tokens(len(PROMPT), BLOCK_SIZE), window_cover(WINDOW, BLOCK_SIZE))
+    assert capped < blocks_for_tokens(len(PROMPT), BLOCK_SIZE)
+    probe = Driver(WindowCappedAdmission(Config(block_size=BLOCK_SIZE, num_blocks=64, sliding_window=WINDOW)))
+    probe.admit(0, [0], 1)
+    probe.step(0, 1)
+    held = 64 - probe.impl.gpu.available()  # what one filler holds once stepped (the window's cover)
+    config = Config(block_size=BLOCK_SIZE, num_blocks=capped + FILLERS * held, sliding_window=WINDOW)
+    driver = Driver(WindowCappedAdmission(config))
+    for seq in range(FILLERS):
+        driver.admit(seq, [0], 1)
+    for seq in range(FILLERS):
+        driver.step(seq, 1)
+    assert driver.impl.gpu.available() == capped
+    return config, [step for step in driver.trace if not step.args.get(END)]
+
+
+def _with_final_admission(config: Config, trace: list[TraceStep]) -> list[TraceStep]:
+    return [
+        *trace,
+        TraceStep("admit", {"seq": FILLERS, "tokens": PROMPT, "num_new_tokens": len(PROMPT), "next_token": 0}),
+    ]
+
+
+def _shows_seed_bug(config: Config, result: Rerun) -> bool:
+    return any(v.invariant == "admission-soundness" for v in result.violations)
+
+
+def test_the_padded_trace_shows_the_seed_bug():
+    config, trace = _padded_trace()
+    result = rerun(WindowCappedAdmission, config, _with_final_admission(config, trace))
+    assert _shows_seed_bug(config, result), [str(v) for v in result.violations]
+    assert len(result.trace) > FILLERS * 2
+
+
+def test_the_padded_seed_bug_is_cut_to_its_admission_on_the_smallest_pool():
+    config, trace = _padded_trace()
+    full = _with_final_admission(config, trace)
+    cut = minimize(WindowCappedAdmission, config, full, _shows_seed_bug)
+    assert cut is not None
+    assert [s.op for s in cut.trace if not s.args.get(END)] == ["admit"], [s.describe() for s in cut.trace]
+    assert cut.config.num_blocks < config.num_blocks
+    assert cut.config == attrs.evolve(config, num_blocks=cut.config.num_blocks)
+    assert f"{len(full)} operation(s) to 1, num_blocks {config.num_blocks} ->" in cut.describe(full, config)
+    # What it returns is what the target does: the cut trace re-runs to the same finding.
+    again = rerun(WindowCappedAdmission, cut.config, [s for s in cut.trace if not s.args.get(END)])
+    assert _shows_seed_bug(cut.config, again)
+    assert [str(v) for v in again.violations] == [str(v) for v in cut.violations]
+
+
+def test_a_keeps_that_refuses_the_finding_cuts_nothing():
+    config, trace = _padded_trace()
+    full = _with_final_admission(config, trace)
+    assert minimize(WindowCappedAdmission, config, full, lambda c, r: False) is None
+
+
+def test_a_keeps_tied_to_the_pool_size_keeps_that_pool():
+    """``keeps`` is the only judge: a finding defined on this pool size is not moved off it."""
+    config, trace = _padded_trace()
+    full = _with_final_admission(config, trace)
+    cut = minimize(
+        WindowCappedAdmission, config, full, lambda c, r: _shows_seed_bug(c, r) and c.num_blocks == config.num_blocks
+    )
+    assert cut is not None and cut.config.num_blocks == config.num_blocks
+    assert cut.trace[-1].op == "admit" and cut.trace[-1].args["seq"] == FILLERS
+
+
+def test_a_correct_manager_keeps_nothing():
+    """On the reference the same trace shows no violation: the minimizer claims nothing."""
+    config, trace = _padded_trace()
+    assert minimize(ReferenceManager, config, _with_final_admission(config, trace), _shows_seed_bug) is None
+
+
+def test_the_budget_of_reruns_is_kept():
+    config, trace = _padded_trace()
+    full = _with_final_admission(config, trace)
+    cut = minimize(WindowCappedAdmission, config, full, _shows_seed_bug, max_reruns=3)
+    assert cut is None or cut.reruns <= 3
+
+
+def _reports(out: Path) -> dict[str, dict]:
+    return {
+        json.dumps(e["fingerprint"], sort_keys=True): json.loads(Path(e["report"]).read_text()) for e in run_index(out)
+    }
+
+
+def test_check_reports_the_cut_trace_and_it_replays(tmp_path, capsys):
+    """``kvspec check`` reports each violation as cut (saying by how much) and its report
+    replays; ``--no-minimize`` reports hypothesis' shrunk trace.  Seed 3 of ``leak-on-free``
+    leaves a 15-operation trace the minimizer cuts."""
+    args = ["check", "--impl", "broken:leak-on-free", "--profile", "ci", "--seed", "3", "--examples", "50"]
+    assert main([*args, "--out", str(tmp_path / "cut")]) == 1
+    assert "kvspec's trace minimizer cut hypothesis'" in capsys.readouterr().out
+    assert main([*args, "--no-minimize", "--out", str(tmp_path / "shrunk")]) == 1
+    assert "minimizer" not in capsys.readouterr().out
+    cut, shrunk = _reports(tmp_path / "cut"), _reports(tmp_path / "shrunk")
+    assert cut.keys() == shrunk.keys()
+    assert all(r["run"]["minimized"] is None for r in shrunk.values())
+    shorter = [fp for fp in cut if len(cut[fp]["trace"]) < len(shrunk[fp]["trace"])]
+    assert shorter, {fp: (len(cut[fp]["trace"]), len(shrunk[fp]["trace"])) for fp in cut}
+    for fp in cut:
+        assert len(cut[fp]["trace"]) <= len(shrunk[fp]["trace"])
+    for fp in shorter:
+        assert "cut hypothesis'" in cut[fp]["run"]["minimized"]
+    (path,) = [
+        e["report"] for e in run_index(tmp_path / "cut") if json.dumps(e["fingerprint"], sort_keys=True) == shorter[0]
+    ]
+    assert main(["replay", path]) == 1
+    assert "the recorded violation reproduces" in capsys.readouterr().out
+
+
+class HangsOnSmallerPools(WindowCappedAdmission):
+    """The seed bug, and a hang in every admission on a pool smaller than the padded one's: the
+    minimizer's first lowered candidate hangs."""
+
+    def can_admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        if self.config.num_blocks < PADDED_BLOCKS:
+            while True:
+                pass
+        return super().can_admit(seq_id, tokens, num_new_tokens, extra)
+
+
+PADDED_BLOCKS = 6  # _padded_trace's pool: one block for the cover and one per filler
+
+
+def test_a_candidate_that_hangs_stops_the_minimizer_not_the_run():
+    """A candidate re-run that hangs the target is the minimizer's, not the run's: the guard
+    collects it, is restored, and what was cut before it stands and replays."""
+    config, trace = _padded_trace()
+    assert config.num_blocks == PADDED_BLOCKS
+    guard = Guard(Limits(op_timeout=0.3, memory_cap_gib=None))
+    factory = guard.wrap(HangsOnSmallerPools)
+    with guard.armed():
+        with guard.contained() as trips:
+            cut = minimize(factory, config, _with_final_admission(config, trace), _shows_seed_bug)
+        assert [type(t) for t in trips] == [TargetHung]
+        assert guard.tripped is None and guard.failure is None
+        assert guard.call("after", None, lambda: 7) == 7  # the run goes on
+    assert cut is not None and cut.config.num_blocks == PADDED_BLOCKS
+    assert _shows_seed_bug(cut.config, rerun(HangsOnSmallerPools, cut.config, cut.trace))
+
+
+def test_a_trip_outside_contained_abandons_the_target():
+    guard = Guard(Limits(op_timeout=0.3, memory_cap_gib=None))
+    with guard.armed():
+        with pytest.raises(TargetHung):
+            guard.call("spin", None, lambda: [None for _ in iter(int, 1)])
+        with pytest.raises(TargetHung):
+            guard.call("after", None, lambda: 7)
