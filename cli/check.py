@@ -19,7 +19,7 @@ from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.groups import Shape
 from kvspec.spec.invariants import INVARIANTS, Violation
-from kvspec.testing.artifacts.minimize import minimize
+from kvspec.testing.artifacts.minimize import SHAPE_SIZES, minimize
 from kvspec.testing.artifacts.report import (
     ReportError,
     build_report,
@@ -395,44 +395,99 @@ def size_floors(overrides: dict[str, Any]) -> dict[str, int]:
 
 
 def minimize_found(
-    search: Search, factory: Callable[[Config], Any], known: Sequence[KnownFinding], impl: str,
-    here: VllmHere | None, guard: Guard, floors: dict[str, int],
+    search: Search,
+    factory: Callable[[Config], Any],
+    known: Sequence[KnownFinding],
+    impl: str,
+    here: VllmHere | None,
+    guard: Guard,
+    floors: dict[str, int],
 ) -> None:
-    """Cut each violation the search shrank further (testing/artifacts/minimize.py): a candidate
-    is kept when its re-run shows the same finding (its known-finding id, else its fingerprint),
-    going past what the search went past.  Crashes are left as shrunk; nothing is cut once the
-    guard has tripped (the target is abandoned)."""
-    version = here.version if here is not None else None
+    """Cut each violation the block-manager search shrank further (testing/artifacts/minimize.py).
+    Crashes are left as shrunk."""
     for found in search.found:
         o = found.outcome
-        if o.status != "violated" or o.config is None or guard.tripped is not None:
-            continue
-        mine = found.known.id if found.known is not None else None
-        own = own_findings(known, found.fingerprint, o.violations, o.config, o.trace, recorded=(mine,))
-        go_past = go_past_known(known, impl, version, own)
-        kept: list[Fingerprint] = []
+        if o.status == "violated" and o.config is not None:
+            _cut_one(found, known, impl, here, guard, factory, "config", {"focus": o.focus, "floors": floors})
 
-        def keeps(config: Config, result: Rerun, found: Found = found, kept: list[Fingerprint] = kept) -> bool:
-            labelled = label_failures(known, SpecViolation(result.violations, result.trace), config, result.trace)
-            hit = next((fp for fp, k in labelled if (k.id if k is not None else fp) == found.identity), None)
-            if hit is not None:
-                kept.append(hit)
-            return hit is not None
 
-        with guard.contained() as trips:
-            cut = minimize(factory, o.config, o.trace, keeps, focus=o.focus, go_past=go_past, floors=floors)
-        for trip in trips:
-            guard.notes.append(
-                f"the trace minimizer's candidate re-run of the {found.fingerprint.describe()} violation "
-                f"tripped the guard ({trip.message}); "
-                + ("it stopped there" if guard.tripped is None else "the target is abandoned")
-            )
-        if cut is None or guard.tripped is not None:
-            continue
-        found.outcome = attrs.evolve(
-            o, trace=cut.trace, config=cut.config, violations=cut.violations, minimized=cut.describe(o.trace, o.config)
+def minimize_verdicts(
+    run: SchedulerRun,
+    known: Sequence[KnownFinding],
+    here: VllmHere | None,
+    guard: Guard,
+    focus: tuple[str, ...] | None,
+) -> None:
+    """Cut each invariant verdict of the scheduler machine further, in its shape (its blocks over
+    the startup minimum lowered, never the shape's features), re-run without the reference
+    scheduler beside it as `kvspec replay` re-runs it.  Crashes and policy differences are left
+    as shrunk."""
+    for found in run.search.found:
+        o = found.outcome
+        if o.status == "violated" and o.shape is not None and o.difference is None:
+            options = {"focus": focus, "sizes": SHAPE_SIZES, "around": in_context, "session": scheduler_session}
+            _cut_one(found, known, SCHEDULER_IMPL, here, guard, run.factory, "shape", options)
+
+
+def _cut_one(
+    found: Found,
+    known: Sequence[KnownFinding],
+    impl: str,
+    here: VllmHere | None,
+    guard: Guard,
+    factory: Callable[[Any], Any],
+    field: str,
+    options: dict[str, Any],
+) -> None:
+    """One verdict cut (``minimize`` with ``options``; ``field``: the outcome's "config" or
+    "shape"): a candidate is kept when its re-run shows the same finding (its known-finding id,
+    else its fingerprint), going past what the search went past; the verdict then becomes the
+    cut one.  A candidate that trips the guard is contained (a note says so); nothing is cut
+    once the target is abandoned."""
+    if guard.tripped is not None:
+        return
+    o = found.outcome
+    where = getattr(o, field)
+    shape = where if field == "shape" else None
+    config = where if field == "config" else None
+    mine = found.known.id if found.known is not None else None
+    own = own_findings(known, found.fingerprint, o.violations, config, o.trace, shape, (mine,))
+    go_past = go_past_known(known, impl, here.version if here is not None else None, own)
+    if options.get("session") is scheduler_session:
+        # The scheduler session goes past what the re-run goes past (testing/scheduler/replay.py).
+        options = {**options, "session": lambda s: scheduler_session(s, None, go_past)}
+    kept: list[Fingerprint] = []
+
+    def keeps(candidate: Any, result: Rerun) -> bool:
+        error = SpecViolation(result.violations, result.trace)
+        labelled = (
+            label_failures(known, error, None, result.trace, candidate)
+            if shape is not None
+            else label_failures(known, error, candidate, result.trace)
         )
-        found.fingerprint = kept[-1]
+        hit = next((fp for fp, k in labelled if (k.id if k is not None else fp) == found.identity), None)
+        if hit is not None:
+            kept.append(hit)
+        return hit is not None
+
+    with guard.contained() as trips:
+        made = minimize(factory, where, o.trace, keeps, go_past=go_past, **options)
+    for trip in trips:
+        guard.notes.append(
+            f"the trace minimizer's candidate re-run of the {found.fingerprint.describe()} verdict "
+            f"tripped the guard ({trip.message}); "
+            + ("it stopped there" if guard.tripped is None else "the target is abandoned")
+        )
+    if made is None or guard.tripped is not None:
+        return
+    found.outcome = attrs.evolve(
+        o,
+        **{field: made.config},
+        trace=made.trace,
+        violations=made.violations,
+        minimized=made.describe(o.trace, where),
+    )
+    found.fingerprint = kept[-1]
 
 
 def _guarded_shapes(
@@ -450,7 +505,10 @@ def _guarded_shapes(
         with guard.armed():
             known = known_for(args, SCHEDULER_IMPL, here)
             part = budget.rest("scheduler shapes") if budget is not None and shapes_apply(args, impl, here) else None
-            return run_v1_shapes(args, impl, here, focus, guard=guard, known=known, part=part)
+            run = run_v1_shapes(args, impl, here, focus, guard=guard, known=known, part=part)
+            if run is not None and not args.no_minimize:
+                minimize_verdicts(run, known, here, guard, focus)
+            return run
     except GuardTripped as trip:
         out.print(f"[bold red]scheduler shapes: {escape(trip.message)}[/]", soft_wrap=True)
         return None

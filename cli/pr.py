@@ -432,6 +432,9 @@ def scheduler_verdicts(args: argparse.Namespace, argv: list[str], base_flags: li
         common = [*without(common, "--max-violations"), "--max-violations", "1"]
     # The PR run's seed (the lockstep's): HEAD's own check repeats, whatever its profile.
     common += ["--seed", str(pr_seed(args))]
+    # Each verdict is replayed on BASE as HEAD's search shrank it: a trace cut on HEAD alone
+    # (testing/artifacts/minimize.py) would be judged on a side it was never cut against.
+    common = [*common, "--no-minimize"] if "--no-minimize" not in common else common
     extra = ["--source-version", args.source_version] if args.source_version else []
     extra += ["--venv", args.venv] if args.venv else []
     head_out = root / "head"

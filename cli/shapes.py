@@ -103,6 +103,8 @@ class ShapesOutcome:
     # Why the target's release cannot run the multimodal shape (``multimodal_refusal_of``):
     # None, it can (or it was not asked).
     multimodal_refusal: str | None = None
+    # What kvspec's trace minimizer cut after hypothesis' shrinking (testing/artifacts/minimize.py).
+    minimized: str | None = None
 
 
 # The scheduler differential's mode in kvspec check: the strictest (testing/blockmanager/differential.py).
@@ -305,6 +307,8 @@ def print_verdict(o: ShapesOutcome, known: KnownFinding | None) -> None:
         out.print("  traceback (the target's innermost frames):", markup=False)
         for line in o.traceback:
             out.print(f"    {line}", markup=False, soft_wrap=True)
+    if o.minimized is not None:
+        out.print(f"  ({escape(o.minimized)})")
     for v in o.violations:
         out.print(f"  [red]{escape(str(v))}[/]")
     if o.difference is not None:
@@ -778,6 +782,7 @@ def write_scheduler_reports(
                 "operations_run": o.operations,
                 "seconds": round(o.seconds, 2),
                 "focus": None,
+                "minimized": o.minimized,
             },
             trace=o.trace,
             violations=o.violations,

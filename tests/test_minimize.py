@@ -12,9 +12,12 @@ from pathlib import Path
 
 import attrs
 import pytest
+from kvspec.cli.check import minimize_verdicts
 from kvspec.cli.main import main
 from kvspec.cli.search import run_index
+from kvspec.cli.shapes import run_scheduler_search
 from kvspec.reference.broken import WindowCappedAdmission
+from kvspec.reference.broken_scheduler import BROKEN_SCHEDULERS
 from kvspec.reference.manager import ReferenceManager
 from kvspec.spec.config import Config
 from kvspec.spec.window import blocks_for_tokens, window_cover
@@ -23,6 +26,8 @@ from kvspec.testing.artifacts.minimize import minimize
 from kvspec.testing.artifacts.rerun import Rerun, rerun
 from kvspec.testing.blockmanager.driver import END, TraceStep
 from kvspec.testing.guard import Guard, Limits, TargetHung
+from kvspec.testing.known import Fingerprint
+from kvspec.testing.scheduler.replay import in_context, scheduler_session
 
 # W=1 on 1-token blocks: the capped admission counts the window's cover (one block), allocation
 # takes a block per prompt token, so a two-token prompt is admitted, then fails, when exactly one
@@ -185,3 +190,59 @@ def test_a_trip_outside_contained_abandons_the_target():
             guard.call("spin", None, lambda: [None for _ in iter(int, 1)])
         with pytest.raises(TargetHung):
             guard.call("after", None, lambda: 7)
+
+
+def test_a_scheduler_verdict_is_cut_in_its_shape_and_replays():
+    """The scheduler machine's invariant verdicts are cut the same way, in their shape (its
+    blocks over the startup minimum, never its features), and a policy difference is left as
+    shrunk.  ``short-budget-chunk`` at seed 3 leaves a 13-operation admission-soundness verdict."""
+    run = run_scheduler_search(
+        BROKEN_SCHEDULERS["short-budget-chunk"].cls, profile="ci", examples=100, steps=None, seed=3, focus=None
+    )
+    before = {f.fingerprint: (f.outcome.trace, f.outcome.shape) for f in run.search.found}
+    minimize_verdicts(run, [], None, Guard(Limits(op_timeout=None, memory_cap_gib=None)), None)
+    after = {f.fingerprint: f.outcome for f in run.search.found}
+    assert after.keys() == before.keys()
+    for fp, o in after.items():
+        trace, shape = before[fp]
+        if o.status == "differs":
+            assert o.trace == trace and o.minimized is None
+            continue
+        assert len(o.trace) <= len(trace)
+        assert {f: v for f, v in attrs.asdict(o.shape).items() if f != "extra_blocks"} == {
+            f: v for f, v in attrs.asdict(shape).items() if f != "extra_blocks"
+        }
+    cut = after[Fingerprint("admission-soundness", "step")]
+    assert len(cut.trace) < len(before[Fingerprint("admission-soundness", "step")][0])
+    assert "cut hypothesis'" in cut.minimized
+    again = in_context(
+        lambda: rerun(
+            BROKEN_SCHEDULERS["short-budget-chunk"].cls,
+            cut.shape,
+            cut.trace,
+            session=scheduler_session(cut.shape, None),
+        )
+    )
+    assert {v.invariant for v in again.violations} >= {"admission-soundness"}
+
+
+def test_pr_mode_replays_heads_verdicts_on_base_as_heads_search_shrank_them(monkeypatch, tmp_path):
+    """PR mode replays each of HEAD's scheduler verdicts on BASE: HEAD's own check runs without
+    the minimizer, whose cut would be made against HEAD alone."""
+    import argparse
+    import subprocess
+
+    import kvspec.cli.pr as pr
+
+    calls: list[list[str]] = []
+
+    def fake(args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(pr, "_kvspec", fake)
+    args = argparse.Namespace(vllm="0.33.0", vllm_source=None, source_version=None, venv=None, seed=None)
+    argv = ["check", "--vllm", "0.33.0", "--baseline", "0.30.0"]
+    assert pr.scheduler_verdicts(args, argv, ["--vllm", "0.30.0"], tmp_path) == []
+    (head,) = calls
+    assert head.count("--no-minimize") == 1

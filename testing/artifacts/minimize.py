@@ -1,4 +1,4 @@
-"""Cutting a shrunk block-manager counterexample further, by re-running it.
+"""Cutting a shrunk counterexample further, by re-running it (either machine).
 
 Hypothesis shrinks a stateful example as one byte string: the configuration is drawn before the
 operations, so a pool of 24 blocks stays 24 when the operations that filled it could only go
@@ -12,9 +12,10 @@ known-finding id, else its fingerprint), judged as the search judged it while sh
 1. runs of operations are deleted, halves first, then quarters, down to single operations
    (the operations of the example's end, ``END``, are never candidates: the re-run's end makes
    them again);
-2. the pool sizes and the lookahead are lowered, smallest value first;
-3. a sequence is deleted with everything forked from it, each of its operations, together with
-   the GPU pool lowered one block at a time: a finding that needs a pool filled to a point (F1:
+2. the pool sizes and the lookahead (a scheduler shape: its blocks over vLLM's startup minimum)
+   are lowered, smallest value first;
+3. a sequence (a request) is deleted with everything forked from it, each of its operations,
+   together with the GPU pool lowered one block at a time: a finding that needs a pool filled to a point (F1:
    the last admission must meet exactly the free blocks the capped check counts) keeps only
    when the sequences that filled it go together with the blocks they held.
 
@@ -31,10 +32,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from kvspec.spec.config import Config
 from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import Violation
-from kvspec.testing.artifacts.rerun import Rerun, rerun
+from kvspec.testing.artifacts.rerun import Rerun, SessionFactory, rerun
 from kvspec.testing.blockmanager.driver import END, TraceStep
 
 if TYPE_CHECKING:
@@ -42,31 +42,46 @@ if TYPE_CHECKING:
 
 MAX_RERUNS = 600  # re-runs one counterexample may cost
 SECONDS = 15.0  # wall time one counterexample may cost
-# The configuration's sizes the minimizer lowers (pool sizes and the lookahead), each to as
-# small a value as keeps the finding; the block size and the window are left as shrunk.
-LOWERED = ("num_blocks", "num_cpu_blocks", "max_lookahead")
-SMALLEST = {"num_blocks": 1, "num_cpu_blocks": 0, "max_lookahead": 0}
 MAX_VALUES_TRIED = 32  # per size: a smallest value is looked for among the lowest ones
 
-Keeps = Callable[[Config, Rerun], bool]
-"""Whether a candidate's re-run (on that configuration) shows the same finding."""
+
+@attrs.frozen
+class Sizes:
+    """What the minimizer lowers in one machine's configuration: each field to as small a value
+    as keeps the finding (at least its smallest), and which field is the pool a deleted
+    sequence's blocks come off.  What a search draws otherwise (block sizes, windows, a shape's
+    features) is left as shrunk."""
+
+    smallest: Mapping[str, int]
+    pool: str
+
+
+# The block-manager machine's Config: the pools and the lookahead.
+CONFIG_SIZES = Sizes({"num_blocks": 1, "num_cpu_blocks": 0, "max_lookahead": 0}, "num_blocks")
+# The scheduler machine's Shape: the blocks over vLLM's startup minimum (below it vLLM refuses
+# to start, so that minimum is the floor).
+SHAPE_SIZES = Sizes({"extra_blocks": 0}, "extra_blocks")
+
+Keeps = Callable[[Any, Rerun], bool]
+"""Whether a candidate's re-run (on that configuration or shape) shows the same finding."""
 
 
 @attrs.frozen
 class Minimized:
-    """A counterexample cut further: its configuration, the trace the target ran, the
-    violations its re-run showed, and what it cost."""
+    """A counterexample cut further: its configuration (or shape), the trace the target ran,
+    the violations its re-run showed, and what it cost."""
 
-    config: Config
+    config: Any
     trace: list[TraceStep]
     violations: list[Violation]
     reruns: int
     seconds: float
+    sizes: Sizes = CONFIG_SIZES
 
-    def describe(self, before: Sequence[TraceStep], config: Config) -> str:
+    def describe(self, before: Sequence[TraceStep], config: Any) -> str:
         changed = [
             f"{name} {getattr(config, name)} -> {getattr(self.config, name)}"
-            for name in LOWERED
+            for name in self.sizes.smallest
             if getattr(config, name) != getattr(self.config, name)
         ]
         sizes = f", {', '.join(changed)}" if changed else ""
@@ -81,8 +96,8 @@ class _Spent(Exception):
 
 
 def minimize(
-    factory: Callable[[Config], Any],
-    config: Config,
+    factory: Callable[[Any], Any],
+    config: Any,
     trace: Sequence[TraceStep],
     keeps: Keeps,
     *,
@@ -91,24 +106,34 @@ def minimize(
     max_reruns: int = MAX_RERUNS,
     seconds: float = SECONDS,
     floors: Mapping[str, int] | None = None,
+    sizes: Sizes = CONFIG_SIZES,
+    session: Callable[[Any], SessionFactory] | None = None,
+    around: Callable[[Callable[[], Rerun]], Rerun] | None = None,
 ) -> Minimized | None:
     """``trace`` on ``config`` cut as far as ``keeps`` lets it (module docstring); None when
     nothing could be cut, or when the recorded trace itself does not keep the finding on a
-    re-run (the minimizer then claims nothing).  ``floors``: a size (of ``LOWERED``) is never
-    lowered below its floor, as the search that found it never drew below it (the user's
-    ``--config swap=on``: at least one CPU block)."""
-    smallest = {**SMALLEST, **(floors or {})}
+    re-run (the minimizer then claims nothing).  ``floors``: a size is never lowered below its
+    floor, as the search that found it never drew below it (the user's ``--config swap=on``: at
+    least one CPU block).  The scheduler machine's verdicts: ``sizes`` ``SHAPE_SIZES``,
+    ``session(shape)`` its re-run session in a shape (testing/scheduler/replay.py
+    ``scheduler_session``), and ``around`` what each re-run runs in (``in_context``)."""
+    smallest = {**sizes.smallest, **(floors or {})}
     focus = list(focus) if focus is not None else None
     start = time.monotonic()
     reruns = 0
 
-    def attempt(c: Config, steps: Sequence[TraceStep]) -> Rerun | None:
+    def one(c: Any, steps: Sequence[TraceStep]) -> Rerun:
+        if session is None:
+            return rerun(factory, c, steps, focus=focus, go_past=go_past)
+        return rerun(factory, c, steps, focus=focus, go_past=go_past, session=session(c))
+
+    def attempt(c: Any, steps: Sequence[TraceStep]) -> Rerun | None:
         nonlocal reruns
         if reruns >= max_reruns or time.monotonic() - start > seconds:
             raise _Spent
         reruns += 1
         try:
-            result = rerun(factory, c, steps, focus=focus, go_past=go_past)
+            result = around(lambda: one(c, steps)) if around is not None else one(c, steps)
         except (ConfigError, Unsupported):
             return None
         if result.unapplied is not None or result.crash is not None or not result.violations:
@@ -126,11 +151,11 @@ def minimize(
         return None
     kept_config, steps = config, body(best.trace)
 
-    def candidates(c: Config, now: list[TraceStep]) -> Iterator[tuple[Config, list[TraceStep]]]:
+    def candidates(c: Any, now: list[TraceStep]) -> Iterator[tuple[Any, list[TraceStep]]]:
         """The moves of the module docstring, in its order: the cheapest cut first."""
         yield from ((c, cut) for cut in _deletions(now))
         yield from ((lowered, now) for lowered in _lowered(c, smallest))
-        yield from _sequences_deleted(c, now, smallest["num_blocks"])
+        yield from _sequences_deleted(c, now, sizes.pool, smallest[sizes.pool])
 
     try:
         changed = True
@@ -145,7 +170,7 @@ def minimize(
         pass
     if len(best.trace) >= len(trace) and kept_config == config:
         return None
-    return Minimized(kept_config, list(best.trace), list(best.violations), reruns, time.monotonic() - start)
+    return Minimized(kept_config, list(best.trace), list(best.violations), reruns, time.monotonic() - start, sizes)
 
 
 def _deletions(steps: Sequence[TraceStep]) -> Iterator[list[TraceStep]]:
@@ -165,10 +190,10 @@ def _deletions(steps: Sequence[TraceStep]) -> Iterator[list[TraceStep]]:
 
 
 def _sequences_deleted(
-    config: Config, steps: Sequence[TraceStep], fewest_blocks: int
-) -> Iterator[tuple[Config, list[TraceStep]]]:
+    config: Any, steps: Sequence[TraceStep], pool: str, fewest_blocks: int
+) -> Iterator[tuple[Any, list[TraceStep]]]:
     """``steps`` without one sequence (and every sequence forked from it, which its fork made),
-    each on ``config`` and on its GPU pool lowered by 1, 2, ... blocks; the sequence the last
+    each on ``config`` and on its GPU pool (the field ``pool``) lowered by 1, 2, ... blocks; the sequence the last
     operation names is never deleted (the finding shows there).  Later-admitted sequences first:
     they are the likeliest fillers."""
     if not steps:
@@ -182,10 +207,11 @@ def _sequences_deleted(
         if gone & last:
             continue
         kept = [step for step in steps if not _named(step) & gone]
-        for lower in range(max(min(config.num_blocks - fewest_blocks, MAX_VALUES_TRIED) + 1, 1)):
+        blocks = getattr(config, pool)
+        for lower in range(max(min(blocks - fewest_blocks, MAX_VALUES_TRIED) + 1, 1)):
             try:
-                yield attrs.evolve(config, num_blocks=config.num_blocks - lower), kept
-            except ConfigError:
+                yield attrs.evolve(config, **{pool: blocks - lower}), kept
+            except (ConfigError, ValueError):
                 continue
 
 
@@ -194,16 +220,16 @@ def _named(step: TraceStep) -> set[int]:
     return {step.args[key] for key in ("seq", "parent", "child") if key in step.args}
 
 
-def _lowered(config: Config, smallest: Mapping[str, int]) -> Iterator[Config]:
-    """``config`` with one of its sizes (``LOWERED``) lowered, smallest values first."""
-    for name in LOWERED:
+def _lowered(config: Any, smallest: Mapping[str, int]) -> Iterator[Any]:
+    """``config`` with one of its sizes (``smallest``'s fields) lowered, smallest values first."""
+    for name in smallest:
         now = getattr(config, name)
         low = smallest[name]
         for value in range(low, min(now, low + MAX_VALUES_TRIED)):
             try:
                 yield attrs.evolve(config, **{name: value})
-            except ConfigError:
+            except (ConfigError, ValueError):
                 continue
 
 
-__all__ = ["LOWERED", "MAX_RERUNS", "SECONDS", "Keeps", "Minimized", "minimize"]
+__all__ = ["CONFIG_SIZES", "MAX_RERUNS", "SECONDS", "SHAPE_SIZES", "Keeps", "Minimized", "Sizes", "minimize"]
