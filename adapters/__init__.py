@@ -17,6 +17,11 @@ vllm/model_executor/layers/fused_moe/config.py: ``logger.error("Failed to import
 kernels ...")``) and torch a warning (torch/_library/triton.py); both describe kvspec's venv, not
 the code under test, and kvspec never runs a kernel.  Where triton is absent those two records,
 and only those, are dropped.
+
+The scheduler adapter's model folder has a tokenizer, which vLLM's ``ModelConfig`` loads; a
+reproducer's verification then forks, and Hugging Face ``tokenizers`` warns on stderr that it
+disables its thread pool in the child ("The current process just got forked ...").  kvspec never
+tokenizes in parallel: ``TOKENIZERS_PARALLELISM`` is off unless the user set it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ CHOSEN_BY_KVSPEC_ENV = "KVSPEC_VLLM_CACHE_ROOT"
 if VLLM_CACHE_ENV not in os.environ or os.environ[VLLM_CACHE_ENV] == os.environ.get(CHOSEN_BY_KVSPEC_ENV):
     os.environ[VLLM_CACHE_ENV] = os.environ[CHOSEN_BY_KVSPEC_ENV] = str(Path(sys.prefix) / "vllm-cache")
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _ABSENT_TRITON_RECORDS = {
     "vllm.model_executor.layers.fused_moe.config": "Failed to import Triton kernels",

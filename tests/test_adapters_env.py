@@ -31,3 +31,16 @@ def test_a_root_kvspec_chose_for_the_parent_interpreter_is_not_inherited(tmp_pat
 def test_a_cache_root_the_user_chose_is_kept(tmp_path):
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
     assert _cache_root(env).strip() == str(tmp_path)
+
+
+def _tokenizers_parallelism(env: dict[str, str]) -> str:
+    code = "import os, kvspec.adapters; print(os.environ['TOKENIZERS_PARALLELISM'])"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_tokenizers_parallelism_is_off_unless_the_user_chose():
+    """A reproducer's verification forks after vLLM loaded the shape's tokenizer: with the pool
+    off, Hugging Face tokenizers has nothing to warn about in the child."""
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    assert _tokenizers_parallelism(env).strip() == "false"
+    assert _tokenizers_parallelism({**env, "TOKENIZERS_PARALLELISM": "true"}).strip() == "true"

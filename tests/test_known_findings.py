@@ -476,6 +476,8 @@ LORA_SALT, MM_SALT = ("cache_salt", "lora"), ("cache_salt", "mm")
         (COLLISION, MM_SALT, "0.12.0", "F-KV10/scheduler"),
         (COLLISION, ("lora", "mm"), "0.12.0", "F-KV10/scheduler"),
         (COLLISION, ("mm",), "0.12.0", "F-KV3/scheduler"),
+        (COLLISION, ("mm",), "0.10.1.1", "F-KV3/scheduler"),  # seen by kvspec check --vllm 0.10.1.1 --seed 2
+        (COLLISION, ("mm",), "0.19.1", None),
         (COLLISION, MM_SALT, "0.19.1", None),
         (COLLISION, MM_SALT, "0.10.1.1", "F-KV10/scheduler"),  # seen by kvspec check --vllm 0.10.1.1 --seed 2
         (COLLISION, MM_SALT, "0.9.1", None),
