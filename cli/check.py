@@ -30,7 +30,7 @@ from kvspec.testing.artifacts.report import (
     write_report,
 )
 from kvspec.testing.artifacts.reproducer import NotReproducible, Reproducer, generate
-from kvspec.testing.artifacts.rerun import Rerun, rerun
+from kvspec.testing.artifacts.rerun import Rerun, SessionFactory, rerun
 from kvspec.testing.artifacts.verify import REPRODUCES, verify
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
@@ -425,8 +425,14 @@ def minimize_verdicts(
     for found in run.search.found:
         o = found.outcome
         if o.status == "violated" and o.shape is not None and o.difference is None:
-            options = {"focus": focus, "sizes": SHAPE_SIZES, "around": in_context, "session": scheduler_session}
+            options = {"focus": focus, "sizes": SHAPE_SIZES, "around": in_context, "session": _scheduler_rerun}
             _cut_one(found, known, SCHEDULER_IMPL, here, guard, run.factory, "shape", options)
+
+
+def _scheduler_rerun(shape: Shape, go_past: GoPast | None) -> SessionFactory:
+    """A scheduler verdict's re-run session: no reference scheduler beside it, going past what
+    the re-run goes past (testing/scheduler/replay.py), as `kvspec replay` re-runs it."""
+    return scheduler_session(shape, None, go_past)
 
 
 def _cut_one(
@@ -453,9 +459,6 @@ def _cut_one(
     mine = found.known.id if found.known is not None else None
     own = own_findings(known, found.fingerprint, o.violations, config, o.trace, shape, (mine,))
     go_past = go_past_known(known, impl, here.version if here is not None else None, own)
-    if options.get("session") is scheduler_session:
-        # The scheduler session goes past what the re-run goes past (testing/scheduler/replay.py).
-        options = {**options, "session": lambda s: scheduler_session(s, None, go_past)}
     kept: list[Fingerprint] = []
 
     def keeps(candidate: Any, result: Rerun) -> bool:

@@ -107,7 +107,7 @@ def minimize(
     seconds: float = SECONDS,
     floors: Mapping[str, int] | None = None,
     sizes: Sizes = CONFIG_SIZES,
-    session: Callable[[Any], SessionFactory] | None = None,
+    session: Callable[[Any, GoPast | None], SessionFactory] | None = None,
     around: Callable[[Callable[[], Rerun]], Rerun] | None = None,
 ) -> Minimized | None:
     """``trace`` on ``config`` cut as far as ``keeps`` lets it (module docstring); None when
@@ -115,7 +115,7 @@ def minimize(
     re-run (the minimizer then claims nothing).  ``floors``: a size is never lowered below its
     floor, as the search that found it never drew below it (the user's ``--config swap=on``: at
     least one CPU block).  The scheduler machine's verdicts: ``sizes`` ``SHAPE_SIZES``,
-    ``session(shape)`` its re-run session in a shape (testing/scheduler/replay.py
+    ``session(shape, go_past)`` its re-run session in a shape (testing/scheduler/replay.py
     ``scheduler_session``), and ``around`` what each re-run runs in (``in_context``)."""
     smallest = {**sizes.smallest, **(floors or {})}
     focus = list(focus) if focus is not None else None
@@ -125,7 +125,7 @@ def minimize(
     def one(c: Any, steps: Sequence[TraceStep]) -> Rerun:
         if session is None:
             return rerun(factory, c, steps, focus=focus, go_past=go_past)
-        return rerun(factory, c, steps, focus=focus, go_past=go_past, session=session(c))
+        return rerun(factory, c, steps, focus=focus, go_past=go_past, session=session(c, go_past))
 
     def attempt(c: Any, steps: Sequence[TraceStep]) -> Rerun | None:
         nonlocal reruns
