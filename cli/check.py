@@ -35,7 +35,7 @@ from kvspec.testing.artifacts.verify import REPRODUCES, verify
 from kvspec.testing.blockmanager.differential import Mode
 from kvspec.testing.blockmanager.driver import SpecViolation, TraceStep
 from kvspec.testing.blockmanager.machine import RunStats
-from kvspec.testing.guard import Guard, GuardTripped, Limits
+from kvspec.testing.guard import Guard, GuardTripped, Limits, crash_traceback
 from kvspec.testing.implementations import lookup_scheduler
 from kvspec.testing.known import (
     SHIPPED,
@@ -71,6 +71,7 @@ from .failures import (
     HEADLINE,
     KVSPEC_ERROR,
     STOPPED_BY_TARGET,
+    TRACEBACK_LINES,
     code_digest,
     failure_json,
     guard_of_outcome,
@@ -403,12 +404,30 @@ def minimize_found(
     guard: Guard,
     floors: dict[str, int],
 ) -> None:
-    """Cut each violation the block-manager search shrank further (testing/artifacts/minimize.py).
-    Crashes are left as shrunk."""
+    """Cut each violation and each target crash the block-manager search shrank further
+    (testing/artifacts/minimize.py).  Hangs, memory runaways and nondeterminism are left as
+    shrunk: a re-run of theirs costs the guard's limit, or does not repeat."""
     for found in search.found:
         o = found.outcome
-        if o.status == "violated" and o.config is not None:
-            _cut_one(found, known, impl, here, guard, factory, "config", {"focus": o.focus, "floors": floors})
+        if o.config is None:
+            continue
+        options = {"focus": o.focus, "floors": floors}
+        if o.status == "violated":
+            _cut_one(found, known, impl, here, guard, factory, "config", options)
+        elif cuttable_crash(o):
+            _cut_one(found, known, impl, here, guard, factory, "config", {**options, "crashes": True})
+
+
+def cuttable_crash(o: Any) -> bool:
+    """A crash of the target at one of the trace's operations (not while it was built or first
+    observed, not a guard's trip): what the minimizer can re-run to the same crash."""
+    return (
+        o.status == "error"
+        and o.exception is not None
+        and not isinstance(o.exception, GuardTripped)
+        and bool(o.trace)
+        and o.trace[-1].crash is not None
+    )
 
 
 def minimize_verdicts(
@@ -462,7 +481,8 @@ def _cut_one(
     kept: list[Fingerprint] = []
 
     def keeps(candidate: Any, result: Rerun) -> bool:
-        error = SpecViolation(result.violations, result.trace)
+        error = result.error if result.crash is not None else SpecViolation(result.violations, result.trace)
+        assert error is not None  # a re-run that crashed carries its exception
         labelled = (
             label_failures(known, error, None, result.trace, candidate)
             if shape is not None
@@ -483,9 +503,19 @@ def _cut_one(
         )
     if made is None or guard.tripped is not None:
         return
+    crashed: dict[str, Any] = {}
+    if made.crash is not None and made.error is not None:
+        # The cut crash is the re-run's: its exception, vLLM frames and the step it crashed at.
+        crashed = {
+            "crash": made.crash,
+            "exception": made.error,
+            "error": f"{type(made.error).__name__}: {made.error}",
+            "traceback": crash_traceback(made.error, TRACEBACK_LINES),
+        }
     found.outcome = attrs.evolve(
         o,
         **{field: made.config},
+        **crashed,
         trace=made.trace,
         violations=made.violations,
         minimized=made.describe(o.trace, where),

@@ -246,3 +246,102 @@ def test_pr_mode_replays_heads_verdicts_on_base_as_heads_search_shrank_them(monk
     assert pr.scheduler_verdicts(args, argv, ["--vllm", "0.30.0"], tmp_path) == []
     (head,) = calls
     assert head.count("--no-minimize") == 1
+
+
+# ------------------------------------------------------------------ a target's crash
+
+
+class CrashesOnItsLastFreeBlocks(ReferenceManager):
+    """Crashes (as vLLM's legacy pools do on a corrupted free list) when an admission would take
+    every free block: only a pool filled to exactly that point shows it, as F1's admission."""
+
+    name = "crashes-on-its-last-free-blocks"
+
+    def admit(self, seq_id, tokens, num_new_tokens, extra=()):
+        if blocks_for_tokens(num_new_tokens, self.config.block_size) == len(self.gpu.free):
+            raise IndexError("took the pool's last free block")
+        return super().admit(seq_id, tokens, num_new_tokens, extra)
+
+
+def _padded_crash() -> tuple[Config, list[TraceStep]]:
+    """Fillers of one block each, then an admission that needs the pool's free blocks exactly."""
+    config = Config(block_size=BLOCK_SIZE, num_blocks=len(PROMPT) + FILLERS)
+    driver = Driver(CrashesOnItsLastFreeBlocks(config))
+    for seq in range(FILLERS):
+        driver.admit(seq, [0], 1)
+    trace = [step for step in driver.trace if not step.args.get(END)]
+    return config, [*trace, TraceStep("admit", {"seq": FILLERS, "tokens": PROMPT, "num_new_tokens": len(PROMPT)})]
+
+
+def _same_crash(expected: Fingerprint):
+    from kvspec.testing.known import fingerprint
+
+    return lambda config, result: result.error is not None and fingerprint(result.error, result.trace) == expected
+
+
+def test_a_padded_crash_is_cut_to_its_admission_and_stays_the_same_crash():
+    from kvspec.testing.known import fingerprint
+
+    config, trace = _padded_crash()
+    first = rerun(CrashesOnItsLastFreeBlocks, config, trace)
+    assert first.crash is not None and len(first.trace) == FILLERS + 1
+    expected = fingerprint(first.error, first.trace)
+    cut = minimize(CrashesOnItsLastFreeBlocks, config, trace, _same_crash(expected), crashes=True)
+    assert cut is not None
+    assert [s.op for s in cut.trace] == ["admit"] and cut.trace[-1].crash is not None
+    # On the smallest pool: the blocks its one admission takes, every one of them free.
+    assert cut.config.num_blocks == blocks_for_tokens(cut.trace[-1].args["num_new_tokens"], BLOCK_SIZE)
+    assert cut.config.num_blocks < config.num_blocks
+    # The cut's crash and exception are the re-run's, and the cut re-runs to the same crash.
+    assert cut.crash == cut.trace[-1].crash and isinstance(cut.error, IndexError)
+    again = rerun(CrashesOnItsLastFreeBlocks, cut.config, cut.trace)
+    assert again.crash is not None and fingerprint(again.error, again.trace) == expected
+
+
+def test_a_crash_is_not_cut_as_a_violation_nor_a_violation_as_a_crash():
+    config, trace = _padded_crash()
+    assert minimize(CrashesOnItsLastFreeBlocks, config, trace, lambda c, r: True) is None
+    seed_config, seed_trace = _padded_trace()
+    full = _with_final_admission(seed_config, seed_trace)
+    assert minimize(WindowCappedAdmission, seed_config, full, lambda c, r: True, crashes=True) is None
+
+
+def test_check_cuts_a_crash_verdict_and_reports_the_reruns_crash():
+    """``kvspec check``'s verdict for a crash (minimize_found): the outcome's trace,
+    configuration, crash, exception, error line and traceback all become the cut re-run's,
+    and the fingerprint stays the crash's.  A guard's trip is never re-run."""
+    from collections import Counter
+
+    from kvspec.cli.check import minimize_found
+    from kvspec.cli.run import Outcome, Tally
+    from kvspec.cli.search import Found, Search
+    from kvspec.testing.blockmanager.machine import RunStats
+    from kvspec.testing.known import fingerprint
+
+    config, trace = _padded_crash()
+    guard = Guard(Limits(op_timeout=None, memory_cap_gib=None))
+    factory = guard.wrap(CrashesOnItsLastFreeBlocks)
+    with guard.armed():
+        shrunk = rerun(factory, config, trace)
+    assert shrunk.crash is not None
+
+    def outcome(error: BaseException) -> Outcome:
+        return Outcome(
+            status="error", tally=Tally(), stats=RunStats(), requested=1, steps=1, seed=None, profile="ci",
+            focus=None, seconds=0.0, trace=list(shrunk.trace), config=config, error=f"IndexError: {error}",
+            exception=error, crash=shrunk.crash, traceback=["shrunk"],
+        )
+
+    expected = fingerprint(shrunk.error, shrunk.trace)
+    crash = Found(expected, outcome(shrunk.error))
+    hung = Found(expected, outcome(TargetHung("admit", 1.0)))
+    search = Search(found=[crash, hung], rounds=[], fired=Counter(), known=[])
+    with guard.armed():
+        minimize_found(search, factory, [], "reference", None, guard, {})
+    o = crash.outcome
+    assert o.minimized is not None and f"{len(shrunk.trace)} operation(s) to 1" in o.minimized
+    assert [s.op for s in o.trace] == ["admit"] and o.config.num_blocks < config.num_blocks
+    assert o.crash == o.trace[-1].crash and o.exception is not shrunk.error
+    assert o.error.startswith("IndexError: took the pool's last free block")
+    assert o.traceback != ["shrunk"] and crash.fingerprint == expected
+    assert hung.outcome.minimized is None and hung.outcome.trace == shrunk.trace

@@ -21,8 +21,11 @@ known-finding id, else its fingerprint), judged as the search judged it while sh
 
 Each kept candidate's re-run is the new counterexample: its trace is what the target did (it
 ends at the operation where the finding showed), so the report, the reproducer and ``kvspec
-replay`` read a trace the target really ran.  Bounded by re-runs and seconds; a target that
-crashes, hangs or refuses a candidate just does not keep it.
+replay`` read a trace the target really ran.  A target's crash is cut the same way
+(``crashes``): a candidate whose re-run crashes is shown to ``keeps`` (the same crash: its
+exception and vLLM file:line, or its known finding), and the cut's crash and exception are
+the re-run's.  Bounded by re-runs and seconds; a target that
+crashes (when the finding is not that crash), hangs or refuses a candidate just does not keep it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvspec.spec.errors import ConfigError, Unsupported
 from kvspec.spec.invariants import Violation
 from kvspec.testing.artifacts.rerun import Rerun, SessionFactory, rerun
 from kvspec.testing.blockmanager.driver import END, TraceStep
+from kvspec.testing.guard import Crash
 
 if TYPE_CHECKING:
     from kvspec.testing.known import GoPast
@@ -69,7 +73,7 @@ Keeps = Callable[[Any, Rerun], bool]
 @attrs.frozen
 class Minimized:
     """A counterexample cut further: its configuration (or shape), the trace the target ran,
-    the violations its re-run showed, and what it cost."""
+    the violations (or the crash and its exception) its re-run showed, and what it cost."""
 
     config: Any
     trace: list[TraceStep]
@@ -77,6 +81,8 @@ class Minimized:
     reruns: int
     seconds: float
     sizes: Sizes = CONFIG_SIZES
+    crash: Crash | None = None
+    error: BaseException | None = None
 
     def describe(self, before: Sequence[TraceStep], config: Any) -> str:
         changed = [
@@ -109,6 +115,7 @@ def minimize(
     sizes: Sizes = CONFIG_SIZES,
     session: Callable[[Any, GoPast | None], SessionFactory] | None = None,
     around: Callable[[Callable[[], Rerun]], Rerun] | None = None,
+    crashes: bool = False,
 ) -> Minimized | None:
     """``trace`` on ``config`` cut as far as ``keeps`` lets it (module docstring); None when
     nothing could be cut, or when the recorded trace itself does not keep the finding on a
@@ -116,7 +123,9 @@ def minimize(
     floor, as the search that found it never drew below it (the user's ``--config swap=on``: at
     least one CPU block).  The scheduler machine's verdicts: ``sizes`` ``SHAPE_SIZES``,
     ``session(shape, go_past)`` its re-run session in a shape (testing/scheduler/replay.py
-    ``scheduler_session``), and ``around`` what each re-run runs in (``in_context``)."""
+    ``scheduler_session``), and ``around`` what each re-run runs in (``in_context``).
+    ``crashes``: the finding is a crash of the target, and only a re-run that crashes is shown
+    to ``keeps``; otherwise only one that shows violations is."""
     smallest = {**sizes.smallest, **(floors or {})}
     focus = list(focus) if focus is not None else None
     start = time.monotonic()
@@ -136,7 +145,9 @@ def minimize(
             result = around(lambda: one(c, steps)) if around is not None else one(c, steps)
         except (ConfigError, Unsupported):
             return None
-        if result.unapplied is not None or result.crash is not None or not result.violations:
+        if result.unapplied is not None:
+            return None
+        if (result.crash is not None) != crashes or not (crashes or result.violations):
             return None
         return result if keeps(c, result) else None
 
@@ -170,7 +181,10 @@ def minimize(
         pass
     if len(best.trace) >= len(trace) and kept_config == config:
         return None
-    return Minimized(kept_config, list(best.trace), list(best.violations), reruns, time.monotonic() - start, sizes)
+    return Minimized(
+        kept_config, list(best.trace), list(best.violations), reruns, time.monotonic() - start, sizes,
+        best.crash, best.error,
+    )
 
 
 def _deletions(steps: Sequence[TraceStep]) -> Iterator[list[TraceStep]]:
