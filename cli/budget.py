@@ -16,7 +16,7 @@ part's deadline has passed is not started.  The split:
 Two things are never cut: the first example of a part (a part that ran nothing would be a run
 that claims nothing), and the shrinking of a failure already found (the counterexample is the
 result), with kvspec's cut after it (testing/artifacts/minimize.py, at most ``SECONDS`` per
-violation, spent before the shapes' part begins).  So a run ends after its budget by at most
+violation or crash, spent before the shapes' part begins).  So a run ends after its budget by at most
 one example per part plus the shrinking and the cut.
 
 How an example is not started: the machine's constructor raises ``BudgetSpent``.  Hypothesis
