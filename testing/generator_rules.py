@@ -32,7 +32,10 @@ The rules:
 ``decode-relative``     a chunked token budget of a shape with drafts falls, half of the time,
                         at and around what one decode step takes (its token, its drafts and an
                         EAGLE head's lookahead slots) rather than anywhere below the context,
-                        and never at or below those slots (vLLM refuses such a budget).
+                        and never at or below those slots (vLLM refuses such a budget);
+``lone-requests``       at the startup minimum, one example in eight admits one request only,
+                        never aborts it, and makes it fill the context: the request vLLM's
+                        startup sizing promises to run.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ RULES = tuple(
         "swapped-aborts",
         "moved-media",
         "decode-relative",
+        "lone-requests",
     )
 )
 (
@@ -75,6 +79,7 @@ RULES = tuple(
     SWAPPED_ABORTS,
     MOVED_MEDIA,
     DECODE_RELATIVE,
+    LONE_REQUESTS,
 ) = RULES
 
 # ------------------------------------------------------------------------------ identifiers
@@ -301,10 +306,28 @@ def decode_relative_budget(
     return min(max(budget, block_size, lookahead + 1), max_model_len - 1)
 
 
+# ------------------------------------------------------------------------------ lone requests
+
+LONE_CODE = 224  # a code drawn in 0..255 at least this (one in eight) makes the example lone
+
+
+def lone_request(code: int, at_startup_minimum: bool) -> bool:
+    """Rule ``lone-requests`` (scheduler shapes): vLLM refuses to start with a pool smaller than
+    one request of ``max_model_len`` needs (``check_enough_kv_cache_memory``, 0.33.0
+    vllm/v1/core/kv_cache_planning.py:151; adapters/v1_scheduler.py's ``sizing``); in a pool at
+    that minimum, a ``code`` of at least ``LONE_CODE`` (one example in eight) makes the example
+    test that promise: one request only, never aborted, its prompt and ``max_tokens`` filling the
+    context.  Most examples admit several requests, and a request alone in the pool is what
+    FINDINGS C3's stall needs (it is preempted with no other request holding a block).  The
+    code is drawn after the shape; shrinking it leaves the ordinary example."""
+    return LONE_REQUESTS.on and at_startup_minimum and code >= LONE_CODE
+
+
 __all__ = [
     "ALPHABET",
     "DECODE_RELATIONS",
     "EAGLE_REPEATED_BLOCKS",
+    "LONE_CODE",
     "RULES",
     "SPECIAL_TOKENS_IDS",
     "Rule",
@@ -314,6 +337,7 @@ __all__ = [
     "eagle_caches",
     "eagle_repeated_blocks",
     "identifiers",
+    "lone_request",
     "moves_media",
     "pool_blocks",
     "prompt_length",

@@ -68,6 +68,7 @@ from kvspec.testing.generator_rules import (
     eagle_caches,
     eagle_repeated_blocks,
     identifiers,
+    lone_request,
     spare_blocks,
 )
 from kvspec.testing.generator_rules import token as rule_token
@@ -75,6 +76,7 @@ from kvspec.testing.scheduler.driver import SchedulerDriver, SchedulerTarget, Sh
 from kvspec.testing.scheduler.progress import drain
 from kvspec.testing.scheduler.swarm import Swarm, swarms
 
+LONE_CODES = st.integers(0, 255)  # rule lone-requests' code (``lone_request``)
 # Multiples of the scheduler's block size a periodic retention interval is drawn from (vLLM
 # refuses any other interval, kv_cache_coordinator.py:57-62 of 0.33.0).
 RETENTION_PERIODS = (1, 2, 4)
@@ -774,6 +776,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts: list[tuple[int, ...]] = []
         self.domains: list[Any] = []  # each prompt's domain (ExtraKeys)
         self.checked_at = -1
+        self.lone = False  # rule lone-requests: one request only, filling the context
 
     @initialize(data=st.data())
     def build(self, data):
@@ -784,6 +787,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ConfigError as err:
             note(f"shape not supported by the target: {err}")
             reject()
+        if shape.at_minimum:
+            self.lone = lone_request(data.draw(LONE_CODES, label="lone"), at_startup_minimum=True)
+            if self.lone:
+                note("lone-requests: one request only, filling the context")
 
     def start(self, shape: Shape) -> None:
         """Build the target in ``shape`` (a ConfigError: the target refuses it) and its driver,
@@ -820,6 +827,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.driver is not None
         return self.driver
 
+    @precondition(lambda self: not (self.lone and self.next_id))
     @rule(raw=admission_bytes)
     def arrive(self, raw):
         shape = self.shape
@@ -831,9 +839,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = prompt_from(
             raw, self.prompts, B, longest, budget=shape.max_num_batched_tokens, repeat_blocks=repeat
         )
+        if self.lone:
+            prompt = (prompt * -(-longest // len(prompt)))[:longest]  # the drawn tokens, repeated
         if shape.multimodal:
             prompt = mm_prompt(raw, prompt, shape.mm_item_tokens or 0, longest)
-        max_tokens = 1 + raw[3] % shape.max_tokens
+        max_tokens = shape.max_tokens if self.lone else 1 + raw[3] % shape.max_tokens
         # The request's domain (cache salt, LoRA, multimodal), in the kinds the target keys by;
         # under rule ``eagle-prefix-hits``, the domain of the prompt it repeats (a hit is there).
         kinds = getattr(self.d.target, "extra_kinds", frozenset())
@@ -870,7 +880,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, accept, tokens):
         self.d.step(accept, tokens)
 
-    @precondition(lambda self: self.driver is not None and bool(self.driver.seqs))
+    @precondition(lambda self: self.driver is not None and bool(self.driver.seqs) and not self.lone)
     @rule(pick=st.integers(0, 255))
     def abort(self, pick):
         live = sorted(self.d.seqs)
