@@ -311,7 +311,7 @@ def decode_relative_budget(
 LONE_CODE = 224  # a code drawn in 0..255 at least this (one in eight) makes the example lone
 
 
-def lone_request(code: int, at_startup_minimum: bool) -> bool:
+def lone_request(code: int) -> bool:
     """Rule ``lone-requests`` (scheduler shapes): vLLM refuses to start with a pool smaller than
     one request of ``max_model_len`` needs (``check_enough_kv_cache_memory``, 0.33.0
     vllm/v1/core/kv_cache_planning.py:151; adapters/v1_scheduler.py's ``sizing``); in a pool at
@@ -319,8 +319,9 @@ def lone_request(code: int, at_startup_minimum: bool) -> bool:
     test that promise: one request only, never aborted, its prompt and ``max_tokens`` filling the
     context.  Most examples admit several requests, and a request alone in the pool is what
     FINDINGS C3's stall needs (it is preempted with no other request holding a block).  The
-    code is drawn after the shape; shrinking it leaves the ordinary example."""
-    return LONE_REQUESTS.on and at_startup_minimum and code >= LONE_CODE
+    code is drawn after the shape, at the startup minimum only; shrinking it leaves the ordinary
+    example."""
+    return LONE_REQUESTS.on and code >= LONE_CODE
 
 
 __all__ = [

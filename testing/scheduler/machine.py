@@ -788,7 +788,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             note(f"shape not supported by the target: {err}")
             reject()
         if shape.at_minimum:
-            self.lone = lone_request(data.draw(LONE_CODES, label="lone"), at_startup_minimum=True)
+            self.lone = lone_request(data.draw(LONE_CODES, label="lone"))
             if self.lone:
                 note("lone-requests: one request only, filling the context")
 
